@@ -1,0 +1,30 @@
+# Every target creates the virtual environment on first use; nothing else needs installing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export WANDB_MODE ?= offline
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[all]'
+	touch $(STAMP)
+
+demo: $(STAMP)  ## train the digits recipe under DataParallel on 8 simulated CPU devices
+	$(BIN)/jaxlight fit digits --strategy dp
+
+test: $(STAMP)  ## the whole test suite (8 simulated CPU devices)
+	$(BIN)/python -m pytest tests -x -q --durations=15
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)  ## every benchmark; JSON and PNG charts in benchmarks/results/
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) jaxlight_logs .pytest_cache

@@ -1,0 +1,34 @@
+"""jaxlight: a PyTorch-Lightning-style training framework for JAX and Flax NNX."""
+
+from jaxlight import callbacks, data, strategies
+from jaxlight._errors import (
+    CheckpointError,
+    ConfigurationError,
+    DataError,
+    JaxlightError,
+    ShardingError,
+    StepOutputError,
+    TrainingStopped,
+)
+from jaxlight._fit import Fit, StepOutput
+from jaxlight._module import TrainModule
+from jaxlight._state import TrainState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigurationError",
+    "DataError",
+    "Fit",
+    "JaxlightError",
+    "ShardingError",
+    "StepOutput",
+    "StepOutputError",
+    "TrainModule",
+    "TrainState",
+    "TrainingStopped",
+    "callbacks",
+    "data",
+    "strategies",
+]

@@ -1,0 +1,39 @@
+"""Errors a user can hit. Every message says what was wrong, with the numbers, and what to do."""
+
+from __future__ import annotations
+
+
+class JaxlightError(Exception):
+    """Base class of every error jaxlight raises on purpose."""
+
+
+class ConfigurationError(JaxlightError, ValueError):
+    """An argument or combination of arguments that cannot work (found before compiling)."""
+
+
+class DataError(JaxlightError, ValueError):
+    """A batch or iterable that does not fit what the step was built for."""
+
+
+class ShardingError(JaxlightError, ValueError):
+    """A mesh, rule or parameter shape that cannot be laid out over the devices."""
+
+
+class StepOutputError(JaxlightError, TypeError):
+    """A user step function that returned something jaxlight cannot use."""
+
+
+class CheckpointError(JaxlightError, ValueError):
+    """A checkpoint that cannot be found, read or matched to the module."""
+
+
+class TrainingStopped(JaxlightError, RuntimeError):
+    """Training was stopped by a guard (for example too many non-finite steps in a row)."""
+
+
+def suggest(name: str, options) -> str:
+    """Returns ' Did you mean X?' for the closest option, or ''."""
+    import difflib
+
+    match = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
+    return f" Did you mean {match[0]!r}?" if match else ""

@@ -1,0 +1,707 @@
+"""Fit: the training loop.
+
+The loop's performance contract (DESIGN.md):
+- the train step is compiled once per fit, ahead of time, with shardings fixed before the call;
+- the state is donated to every step;
+- at most two steps are in flight: after dispatching step t the loop waits for step t-1 to finish
+  (unbounded queues deadlock XLA's CPU collectives, and a bounded queue costs nothing on an
+  accelerator as long as one step stays queued);
+- metrics reach the host only at log intervals, and then those of an already finished step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlight import strategies as _strategies
+from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
+from jaxlight._module import TrainModule
+from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
+from jaxlight._step import build_eval_step, build_optimizer, build_predict_step, build_train_step
+from jaxlight.callbacks._base import Callback
+
+#: Steps the host may run ahead of the device (see the module docstring).
+MAX_IN_FLIGHT = 2
+
+
+def _describe_batch(batch: Any) -> str:
+    parts = [f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))} {np.asarray(x).dtype}"
+             for p, x in jax.tree_util.tree_leaves_with_path(batch)]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _abstract_global_batch(batch: Any) -> Any:
+    """The global batch's shapes, from this process's share (equal shares per process)."""
+    n = jax.process_count()
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]) if x.ndim else (), x.dtype)
+
+    return jax.tree.map(one, batch)
+
+
+class _Pending:
+    """A dispatched step whose metrics the host has not looked at yet."""
+
+    __slots__ = ("step", "metrics", "log")
+
+    def __init__(self, step: int, metrics: dict, log: bool):
+        self.step, self.metrics, self.log = step, metrics, log
+
+
+class StepOutput:
+    """What `on_train_batch_end` receives: the step number and its metrics (device arrays)."""
+
+    __slots__ = ("step", "metrics")
+
+    def __init__(self, step: int, metrics: dict):
+        self.step, self.metrics = step, metrics
+
+    def __getitem__(self, key):
+        return self.metrics[key]
+
+
+class Fit:
+    """Trains a `TrainModule` with a strategy and callbacks, Lightning's `Trainer` for JAX.
+
+    Args:
+        strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
+        max_steps: optimizer steps to take; None means "until max_epochs".
+        max_epochs: passes over the training data; None means "until max_steps".
+        callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
+        precision: shortcut for `callbacks.MixedPrecision(precision)`.
+        accumulate_grad_batches: shortcut for `callbacks.GradientAccumulation(k)` when k > 1.
+        gradient_clip_val, gradient_clip_algorithm: shortcut for `callbacks.GradientClipping`.
+        val_check_interval: validate every this many training steps (int), or this fraction of
+            an epoch (float); None validates at the end of every `check_val_every_n_epoch` epoch.
+        check_val_every_n_epoch: epochs between end-of-epoch validations.
+        limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
+        log_every_n_steps: how often training metrics reach loggers (the only host reads).
+        enable_progress_bar: add a `TQDMProgressBar` unless one is given.
+        enable_model_summary: add a `ModelSummary` unless one is given.
+        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given.
+        default_root_dir: where default loggers and checkpoints write.
+        seed: seeds parameter initialization and every `nnx.Rngs` stream.
+        fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
+
+    Example:
+        >>> fit = Fit(strategy="single", max_steps=10, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        strategy: str | _strategies.Strategy = "auto",
+        *,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        callbacks: Sequence[Callback] = (),
+        precision: str | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        log_every_n_steps: int = 50,
+        enable_progress_bar: bool = True,
+        enable_model_summary: bool = True,
+        logger: bool = True,
+        default_root_dir: str | os.PathLike = "jaxlight_logs",
+        seed: int = 0,
+        fast_dev_run: bool | int = False,
+    ):
+        self.strategy = _strategies.resolve(strategy)
+        if fast_dev_run:
+            n = 1 if fast_dev_run is True else int(fast_dev_run)
+            max_steps, max_epochs = n, 1
+            limit_train_batches, limit_val_batches, val_check_interval = n, n, None
+            logger, enable_model_summary = False, False
+        if max_steps is None and max_epochs is None:
+            raise ConfigurationError(
+                "Fit needs max_steps or max_epochs (both are None): say how long to train, "
+                "for example Fit(max_steps=1000) or Fit(max_epochs=10)."
+            )
+        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
+                            ("log_every_n_steps", log_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:
+            raise ConfigurationError(
+                f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "
+                "and must be in (0, 1]; pass an int to validate every N steps."
+            )
+        self.max_steps = max_steps
+        self.max_epochs = max_epochs
+        self.val_check_interval = val_check_interval
+        self.check_val_every_n_epoch = check_val_every_n_epoch
+        self.limit_train_batches = limit_train_batches
+        self.limit_val_batches = limit_val_batches
+        self.log_every_n_steps = log_every_n_steps
+        self.default_root_dir = os.fspath(default_root_dir)
+        self.seed = seed
+        self.fast_dev_run = fast_dev_run
+        self.callbacks: list[Callback] = self._assemble_callbacks(
+            list(callbacks), precision, accumulate_grad_batches, gradient_clip_val,
+            gradient_clip_algorithm, enable_progress_bar, enable_model_summary, logger,
+        )
+        self.config = {
+            "strategy": self.strategy.name, "max_steps": max_steps, "max_epochs": max_epochs,
+            "precision": precision, "accumulate_grad_batches": accumulate_grad_batches,
+            "gradient_clip_val": gradient_clip_val, "log_every_n_steps": log_every_n_steps,
+            "val_check_interval": val_check_interval, "seed": seed,
+        }
+        # Loop state, read by callbacks through properties.
+        self._state: TrainState | None = None
+        self._global_step = 0
+        self._epoch = 0
+        self._batch_idx = 0
+        self._stop_reason: str | None = None
+        self._stage: str | None = None
+        self.logged_metrics: dict[str, float] = {}
+        self.callback_metrics: dict[str, float] = {}
+        #: Compiles per step kind in this Fit ("init", "train", "eval:validation_step", ...).
+        self.compile_counts: dict[str, int] = {}
+        self._compiled: dict[str, Any] = {}
+        self._spec = None
+        self._shardings = None
+        self._eval_batch_size: dict[str, int] = {}
+        self._train_data = None
+
+    # -- callbacks -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _assemble_callbacks(user, precision, accumulate, clip_val, clip_algo, progress,
+                            summary, logger) -> list[Callback]:
+        from jaxlight import callbacks as cbs
+
+        for cb in user:
+            if not isinstance(cb, Callback):
+                raise ConfigurationError(
+                    f"callbacks must be jaxlight.callbacks.Callback objects; got "
+                    f"{type(cb).__name__}. Wrap plain functions in callbacks.LambdaCallback."
+                )
+
+        def present(name: str) -> bool:
+            cls = getattr(cbs, name, None)
+            return cls is not None and any(isinstance(cb, cls) for cb in user)
+
+        shortcuts: list[Callback] = []
+        for arg, value, default, name, make in (
+            ("precision", precision, None, "MixedPrecision",
+             lambda: cbs.MixedPrecision(precision)),
+            ("accumulate_grad_batches", accumulate, 1, "GradientAccumulation",
+             lambda: cbs.GradientAccumulation(accumulate)),
+            ("gradient_clip_val", clip_val, None, "GradientClipping",
+             lambda: cbs.GradientClipping(clip_val, algorithm=clip_algo)),
+        ):
+            if value == default or (arg == "precision" and value in ("32-true", "32", 32)):
+                continue
+            if present(name):
+                raise ConfigurationError(
+                    f"Fit({arg}={value!r}) and callbacks.{name} in callbacks both set the same "
+                    f"thing; keep one of them (the shortcut just adds callbacks.{name})."
+                )
+            if not hasattr(cbs, name):
+                raise ConfigurationError(f"Fit({arg}=...) needs callbacks.{name}, not available.")
+            shortcuts.append(make())
+        defaults: list[Callback] = []
+        if summary and not present("ModelSummary"):
+            defaults.append(cbs.ModelSummary())
+        if progress and not present("TQDMProgressBar"):
+            defaults.append(cbs.TQDMProgressBar())
+        if logger and not any(getattr(cb, "is_logger", False) for cb in user):
+            defaults.append(cbs.CSVLogger())
+        return shortcuts + user + defaults
+
+    def _call(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self._module, *args)
+
+    # -- read-only loop state for callbacks ------------------------------------------------------
+
+    @property
+    def state(self) -> TrainState | None:
+        """The current train state (device arrays in the strategy's layout)."""
+        return self._state
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far."""
+        return self._global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def batch_idx(self) -> int:
+        """Batches consumed in the current epoch."""
+        return self._batch_idx
+
+    @property
+    def should_stop(self) -> bool:
+        return self._stop_reason is not None
+
+    @property
+    def is_global_zero(self) -> bool:
+        return jax.process_index() == 0
+
+    @property
+    def log_dir(self) -> str:
+        return self.default_root_dir
+
+    @property
+    def train_data(self):
+        return self._train_data
+
+    def request_stop(self, reason: str = "requested by a callback") -> None:
+        """Stops training after the current step (EarlyStopping, preemption, guards)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _setup(self, module: TrainModule, stage: str) -> None:
+        if not isinstance(module, TrainModule):
+            raise ConfigurationError(
+                f"Fit.{stage} takes a jaxlight.TrainModule, got {type(module).__name__}."
+            )
+        self._module = module
+        self._stage = stage
+        if self.strategy.mesh is None:
+            self.strategy.setup(None)
+        if self._spec is None or self._spec_module is not module:
+            tx = build_optimizer(module, self.callbacks)
+            self._tx = tx
+            self._spec = model_spec(module, tx, self.seed)
+            self._spec_module = module
+            self._shardings = self.strategy.state_shardings(
+                self._spec.abstract_state, self._spec.logical_axes
+            )
+            warn = getattr(self.strategy, "warn_unused_rules", None)
+            if warn is not None:
+                warn(self._spec.logical_axes)
+            self._compiled = {}
+
+    def _count_compile(self, kind: str) -> None:
+        self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
+
+    def _init_state(self) -> TrainState:
+        init = make_init_fn(self._module, self._tx, self.seed)
+        self._count_compile("init")
+        return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
+
+    def _state_from_model(self, model: nnx.Module) -> TrainState:
+        """Places an existing model's variables into this strategy's layout (no optimizer)."""
+        _, params, rest = split_model(model, self._module.trainable)
+        abstract = self._spec.abstract_state
+        state = TrainState(step=np.zeros((), np.int32), params=params, opt_state=None, rest=rest)
+        shard = self._shardings.replace(opt_state=None)
+        del abstract
+        return self.strategy.from_canonical(state, shard)
+
+    def _abstract_with_shardings(self, abstract: Any, shardings: Any) -> Any:
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+        )
+
+    def _compile_train_step(self, abstract_batch: Any):
+        if "train" in self._compiled:
+            return self._compiled["train"]
+        step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
+                                self.strategy)
+        batch_sh = self.strategy.batch_shardings(abstract_batch)
+        self._count_compile("train")
+        compiled = self.strategy.compile(
+            step,
+            (self._spec.abstract_state, abstract_batch),
+            in_shardings=(self._shardings, batch_sh),
+            out_shardings=(self._shardings, self.strategy.replicated()),
+            donate_argnums=(0,),
+        )
+        self._compiled["train"] = (compiled, batch_sh)
+        return self._compiled["train"]
+
+    # -- fit -----------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        module: TrainModule,
+        train_data: Iterable,
+        val_data: Iterable | None = None,
+        ckpt_path: str | None = None,
+    ) -> TrainModule:
+        """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
+        self._setup(module, "fit")
+        self._train_data = train_data
+        self._val_data = val_data
+        self._stop_reason = None
+        self._call("setup", "fit")
+        try:
+            self._state = None
+            restored = None
+            if ckpt_path is not None:
+                from jaxlight._checkpoint import resume_fit
+
+                restored = resume_fit(self, module, ckpt_path)
+            if restored is None:
+                self._global_step, self._epoch, self._batch_idx = 0, 0, 0
+            self._call("on_fit_start")
+            self._run_training(train_data, val_data)
+            self._call("on_fit_end")
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            raise
+        finally:
+            if self._state is not None:
+                self._publish_model()
+            self._call("teardown", "fit")
+        return module
+
+    def _publish_model(self) -> None:
+        canonical = self.strategy.to_canonical(self._state)
+        self._module.model = nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
+
+    def _epoch_iterator(self, data: Iterable, epoch: int, skip: int) -> Iterator:
+        if hasattr(data, "set_epoch"):
+            data.set_epoch(epoch)
+        iterator = iter(data)
+        if skip and not hasattr(data, "load_state_dict"):
+            # A generic iterable resumes by skipping the batches it already gave.
+            iterator = itertools.islice(iterator, skip, None)
+        return iterator
+
+    def _limit(self, limit, data) -> int | None:
+        if limit is None:
+            return None
+        if isinstance(limit, float):
+            try:
+                return max(1, int(len(data) * limit))
+            except TypeError:
+                raise ConfigurationError(
+                    f"a fractional batch limit ({limit}) needs data with len(); this iterable "
+                    "has none. Pass an integer number of batches instead."
+                ) from None
+        return int(limit)
+
+    def _val_every(self, train_data) -> int | None:
+        v = self.val_check_interval
+        if v is None:
+            return None
+        if isinstance(v, float):
+            try:
+                per_epoch = len(train_data)
+            except TypeError:
+                raise ConfigurationError(
+                    f"val_check_interval={v} (a fraction of an epoch) needs training data with "
+                    "len(); pass an integer number of steps instead."
+                ) from None
+            limit = self._limit(self.limit_train_batches, train_data)
+            per_epoch = min(per_epoch, limit) if limit else per_epoch
+            return max(1, int(per_epoch * v))
+        return int(v)
+
+    def _check_batch(self, batch: Any, reference: tuple) -> None:
+        treedef, shapes = reference
+        if jax.tree.structure(batch) != treedef or [np.shape(x) for x in jax.tree.leaves(batch)] \
+                != shapes:
+            raise DataError(
+                f"batch {self._batch_idx} of epoch {self._epoch} has structure "
+                f"{_describe_batch(batch)}, but the step was compiled for "
+                f"{self._reference_desc}. Every training batch must have the same structure and "
+                "shapes (drop a last partial batch, for example ArrayLoader(drop_remainder=True))."
+            )
+
+    def _run_training(self, train_data: Iterable, val_data: Iterable | None) -> None:
+        limit = self._limit(self.limit_train_batches, train_data)
+        val_every = self._val_every(train_data)
+        iterator = self._epoch_iterator(train_data, self._epoch, self._batch_idx)
+        try:
+            first = next(iterator)
+        except StopIteration:
+            raise DataError(
+                "the training data yielded no batch: the iterable is empty (or exhausted, if it "
+                "is a one-shot iterator). Pass a non-empty iterable of batches."
+            ) from None
+        abstract_batch = _abstract_global_batch(first)
+        self.strategy.check_batch(abstract_batch)
+        reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
+        self._reference_desc = _describe_batch(first)
+        if self._state is None:
+            self._state = self._init_state()
+        compiled, batch_sh = self._compile_train_step(abstract_batch)
+        self._call("on_train_start")
+
+        pending: _Pending | None = None
+        first_epoch = True
+        while not self._done():
+            if not first_epoch:
+                iterator = self._epoch_iterator(train_data, self._epoch, self._batch_idx)
+            self._call("on_train_epoch_start")
+            batches = itertools.chain([first], iterator) if first_epoch else iterator
+            first_epoch = False
+            got_any = False
+            for batch in batches:
+                if limit is not None and self._batch_idx >= limit:
+                    break
+                got_any = True
+                self._check_batch(batch, reference)
+                self._call("on_train_batch_start", batch, self._batch_idx)
+                device_batch = self.strategy.put_batch(batch, batch_sh)
+                self._state, metrics = compiled(self._state, device_batch)
+                self._global_step += 1
+                self._batch_idx += 1
+                if pending is not None:
+                    self._retire(pending)
+                log = self._global_step % self.log_every_n_steps == 0
+                pending = _Pending(self._global_step, metrics, log)
+                self._call("on_train_batch_end", StepOutput(self._global_step, metrics), batch,
+                           self._batch_idx - 1)
+                if val_every and self._global_step % val_every == 0 and val_data is not None:
+                    pending = self._retire(pending, final=True)
+                    self._run_validation(val_data)
+                if self._done():
+                    break
+            if not got_any and self._batch_idx == 0:
+                raise DataError(
+                    f"the training data yielded no batch in epoch {self._epoch} (it gave batches "
+                    "before): a one-shot iterator cannot be iterated twice. Pass a re-iterable "
+                    "(a list, jaxlight.data.ArrayLoader) or set max_steps within one pass."
+                )
+            if pending is not None:
+                pending = self._retire(pending, final=True)
+            epoch_finished = limit is None or self._batch_idx >= limit or not self._hit_max_steps()
+            if self._hit_max_steps() and not self._epoch_exhausted(train_data, limit):
+                break
+            self._call("on_train_epoch_end")
+            if (val_data is not None and val_every is None and self.check_val_every_n_epoch
+                    and (self._epoch + 1) % self.check_val_every_n_epoch == 0):
+                self._run_validation(val_data)
+            del epoch_finished
+            self._epoch += 1
+            self._batch_idx = 0
+        if pending is not None:
+            self._retire(pending, final=True)
+        if self._stop_reason is not None and self._stop_reason.startswith("error:"):
+            raise TrainingStopped(self._stop_reason[len("error:"):].strip())
+        self._call("on_train_end")
+
+    def _hit_max_steps(self) -> bool:
+        return self.max_steps is not None and self._global_step >= self.max_steps
+
+    def _epoch_exhausted(self, data, limit) -> bool:
+        try:
+            n = len(data)
+        except TypeError:
+            return False
+        n = min(n, limit) if limit else n
+        return self._batch_idx >= n
+
+    def _done(self) -> bool:
+        if self._stop_reason is not None or self._hit_max_steps():
+            return True
+        return self.max_epochs is not None and self._epoch >= self.max_epochs
+
+    def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
+        """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
+        jax.block_until_ready(pending.metrics)
+        if pending.log or final:
+            metrics = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
+            metrics["epoch"] = float(self._epoch)
+            self.logged_metrics.update(metrics)
+            self.callback_metrics.update(metrics)
+            self._call("on_log", metrics, pending.step)
+            pending.log = False
+        return None if final else pending
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    def _run_validation(self, val_data: Iterable) -> dict[str, float]:
+        self._call("on_validation_start")
+        self._call("on_validation_epoch_start")
+        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
+        self.callback_metrics.update(metrics)
+        self.logged_metrics.update(metrics)
+        self._call("on_log", dict(metrics), self._global_step)
+        self._call("on_validation_epoch_end")
+        self._call("on_validation_end")
+        return metrics
+
+    def _pad(self, batch: Any, size: int, what: str) -> tuple[Any, np.ndarray]:
+        n = int(np.shape(jax.tree.leaves(batch)[0])[0])
+        if n > size:
+            raise DataError(
+                f"{what} batch of {n} examples is larger than the first {what} batch ({size}); "
+                "the evaluation step is compiled for the first batch's size. Put the largest "
+                "batch first or use equal batch sizes."
+            )
+        mask = np.arange(size) < n
+        if n == size:
+            return batch, mask
+        # Pad with copies of the first example (finite values); the mask drops them.
+        padded = jax.tree.map(
+            lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[:1], size - n, 0)]),
+            batch,
+        )
+        return padded, mask
+
+    def _eval_state(self) -> TrainState:
+        if self._state is not None:
+            return self._state
+        if self._module._model is not None:
+            return self._state_from_model(self._module.model)
+        self._state = self._init_state()
+        return self._state
+
+    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
+        limit = self._limit(limit_arg, data)
+        state = self._eval_state()
+        totals = None
+        compiled = None
+        pending = None
+        for idx, batch in enumerate(data):
+            if limit is not None and idx >= limit:
+                break
+            local = int(np.shape(jax.tree.leaves(batch)[0])[0])
+            if method not in self._eval_batch_size:
+                dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
+                self._eval_batch_size[method] = math.ceil(local / dp_local) * dp_local
+            size = self._eval_batch_size[method]
+            batch, mask = self._pad(batch, size, prefix)
+            if compiled is None:
+                compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
+            device_batch = self.strategy.put_batch(batch, batch_sh)
+            device_mask = self.strategy.put_batch(mask, mask_sh)
+            totals = compiled(state, device_batch, device_mask, totals)
+            if pending is not None:
+                jax.block_until_ready(pending)
+            pending = totals
+            self._call("on_validation_batch_end", batch, idx) if prefix == "val" else None
+        if totals is None:
+            raise DataError(f"the {prefix} data yielded no batch; pass a non-empty iterable.")
+        host = jax.device_get(totals)
+        count = float(host.pop("__count__"))
+        return {(k if k.startswith(prefix) else f"{prefix}_{k}"): float(v) / count
+                for k, v in host.items()}
+
+    def _compile_eval(self, method: str, batch: Any, state: TrainState):
+        abstract_batch = _abstract_global_batch(batch)
+        self.strategy.check_batch(abstract_batch, what=f"{method} batch")
+        abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
+                                                        bool))
+        batch_sh = self.strategy.batch_shardings(abstract_batch)
+        mask_sh = self.strategy.batch_shardings(abstract_mask)
+        key = f"eval:{method}"
+        eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
+                                                self.strategy)
+        state_sh = self._shardings.replace(opt_state=None) if state.opt_state is None \
+            else self._shardings
+        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+        with self.strategy.trace_context():
+            abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
+                                             abstract_mask)
+        rep = self.strategy.replicated()
+        self._count_compile(key)
+        compiled = self.strategy.compile(
+            eval_step,
+            (abstract_state, abstract_batch, abstract_mask, abstract_totals),
+            in_shardings=(state_sh, batch_sh, mask_sh, rep),
+            out_shardings=rep,  # totals are a few scalars: not donated, so the loop can wait on them
+        )
+        zeros = jax.device_put(
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_totals),
+            self.strategy.replicated_like(abstract_totals),
+        )
+        return compiled, batch_sh, mask_sh, zeros
+
+    def validate(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
+                 ) -> dict[str, float]:
+        """Runs `validation_step` over `data`; returns exact metrics over every example."""
+        return self._eval_entry(module, data, ckpt_path, "validate", "validation_step", "val",
+                                self.limit_val_batches)
+
+    def test(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
+             ) -> dict[str, float]:
+        """Runs `test_step` over `data`; returns exact metrics over every example."""
+        return self._eval_entry(module, data, ckpt_path, "test", "test_step", "test", None)
+
+    def _eval_entry(self, module, data, ckpt_path, stage, method, prefix, limit):
+        self._setup(module, stage)
+        self._call("setup", stage)
+        try:
+            if ckpt_path is not None:
+                from jaxlight._checkpoint import load_checkpoint
+
+                load_checkpoint(ckpt_path, module, strategy=self.strategy)
+                self._state = None
+            start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
+                          else ("on_test_start", "on_test_end"))
+            self._call(start)
+            metrics = self._evaluate(data, method, prefix, limit)
+            self.callback_metrics.update(metrics)
+            self._call("on_log", dict(metrics), self._global_step)
+            self._call(end)
+            return metrics
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            raise
+        finally:
+            self._call("teardown", stage)
+
+    def predict(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
+                ) -> list[Any]:
+        """Runs `predict_step` over `data`; returns one NumPy pytree per batch (padding cut)."""
+        self._setup(module, "predict")
+        self._call("setup", "predict")
+        try:
+            if ckpt_path is not None:
+                from jaxlight._checkpoint import load_checkpoint
+
+                load_checkpoint(ckpt_path, module, strategy=self.strategy)
+                self._state = None
+            self._call("on_predict_start")
+            state = self._eval_state()
+            outputs, compiled, started = [], None, time.perf_counter()
+            for batch in data:
+                local = int(np.shape(jax.tree.leaves(batch)[0])[0])
+                if "predict" not in self._eval_batch_size:
+                    dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
+                    self._eval_batch_size["predict"] = math.ceil(local / dp_local) * dp_local
+                batch, _ = self._pad(batch, self._eval_batch_size["predict"], "predict")
+                if compiled is None:
+                    abstract_batch = _abstract_global_batch(batch)
+                    batch_sh = self.strategy.batch_shardings(abstract_batch)
+                    state_sh = self._shardings.replace(opt_state=None) \
+                        if state.opt_state is None else self._shardings
+                    abstract_state = jax.tree.map(
+                        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+                    self._count_compile("predict")
+                    compiled = self.strategy.compile(
+                        build_predict_step(module, self._spec.eval_graphdef),
+                        (abstract_state, abstract_batch),
+                        in_shardings=(state_sh, batch_sh), out_shardings=None)
+                out = compiled(state, self.strategy.put_batch(batch, batch_sh))
+                out = jax.tree.map(lambda x: np.asarray(
+                    jax.experimental.multihost_utils.process_allgather(x, tiled=True)
+                    if jax.process_count() > 1 else x)[:local * jax.process_count()], out)
+                outputs.append(out)
+            del started
+            self._call("on_predict_end")
+            return outputs
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            raise
+        finally:
+            self._call("teardown", "predict")

@@ -1,0 +1,130 @@
+"""TrainModule: what a user subclasses."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import optax
+from flax import nnx
+
+Batch = Any
+Metrics = dict[str, Any]
+
+
+class TrainModule:
+    """The user's side of training, with PyTorch Lightning's names.
+
+    Subclass it, build the model in `configure_model`, the optimizer in `configure_optimizers`,
+    and write `training_step`. Step methods are pure: they are traced once and compiled, so they
+    must not read host state that changes between steps.
+
+    Constructor arguments are recorded as hyperparameters (`module.hparams`) without any call
+    from the subclass, as Lightning's `save_hyperparameters()` does.
+
+    Example:
+        >>> import jaxlight as jl, optax
+        >>> from flax import nnx
+        >>> class Regressor(jl.TrainModule):
+        ...     def __init__(self, lr=0.1):
+        ...         super().__init__()
+        ...         self.lr = lr
+        ...     def configure_model(self, rngs):
+        ...         return nnx.Linear(3, 1, rngs=rngs)
+        ...     def configure_optimizers(self):
+        ...         return optax.sgd(self.lr)
+        ...     def training_step(self, model, batch):
+        ...         return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        >>> Regressor(lr=0.5).hparams
+        {'lr': 0.5}
+    """
+
+    #: Which variables the optimizer updates. `nnx.LoRAParam` trains only LoRA adapters.
+    trainable: Any = nnx.Param
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        hparams: dict[str, Any] = {}
+        try:
+            bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            for name, value in list(bound.arguments.items())[1:]:
+                param = inspect.signature(cls.__init__).parameters[name]
+                if param.kind is inspect.Parameter.VAR_KEYWORD:
+                    hparams.update(value)
+                elif param.kind is not inspect.Parameter.VAR_POSITIONAL:
+                    hparams[name] = value
+        except TypeError:
+            pass  # __init__ will raise the real error with Python's own message
+        object.__setattr__(self, "_hparams", hparams)
+        object.__setattr__(self, "_model", None)
+        return self
+
+    def __init__(self):
+        pass
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The constructor arguments, with defaults filled in."""
+        return dict(self._hparams)
+
+    @property
+    def model(self) -> nnx.Module:
+        """The trained `nnx.Module`, available after `Fit.fit` (or `validate` with a checkpoint)."""
+        if self._model is None:
+            raise AttributeError(
+                f"{type(self).__name__}.model is not built yet: call Fit(...).fit(module, data) "
+                "(or jaxlight.load_checkpoint) first."
+            )
+        return self._model
+
+    @model.setter
+    def model(self, value: nnx.Module) -> None:
+        object.__setattr__(self, "_model", value)
+
+    # -- what a user implements -------------------------------------------------------------
+
+    def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
+        """Builds the model. Called abstractly first (`nnx.eval_shape`), then materialized."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement configure_model(self, rngs) -> nnx.Module."
+        )
+
+    def configure_optimizers(self) -> optax.GradientTransformation:
+        """Returns the optax transformation; the learning rate may be a schedule."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement configure_optimizers(self) -> "
+            "optax.GradientTransformation (for example optax.adamw(1e-3))."
+        )
+
+    def training_step(self, model: nnx.Module, batch: Batch):
+        """Returns a scalar loss, or `(loss, {"name": scalar, ...})`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement training_step(self, model, batch) -> loss "
+            "or (loss, metrics)."
+        )
+
+    def validation_step(self, model: nnx.Module, batch: Batch) -> Metrics:
+        """Returns a dict of scalar metrics averaged over the batch."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no validation_step(self, model, batch) -> dict; "
+            "implement it to pass validation data to Fit."
+        )
+
+    def test_step(self, model: nnx.Module, batch: Batch) -> Metrics:
+        """Returns a dict of scalar metrics; defaults to `validation_step`."""
+        return self.validation_step(model, batch)
+
+    def predict_step(self, model: nnx.Module, batch: Batch):
+        """Returns a pytree of arrays with the batch as leading dimension; defaults to model(x)."""
+        return model(batch["x"] if isinstance(batch, dict) else batch)
+
+    # -- optional ---------------------------------------------------------------------------
+
+    def tokens_per_batch(self, batch: Batch) -> int | None:
+        """Tokens in one global batch, for throughput; None when the notion does not apply."""
+        return None
+
+    def flops_per_batch(self, batch: Batch) -> float | None:
+        """Model FLOPs of one training step on this batch, if known analytically."""
+        return None

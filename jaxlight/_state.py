@@ -1,0 +1,133 @@
+"""The train state: one pytree, created abstractly first and then directly in its shards."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a training step reads and writes.
+
+    Attributes:
+        step: optimizer steps taken (int32 scalar).
+        params: the trainable variables as a plain nested dict of arrays.
+        opt_state: the optax state.
+        rest: the model's other variables (batch statistics, RNG state, frozen weights).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rest: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What is known about a module's model before any array exists."""
+
+    graphdef: Any  # train-mode graph
+    eval_graphdef: Any  # the same graph after model.eval()
+    abstract_state: TrainState  # ShapeDtypeStructs
+    logical_axes: TrainState  # a tuple of logical names (or None) per leaf
+
+
+class _Axes:
+    """Logical axis names, as an opaque (non-pytree) leaf so tuples survive tree maps."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, names):
+        self.names = names
+
+
+def _logical_names(state: nnx.State) -> Any:
+    """Per leaf, the logical axis names from `nnx.with_partitioning`, or None."""
+    specs = nnx.get_partition_spec(state).to_pure_dict()
+
+    def one(spec, leaf):
+        names = tuple(spec) if isinstance(spec, PartitionSpec) else ()
+        ndim = len(getattr(leaf, "shape", ()))
+        if not any(n is not None for n in names):
+            return None
+        return names + (None,) * (ndim - len(names))
+
+    return jax.tree.map(
+        one, specs, state.to_pure_dict(), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, dict, dict]:
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    return graphdef, params.to_pure_dict(), rest.to_pure_dict()
+
+
+def build_model(module, rngs_seed: int) -> nnx.Module:
+    # Sharding is applied by jaxlight from the annotations, not eagerly by Flax (which would
+    # need a mesh context and know nothing of our rules table).
+    with nnx.use_eager_sharding(False):
+        return module.configure_model(nnx.Rngs(rngs_seed))
+
+
+def model_spec(module, tx: optax.GradientTransformation, seed: int) -> ModelSpec:
+    """Builds the model abstractly (`nnx.eval_shape`): shapes, logical axes, no arrays."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
+    if not isinstance(abstract, nnx.Module):
+        from jaxlight._errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"{type(module).__name__}.configure_model returned {type(abstract).__name__}; it must "
+            "return an nnx.Module built with the rngs it is given."
+        )
+    graphdef, params_state, rest_state = nnx.split(abstract, module.trainable, ...)
+    if not jax.tree.leaves(params_state):
+        from jaxlight._errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"{type(module).__name__}'s model has no variables of the trainable type "
+            f"{module.trainable}: nothing to optimize."
+        )
+    abstract.eval()
+    eval_graphdef, _, _ = nnx.split(abstract, module.trainable, ...)
+    abstract.train()
+
+    params = params_state.to_pure_dict()
+    rest = rest_state.to_pure_dict()
+    abs_opt = jax.eval_shape(tx.init, params)
+    param_axes = _logical_names(params_state)
+    wrapped = jax.tree.map(_Axes, param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    opt_axes = optax.tree_map_params(
+        tx,
+        lambda _, axes: axes,
+        abs_opt,
+        wrapped,
+        transform_non_params=lambda _: _Axes(None),
+        is_leaf=lambda x: isinstance(x, _Axes),
+    )
+    opt_axes = jax.tree.map(lambda a: a.names, opt_axes, is_leaf=lambda x: isinstance(x, _Axes))
+    abstract_state = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=abs_opt, rest=rest
+    )
+    logical = TrainState(step=None, params=param_axes, opt_state=opt_axes,
+                         rest=_logical_names(rest_state))
+    return ModelSpec(graphdef, eval_graphdef, abstract_state, logical)
+
+
+def make_init_fn(module, tx: optax.GradientTransformation, seed: int):
+    """A pure function creating the real TrainState; jit it with the target out_shardings."""
+
+    def init() -> TrainState:
+        _, params, rest = split_model(build_model(module, seed), module.trainable)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=tx.init(params), rest=rest)
+
+    return init

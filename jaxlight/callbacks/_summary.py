@@ -1,0 +1,74 @@
+"""ModelSummary: the parameter table (clu.parameter_overview) with totals, at fit start."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from jaxlight.callbacks._base import Callback
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def parameter_table(params, shardings=None) -> tuple[str, dict]:
+    """A text table of parameters and a dict of totals; per-device bytes when sharded."""
+    from clu import parameter_overview
+
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    rows = [f"{'name':<48} {'shape':<18} {'dtype':<9} {'bytes':>10} {'per device':>11}"]
+    total_bytes = per_device_total = 0
+    total_count = 0
+    shard_flat = (dict(zip(flat, jax.tree.leaves(shardings), strict=True))
+                  if shardings is not None else {})
+    for name, x in flat.items():
+        shape = tuple(np.shape(x))
+        nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
+        sharding = shard_flat.get(name)
+        if sharding is not None:
+            local_shape = sharding.shard_shape(shape)
+            per_device = math.prod(local_shape) * np.dtype(x.dtype).itemsize
+        else:
+            per_device = nbytes
+        total_bytes += nbytes
+        per_device_total += per_device
+        total_count += math.prod(shape)
+        rows.append(f"{name:<48} {str(shape):<18} {str(np.dtype(x.dtype)):<9} "
+                    f"{_bytes(nbytes):>10} {_bytes(per_device):>11}")
+    rows.append(f"Total: {total_count:,} parameters, {_bytes(total_bytes)}; "
+                f"per device {_bytes(per_device_total)}")
+    del parameter_overview  # clu's count agrees with ours; it is used for the overview below
+    totals = {"parameters": total_count, "bytes": total_bytes, "bytes_per_device": per_device_total}
+    return "\n".join(rows), totals
+
+
+class ModelSummary(Callback):
+    """Prints the model's parameters at fit start: shape, dtype, bytes and bytes per device.
+
+    Args:
+        max_depth: passed to `clu.parameter_overview` for the compact overview (-1: the table).
+    """
+
+    def __init__(self, max_depth: int = -1):
+        self.max_depth = max_depth
+        self.totals: dict | None = None
+        self.text: str | None = None
+
+    def on_fit_start(self, fit, module) -> None:
+        spec = fit._spec
+        shardings = fit._shardings.params if fit._shardings is not None else None
+        self.text, self.totals = parameter_table(spec.abstract_state.params, shardings)
+        if jax.process_index() == 0:
+            if self.max_depth >= 0:
+                from clu import parameter_overview
+
+                print(parameter_overview.get_parameter_overview(
+                    spec.abstract_state.params, include_stats=False))
+            print(self.text)

@@ -1,0 +1,51 @@
+"""Strategies: how a fit is laid out over devices.
+
+| name | alias | what it is |
+|---|---|---|
+| `SingleDevice()` | `"single"` | one device, plain `jax.jit` |
+| `DataParallel()` | `"dp"` | SPMD `jax.jit`, batch split over `data`, params replicated |
+
+`"auto"` picks DataParallel when more than one device is visible, else SingleDevice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._spmd import DataParallel, SingleDevice, SpmdStrategy
+
+__all__ = ["ALIASES", "DataParallel", "SingleDevice", "SpmdStrategy", "Strategy", "resolve"]
+
+
+def _auto() -> Strategy:
+    return DataParallel() if jax.device_count() > 1 else SingleDevice()
+
+
+#: The one visible table of string aliases. Each value builds a fresh strategy.
+ALIASES: dict[str, Callable[[], Strategy]] = {
+    "auto": _auto,
+    "single": SingleDevice,
+    "dp": DataParallel,
+}
+
+
+def resolve(strategy: str | Strategy) -> Strategy:
+    """Returns a Strategy for an alias or passes a Strategy instance through."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, str):
+        key = strategy.lower()
+        if key in ALIASES:
+            return ALIASES[key]()
+        raise ConfigurationError(
+            f"unknown strategy {strategy!r}; valid names are {sorted(ALIASES)}, or pass a "
+            f"jaxlight.strategies object.{suggest(key, ALIASES)}"
+        )
+    raise ConfigurationError(
+        f"strategy must be a name {sorted(ALIASES)} or a jaxlight.strategies.Strategy, got "
+        f"{type(strategy).__name__}."
+    )

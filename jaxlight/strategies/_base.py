@@ -1,0 +1,173 @@
+"""The Strategy base: which mesh, how state and batches are laid out, how the step compiles.
+
+A strategy holds no hooks, no checkpoint I/O and no precision logic (DESIGN.md). The core asks it
+four things, in this order, once per fit:
+
+1. `setup(devices)`: build the mesh (refusing a mesh that does not fit the devices).
+2. `state_shardings(abstract_state, logical_axes)`: a sharding for every train-state leaf.
+3. `batch_shardings(abstract_batch)`: a sharding for every batch leaf (checked for divisibility).
+4. `compile(fn, ...)`: an ahead-of-time compiled step (`jax.stages.Compiled`-like callable).
+
+Inside the traced step the core calls `reduce_gradients`/`reduce_metrics`, which are identities for
+SPMD strategies (XLA inserts the collectives) and `lax.pmean` under `DDP`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight._errors import ConfigurationError, DataError
+
+
+class Strategy(abc.ABC):
+    """How a fit is laid out over devices. Subclasses are final; customise by wrapping."""
+
+    #: Short name used in logs, aliases and the hyperparameter record.
+    name: str = "strategy"
+
+    def __init__(self) -> None:
+        self.mesh: jax.sharding.Mesh | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def setup(self, devices: Sequence[jax.Device]) -> None:
+        """Builds `self.mesh` over `devices` (all global devices by default)."""
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_size(self) -> int:
+        """How many ways the global batch is split."""
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (name, mesh) for logs and hyperparameter records."""
+        mesh = {} if self.mesh is None else dict(self.mesh.shape)
+        return {"name": self.name, "mesh": mesh}
+
+    # -- layout ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
+        """Shardings for every leaf of `abstract_state` (a pytree of ShapeDtypeStruct).
+
+        `logical_axes` mirrors `abstract_state` with a tuple of logical axis names (or None) per
+        leaf, taken from `nnx.with_partitioning` annotations.
+        """
+
+    @abc.abstractmethod
+    def batch_shardings(self, abstract_batch: Any) -> Any:
+        """Shardings for every leaf of a global batch."""
+
+    def check_batch(self, abstract_batch: Any, what: str = "batch") -> None:
+        """Refuses a global batch whose leading dimension the data-parallel degree cannot split."""
+        dp = self.data_parallel_size
+        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_batch):
+            if not np.shape(leaf):
+                raise DataError(
+                    f"{what} leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf "
+                    "needs a leading batch dimension."
+                )
+            size = np.shape(leaf)[0]
+            if size % dp:
+                lower, upper = size - size % dp, size - size % dp + dp
+                raise DataError(
+                    f"global {what} size {size} (leaf {jax.tree_util.keystr(path)}) is not "
+                    f"divisible by the data-parallel degree {dp} of {self.name} on mesh "
+                    f"{self.describe()['mesh']}. Use a batch size that is a multiple of {dp} "
+                    f"(for example {lower or upper} or {upper})."
+                )
+
+    def put_batch(self, batch: Any, shardings: Any) -> Any:
+        """Turns this process's share of a batch into global device arrays."""
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)), batch, shardings
+        )
+
+    # -- compiling -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def compile(
+        self,
+        fn: Callable,
+        abstract_args: tuple,
+        in_shardings: tuple,
+        out_shardings: Any,
+        donate_argnums: tuple[int, ...] = (),
+    ) -> Any:
+        """Compiles `fn` ahead of time for `abstract_args`; returns the compiled callable."""
+
+    def replicated(self) -> jax.sharding.Sharding:
+        """The sharding of a value every device holds whole (metrics, scalars)."""
+        assert self.mesh is not None, "call setup() first"
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+    def replicated_like(self, tree: Any) -> Any:
+        return jax.tree.map(lambda _: self.replicated(), tree)
+
+    def init_state(self, init_fn: Callable, abstract_state: Any, shardings: Any) -> Any:
+        """Runs `init_fn` so that every array is created directly in its target shard."""
+        del abstract_state
+        with self.trace_context():
+            return jax.jit(init_fn, out_shardings=shardings)()
+
+    def trace_context(self) -> contextlib.AbstractContextManager:
+        """A context active while the step is traced and compiled (for example the mesh)."""
+        return contextlib.nullcontext()
+
+    # -- inside the traced step --------------------------------------------------------------
+
+    def reduce_gradients(self, grads: Any) -> Any:
+        """Makes per-replica gradients global. SPMD: already global (identity)."""
+        return grads
+
+    def reduce_metrics(self, metrics: Any, op: str = "mean") -> Any:
+        """Makes per-replica metrics global (`op` is "mean" or "sum"). SPMD: identity."""
+        return metrics
+
+    # -- state in and out ------------------------------------------------------------------
+
+    def to_canonical(self, tree: Any) -> Any:
+        """The state as every strategy sees it (no per-replica axis). Identity for SPMD."""
+        return tree
+
+    def from_canonical(self, tree: Any, shardings: Any) -> Any:
+        """Places canonical arrays into this strategy's layout."""
+        return jax.device_put(tree, shardings)
+
+
+def check_mesh_size(shape: dict[str, int], num_devices: int, who: str) -> dict[str, int]:
+    """Resolves one `-1` axis and checks that the mesh covers exactly the devices."""
+    shape = dict(shape)
+    free = [name for name, size in shape.items() if size == -1]
+    if len(free) > 1:
+        raise ConfigurationError(
+            f"{who}: mesh_shape {shape} has {len(free)} axes set to -1 ({free}); at most one "
+            "axis may be -1 (it fills the remaining devices)."
+        )
+    for name, size in shape.items():
+        if size != -1 and (not isinstance(size, int) or size < 1):
+            raise ConfigurationError(
+                f"{who}: mesh axis {name!r} has size {size!r}; sizes are positive integers or -1."
+            )
+    known = int(np.prod([s for s in shape.values() if s != -1] or [1]))
+    if free:
+        if num_devices % known:
+            raise ConfigurationError(
+                f"{who}: cannot fill axis {free[0]!r}: the other axes use {known} devices, which "
+                f"does not divide the {num_devices} devices available."
+            )
+        shape[free[0]] = num_devices // known
+    total = int(np.prod(list(shape.values()) or [1]))
+    if total != num_devices:
+        raise ConfigurationError(
+            f"{who}: mesh_shape {shape} has {total} devices but {num_devices} are available "
+            f"({jax.devices()[0].platform}). Make the product of the axes {num_devices}, or set "
+            "one axis to -1 to fill the rest."
+        )
+    return shape

@@ -1,0 +1,23 @@
+"""8 simulated CPU devices for every test, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _chdir_tmp(tmp_path, monkeypatch):
+    """Default log and checkpoint directories land in the test's temporary folder."""
+    monkeypatch.chdir(tmp_path)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
