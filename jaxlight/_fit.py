@@ -482,14 +482,12 @@ class Fit:
                 )
             if pending is not None:
                 pending = self._retire(pending, final=True)
-            epoch_finished = limit is None or self._batch_idx >= limit or not self._hit_max_steps()
             if self._hit_max_steps() and not self._epoch_exhausted(train_data, limit):
-                break
+                break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
             self._call("on_train_epoch_end")
             if (val_data is not None and val_every is None and self.check_val_every_n_epoch
                     and (self._epoch + 1) % self.check_val_every_n_epoch == 0):
                 self._run_validation(val_data)
-            del epoch_finished
             self._epoch += 1
             self._batch_idx = 0
         if pending is not None:
@@ -518,7 +516,9 @@ class Fit:
         """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
-            metrics = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
+            host = jax.device_get(pending.metrics)
+            metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
+            metrics.update((k, float(v)) for k, v in host.items())
             metrics["epoch"] = float(self._epoch)
             self.logged_metrics.update(metrics)
             self.callback_metrics.update(metrics)
@@ -597,6 +597,12 @@ class Fit:
                 for k, v in host.items()}
 
     def _compile_eval(self, method: str, batch: Any, state: TrainState):
+        key = f"eval:{method}:{state.opt_state is None}"
+        if key not in self._compiled:
+            self._compiled[key] = self._compile_eval_uncached(method, batch, state)
+        return self._compiled[key]
+
+    def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
         abstract_batch = _abstract_global_batch(batch)
         self.strategy.check_batch(abstract_batch, what=f"{method} batch")
         abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],

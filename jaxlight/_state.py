@@ -51,7 +51,7 @@ class _Axes:
 
 def _logical_names(state: nnx.State) -> Any:
     """Per leaf, the logical axis names from `nnx.with_partitioning`, or None."""
-    specs = nnx.get_partition_spec(state).to_pure_dict()
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
 
     def one(spec, leaf):
         names = tuple(spec) if isinstance(spec, PartitionSpec) else ()
@@ -61,13 +61,13 @@ def _logical_names(state: nnx.State) -> Any:
         return names + (None,) * (ndim - len(names))
 
     return jax.tree.map(
-        one, specs, state.to_pure_dict(), is_leaf=lambda x: isinstance(x, PartitionSpec)
+        one, specs, nnx.to_pure_dict(state), is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
 
 
 def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, dict, dict]:
     graphdef, params, rest = nnx.split(model, trainable, ...)
-    return graphdef, params.to_pure_dict(), rest.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
 def build_model(module, rngs_seed: int) -> nnx.Module:
@@ -100,8 +100,8 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int) -> ModelSpec
     eval_graphdef, _, _ = nnx.split(abstract, module.trainable, ...)
     abstract.train()
 
-    params = params_state.to_pure_dict()
-    rest = rest_state.to_pure_dict()
+    params = nnx.to_pure_dict(params_state)
+    rest = nnx.to_pure_dict(rest_state)
     abs_opt = jax.eval_shape(tx.init, params)
     param_axes = _logical_names(params_state)
     wrapped = jax.tree.map(_Axes, param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))

@@ -83,7 +83,7 @@ def make_loss_fn(module, graphdef) -> LossFn:
         )
         _, _, new_rest = nnx.split(model, module.trainable, ...)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return loss.astype(jnp.float32), (metrics, new_rest.to_pure_dict())
+        return loss.astype(jnp.float32), (metrics, nnx.to_pure_dict(new_rest))
 
     return loss_fn
 
