@@ -85,6 +85,9 @@ class Strategy(abc.ABC):
 
     def put_batch(self, batch: Any, shardings: Any) -> Any:
         """Turns this process's share of a batch into global device arrays."""
+        if jax.process_count() == 1:
+            # One process holds the whole batch: a single device_put of the tree is cheapest.
+            return jax.device_put(batch, shardings)
         return jax.tree.map(
             lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)), batch, shardings
         )

@@ -1,0 +1,201 @@
+"""Framework overhead: Fit against a hand-written `jax.jit` loop, alternated in one run.
+
+Both loops train the same model on the same NumPy batches with the same optimizer, keep the same
+bound of two steps in flight (dispatch t, then wait for t-1), and take a timestamp per step; the
+figure is the median step time (steady state, first steps dropped) of each, and the ratio
+Fit / hand-written per round, over alternating rounds. Final parameters are compared too.
+
+    python benchmarks/overhead.py                     # 1 and 8 simulated devices, dp and fsdp
+    python benchmarks/overhead.py --devices 8 --strategy dp --steps 200 --rounds 5
+
+Prints JSON; writes benchmarks/results/overhead.json (when run for every configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_one(args) -> dict:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import jaxlight as jl
+    from jaxlight import callbacks, strategies
+
+    class MLP(nnx.Module):
+        def __init__(self, d, h, rngs):
+            self.l1 = nnx.Linear(d, h, rngs=rngs)
+            self.l2 = nnx.Linear(h, h, rngs=rngs)
+            self.l3 = nnx.Linear(h, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
+
+    class Module(jl.TrainModule):
+        def configure_model(self, rngs):
+            return MLP(args.din, args.hidden, rngs)
+
+        def configure_optimizers(self):
+            return optax.adamw(1e-3)
+
+        def training_step(self, model, batch):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    rng = np.random.default_rng(0)
+    n = args.batch * 8
+    data = {"x": rng.normal(size=(n, args.din)).astype(np.float32),
+            "y": rng.integers(0, 10, n).astype(np.int32)}
+
+    def make_strategy():
+        if args.devices == 1:
+            return strategies.SingleDevice()
+        if args.strategy == "fsdp":
+            return strategies.FSDP(min_shard_size=0) if hasattr(strategies, "FSDP") else None
+        return strategies.DataParallel()
+
+    # -- Fit ---------------------------------------------------------------------------------
+    def fit_round():
+        stamps = []
+        rec = callbacks.LambdaCallback(
+            on_train_batch_end=lambda f, m, o, b, i: stamps.append(time.perf_counter()))
+        module = Module()
+        fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec],
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     log_every_n_steps=args.log_every)
+        fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
+        return stamps, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), fit
+
+    # -- hand-written ----------------------------------------------------------------------
+    def hand_round(fit):
+        module = Module()
+        model = module.configure_model(nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        tx = module.configure_optimizers()
+        mesh = fit.strategy.mesh
+        param_sh = fit._shardings.params
+        opt_sh = fit._shardings.opt_state
+        batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
+            if args.devices > 1 else PartitionSpec()
+        batch_sh = NamedSharding(mesh, batch_spec)
+        params = jax.device_put(params, param_sh)
+        opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+
+        def step(params, opt_state, batch):
+            def loss_fn(p):
+                return module.training_step(nnx.merge(graphdef, p, rest), batch)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        step = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
+                       out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+                       donate_argnums=(0, 1))
+        loader = jl.data.ArrayLoader(data, args.batch, seed=0)
+        it = iter(loader)
+        batches = []
+        stamps, prev = [], None
+        for i in range(args.steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                it = iter(loader)
+                batch = next(it)
+            params, opt_state, loss = step(params, opt_state, jax.device_put(batch, batch_sh))
+            if prev is not None:
+                prev.block_until_ready()
+            prev = loss
+            stamps.append(time.perf_counter())
+            if i == 0:
+                batches.append(None)
+        prev.block_until_ready()
+        return stamps, jax.device_get(params)
+
+    def median_step(stamps):
+        d = np.diff(stamps[args.warmup:])
+        return float(np.median(d))
+
+    rounds = []
+    fit_params = hand_params = None
+    for _ in range(args.rounds):
+        f_stamps, fit_params, fit = fit_round()
+        h_stamps, hand_params = hand_round(fit)
+        rounds.append({"fit_ms": median_step(f_stamps) * 1e3,
+                       "hand_ms": median_step(h_stamps) * 1e3})
+    for r in rounds:
+        r["ratio"] = r["fit_ms"] / r["hand_ms"]
+    rel = max(
+        float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+        for a, b in zip(jax.tree.leaves(fit_params), jax.tree.leaves(hand_params), strict=True)
+    )
+    ratios = [r["ratio"] for r in rounds]
+    return {
+        "devices": args.devices,
+        "strategy": fit.strategy.name,
+        "steps": args.steps,
+        "batch": args.batch,
+        "hidden": args.hidden,
+        "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
+        "median_hand_ms": float(np.median([r["hand_ms"] for r in rounds])),
+        "median_ratio": float(np.median(ratios)),
+        "target_ratio": 1.02,
+        "ratio_met": bool(np.median(ratios) <= 1.02),
+        "final_params_max_rel_err": rel,
+        "params_agree_1e-6": bool(rel <= 1e-6),
+        "rounds": rounds,
+        "platform": jax.devices()[0].platform,
+        "device_kind": jax.devices()[0].device_kind,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", type=int, default=None, help="simulated CPU devices (one run)")
+    p.add_argument("--strategy", choices=["dp", "fsdp"], default="dp")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--din", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
+    args = p.parse_args(argv)
+    if args.devices is not None:
+        print(json.dumps(run_one(args)))
+        return
+    results = []
+    for devices, strategy in ((1, "dp"), (8, "dp"), (8, "fsdp")):
+        cmd = [sys.executable, os.path.abspath(__file__), "--devices", str(devices),
+               "--strategy", strategy, "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--batch", str(args.batch), "--din", str(args.din), "--hidden", str(args.hidden),
+               "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            results.append({"devices": devices, "strategy": strategy,
+                            "error": out.stderr.strip().splitlines()[-1:]})
+            continue
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    report = {"benchmark": "overhead", "results": results}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
