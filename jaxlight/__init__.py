@@ -1,10 +1,12 @@
 """jaxlight: a PyTorch-Lightning-style training framework for JAX and Flax NNX."""
 
-from jaxlight import callbacks, data, strategies
+from jaxlight import callbacks, data, distributed, nn, strategies
+from jaxlight._checkpoint import load_checkpoint
 from jaxlight._errors import (
     CheckpointError,
     ConfigurationError,
     DataError,
+    DistributedError,
     JaxlightError,
     ShardingError,
     StepOutputError,
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DataError",
+    "DistributedError",
     "Fit",
     "JaxlightError",
     "ShardingError",
@@ -30,5 +33,8 @@ __all__ = [
     "TrainingStopped",
     "callbacks",
     "data",
+    "distributed",
+    "load_checkpoint",
+    "nn",
     "strategies",
 ]

@@ -27,6 +27,10 @@ class CheckpointError(JaxlightError, ValueError):
     """A checkpoint that cannot be found, read or matched to the module."""
 
 
+class DistributedError(JaxlightError, RuntimeError):
+    """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
+
+
 class TrainingStopped(JaxlightError, RuntimeError):
     """Training was stopped by a guard (for example too many non-finite steps in a row)."""
 

@@ -11,6 +11,7 @@ The loop's performance contract (DESIGN.md):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -23,11 +24,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
-from jaxlight._step import build_eval_step, build_optimizer, build_predict_step, build_train_step
+from jaxlight._step import (
+    build_eval_step,
+    build_optimizer,
+    build_params_transform,
+    build_predict_step,
+    build_train_step,
+)
 from jaxlight.callbacks._base import Callback
 
 #: Steps the host may run ahead of the device (see the module docstring).
@@ -38,6 +46,13 @@ def _describe_batch(batch: Any) -> str:
     parts = [f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))} {np.asarray(x).dtype}"
              for p, x in jax.tree_util.tree_leaves_with_path(batch)]
     return "{" + ", ".join(parts) + "}"
+
+
+def _len_or_none(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
 
 
 def _abstract_global_batch(batch: Any) -> Any:
@@ -122,6 +137,9 @@ class Fit:
         seed: int = 0,
         fast_dev_run: bool | int = False,
     ):
+        # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
+        # anything starts JAX's backend; a no-op for one process or when already joined.
+        _distributed.initialize()
         self.strategy = _strategies.resolve(strategy)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
@@ -156,6 +174,10 @@ class Fit:
             list(callbacks), precision, accumulate_grad_batches, gradient_clip_val,
             gradient_clip_algorithm, enable_progress_bar, enable_model_summary, logger,
         )
+        from jaxlight._preemption import PreemptionHandler
+
+        #: SIGTERM/SIGUSR1 during fit: checkpoint after the step, then exit (not in `callbacks`).
+        self._preemption = PreemptionHandler()
         self.config = {
             "strategy": self.strategy.name, "max_steps": max_steps, "max_epochs": max_epochs,
             "precision": precision, "accumulate_grad_batches": accumulate_grad_batches,
@@ -173,6 +195,10 @@ class Fit:
         self.callback_metrics: dict[str, float] = {}
         #: Compiles per step kind in this Fit ("init", "train", "eval:validation_step", ...).
         self.compile_counts: dict[str, int] = {}
+        #: Seconds spent compiling per step kind ("init" includes running the initializer).
+        self.compile_times: dict[str, float] = {}
+        self._log_queue: list[tuple[dict, int]] = []
+        self._logging = False
         self._compiled: dict[str, Any] = {}
         self._spec = None
         self._shardings = None
@@ -228,6 +254,8 @@ class Fit:
     def _call(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, self._module, *args)
+        # Internal, last: a preemption checkpoint follows every callback's step hooks.
+        getattr(self._preemption, hook)(self, self._module, *args)
 
     # -- read-only loop state for callbacks ------------------------------------------------------
 
@@ -266,10 +294,57 @@ class Fit:
     def train_data(self):
         return self._train_data
 
+    @property
+    def compiled_train_step(self) -> Any | None:
+        """The compiled training step (`jax.stages.Compiled` for SPMD strategies), once built.
+
+        Its `cost_analysis()`, `memory_analysis()` and `as_text()` describe one step.
+        """
+        entry = self._compiled.get("train")
+        return None if entry is None else entry[0]
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Sends host metrics to every callback's `on_log` (loggers write them) at `step`.
+
+        For callbacks that measure something on the host (throughput, learning rate, memory).
+        Called from inside an `on_log`, the metrics go out once the current round has reached
+        every callback, so each logger sees whole rounds, in step order.
+
+        Example:
+            >>> from jaxlight.callbacks import Callback
+            >>> class QueueDepth(Callback):
+            ...     def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
+            ...         fit.log_metrics({"data/queue_depth": 3.0})
+        """
+        self._log_queue.append((dict(metrics), self._global_step if step is None else step))
+        if self._logging:
+            return
+        self._logging = True
+        try:
+            while self._log_queue:
+                queued, at = self._log_queue.pop(0)
+                self.logged_metrics.update(queued)
+                self._call("on_log", queued, at)
+        finally:
+            self._logging = False
+
     def request_stop(self, reason: str = "requested by a callback") -> None:
-        """Stops training after the current step (EarlyStopping, preemption, guards)."""
+        """Stops training after the current step (EarlyStopping, preemption, guards).
+
+        With several processes, all must leave the loop at the same step: a request takes
+        effect at the next agreement point (after a log interval's metrics reached the
+        callbacks, after a validation, at an epoch's end), where every process adopts it
+        (`jaxlight.distributed.agree_stop`).
+        """
         if self._stop_reason is None:
             self._stop_reason = reason
+
+    def _agree_stop(self) -> None:
+        """Multi-process: every process adopts a stop that any process requested."""
+        if self._agreed_stop is None:
+            self._agreed_stop = _distributed.agree_stop(self._stop_reason)
+            if self._agreed_stop is not None:
+                self._stop_reason = self._agreed_stop
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -285,7 +360,8 @@ class Fit:
         if self._spec is None or self._spec_module is not module:
             tx = build_optimizer(module, self.callbacks)
             self._tx = tx
-            self._spec = model_spec(module, tx, self.seed)
+            self._params_transform = build_params_transform(self.callbacks)
+            self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
             self._shardings = self.strategy.state_shardings(
                 self._spec.abstract_state, self._spec.logical_axes
@@ -298,10 +374,21 @@ class Fit:
     def _count_compile(self, kind: str) -> None:
         self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
 
+    @contextlib.contextmanager
+    def _compiling(self, kind: str):
+        """Counts one compile of `kind` and adds its wall time to `compile_times`."""
+        self._count_compile(kind)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compile_times[kind] = (self.compile_times.get(kind, 0.0)
+                                        + time.perf_counter() - start)
+
     def _init_state(self) -> TrainState:
-        init = make_init_fn(self._module, self._tx, self.seed)
-        self._count_compile("init")
-        return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
+        init = make_init_fn(self._module, self._tx, self.seed, self._params_transform)
+        with self._compiling("init"):
+            return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
 
     def _state_from_model(self, model: nnx.Module) -> TrainState:
         """Places an existing model's variables into this strategy's layout (no optimizer)."""
@@ -311,6 +398,11 @@ class Fit:
         shard = self._shardings.replace(opt_state=None)
         del abstract
         return self.strategy.from_canonical(state, shard)
+
+    def _canonical_abstract(self, state: TrainState) -> TrainState:
+        """Shapes of `state` as the model sees them (without DDP's device axis)."""
+        shapes = jax.eval_shape(self.strategy.to_canonical, state)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
 
     def _abstract_with_shardings(self, abstract: Any, shardings: Any) -> Any:
         return jax.tree.map(
@@ -323,16 +415,32 @@ class Fit:
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        self._count_compile("train")
-        compiled = self.strategy.compile(
-            step,
-            (self._spec.abstract_state, abstract_batch),
-            in_shardings=(self._shardings, batch_sh),
-            out_shardings=(self._shardings, self.strategy.replicated()),
-            donate_argnums=(0,),
-        )
+        _distributed.check_batch_layout(batch_sh, abstract_batch, "training batch")
+        with self._compiling("train"):
+            compiled = self.strategy.compile(
+                step,
+                (self._spec.abstract_state, abstract_batch),
+                in_shardings=(self._shardings, batch_sh),
+                out_shardings=(self._shardings, self.strategy.replicated()),
+                donate_argnums=(0,),
+            )
         self._compiled["train"] = (compiled, batch_sh)
         return self._compiled["train"]
+
+    def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
+        """Compiles the training step for `example_batch` without running it; reports costs.
+
+        Returns a `jaxlight._plan.Plan`: per parameter shape, spec and bytes per device; per
+        device argument/output/temp bytes; per step collectives by kind with bytes. Prints the
+        table when `verbose`.
+
+        Example:
+            >>> # plan = jl.Fit(strategy="fsdp", max_steps=1).plan(module, first_batch)
+            >>> # plan.collective_totals["all-gather"]["traffic_bytes"]
+        """
+        from jaxlight._plan import plan
+
+        return plan(self, module, example_batch, verbose=verbose)
 
     # -- fit -----------------------------------------------------------------------------------
 
@@ -348,6 +456,8 @@ class Fit:
         self._train_data = train_data
         self._val_data = val_data
         self._stop_reason = None
+        self._agreed_stop: str | None = None
+        self._multi_process = jax.process_count() > 1
         self._call("setup", "fit")
         try:
             self._state = None
@@ -435,6 +545,8 @@ class Fit:
                 "the training data yielded no batch: the iterable is empty (or exhausted, if it "
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
+        # Every process must feed an equal share, or they compile different steps and hang.
+        _distributed.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
         reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
@@ -446,6 +558,8 @@ class Fit:
 
         pending: _Pending | None = None
         first_epoch = True
+        if self._multi_process:
+            self._agree_stop()
         while not self._done():
             if not first_epoch:
                 iterator = self._epoch_iterator(train_data, self._epoch, self._batch_idx)
@@ -463,6 +577,7 @@ class Fit:
                 self._state, metrics = compiled(self._state, device_batch)
                 self._global_step += 1
                 self._batch_idx += 1
+                logged = pending is not None and pending.log
                 if pending is not None:
                     self._retire(pending)
                 log = self._global_step % self.log_every_n_steps == 0
@@ -472,6 +587,9 @@ class Fit:
                 if val_every and self._global_step % val_every == 0 and val_data is not None:
                     pending = self._retire(pending, final=True)
                     self._run_validation(val_data)
+                    logged = True
+                if self._multi_process and logged:
+                    self._agree_stop()
                 if self._done():
                     break
             if not got_any and self._batch_idx == 0:
@@ -485,13 +603,21 @@ class Fit:
             if self._hit_max_steps() and not self._epoch_exhausted(train_data, limit):
                 break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
             self._call("on_train_epoch_end")
+            # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
+            # end-of-epoch validation, as Lightning does: the epoch did not end.
+            stopped_early = self.should_stop and not self._epoch_exhausted(train_data, limit)
             if (val_data is not None and val_every is None and self.check_val_every_n_epoch
-                    and (self._epoch + 1) % self.check_val_every_n_epoch == 0):
+                    and (self._epoch + 1) % self.check_val_every_n_epoch == 0
+                    and not stopped_early):
                 self._run_validation(val_data)
+            if self._multi_process:
+                self._agree_stop()
             self._epoch += 1
             self._batch_idx = 0
         if pending is not None:
             self._retire(pending, final=True)
+        if self._multi_process:
+            self._agree_stop()  # a guard's last-moment error must end every process alike
         if self._stop_reason is not None and self._stop_reason.startswith("error:"):
             raise TrainingStopped(self._stop_reason[len("error:"):].strip())
         self._call("on_train_end")
@@ -508,7 +634,8 @@ class Fit:
         return self._batch_idx >= n
 
     def _done(self) -> bool:
-        if self._stop_reason is not None or self._hit_max_steps():
+        stop = self._agreed_stop if getattr(self, "_multi_process", False) else self._stop_reason
+        if stop is not None or self._hit_max_steps():
             return True
         return self.max_epochs is not None and self._epoch >= self.max_epochs
 
@@ -520,9 +647,8 @@ class Fit:
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
             metrics["epoch"] = float(self._epoch)
-            self.logged_metrics.update(metrics)
             self.callback_metrics.update(metrics)
-            self._call("on_log", metrics, pending.step)
+            self.log_metrics(metrics, pending.step)
             pending.log = False
         return None if final else pending
 
@@ -533,8 +659,7 @@ class Fit:
         self._call("on_validation_epoch_start")
         metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
         self.callback_metrics.update(metrics)
-        self.logged_metrics.update(metrics)
-        self._call("on_log", dict(metrics), self._global_step)
+        self.log_metrics(metrics, self._global_step)
         self._call("on_validation_epoch_end")
         self._call("on_validation_end")
         return metrics
@@ -550,12 +675,14 @@ class Fit:
         mask = np.arange(size) < n
         if n == size:
             return batch, mask
-        # Pad with copies of the first example (finite values); the mask drops them.
-        padded = jax.tree.map(
-            lambda x: np.concatenate([np.asarray(x), np.repeat(np.asarray(x)[:1], size - n, 0)]),
-            batch,
-        )
-        return padded, mask
+        # Pad with copies of the first example (finite values); the mask drops them. A process
+        # can get no example of a short last batch (fewer examples than processes): zeros then.
+        def pad(x):
+            x = np.asarray(x)
+            fill = np.repeat(x[:1], size - n, 0) if n else np.zeros((size, *x.shape[1:]), x.dtype)
+            return np.concatenate([x, fill])
+
+        return jax.tree.map(pad, batch), mask
 
     def _eval_state(self) -> TrainState:
         if self._state is not None:
@@ -567,6 +694,8 @@ class Fit:
 
     def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
         limit = self._limit(limit_arg, data)
+        if hasattr(data, "set_epoch"):
+            data.set_epoch(0)  # every evaluation reads the data from its start, in one order
         state = self._eval_state()
         totals = None
         compiled = None
@@ -577,7 +706,10 @@ class Fit:
             local = int(np.shape(jax.tree.leaves(batch)[0])[0])
             if method not in self._eval_batch_size:
                 dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-                self._eval_batch_size[method] = math.ceil(local / dp_local) * dp_local
+                # Processes may hold different counts (an uneven last batch): all pad to the
+                # largest, so that they compile the same step.
+                self._eval_batch_size[method] = _distributed.agree_max(
+                    f"eval_batch:{method}", math.ceil(local / dp_local) * dp_local)
             size = self._eval_batch_size[method]
             batch, mask = self._pad(batch, size, prefix)
             if compiled is None:
@@ -603,29 +735,31 @@ class Fit:
         return self._compiled[key]
 
     def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
+        _distributed.check_batch_agreement(batch, f"{method} batch (padded)")
         abstract_batch = _abstract_global_batch(batch)
         self.strategy.check_batch(abstract_batch, what=f"{method} batch")
         abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
                                                         bool))
         batch_sh = self.strategy.batch_shardings(abstract_batch)
+        _distributed.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
         mask_sh = self.strategy.batch_shardings(abstract_mask)
         key = f"eval:{method}"
         eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
                                                 self.strategy)
         state_sh = self._shardings.replace(opt_state=None) if state.opt_state is None \
             else self._shardings
-        abstract_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+        abstract_state = self._canonical_abstract(state)
         with self.strategy.trace_context():
             abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
                                              abstract_mask)
         rep = self.strategy.replicated()
-        self._count_compile(key)
-        compiled = self.strategy.compile(
-            eval_step,
-            (abstract_state, abstract_batch, abstract_mask, abstract_totals),
-            in_shardings=(state_sh, batch_sh, mask_sh, rep),
-            out_shardings=rep,  # totals are a few scalars: not donated, so the loop can wait on them
-        )
+        with self._compiling(key):
+            compiled = self.strategy.compile(
+                eval_step,
+                (abstract_state, abstract_batch, abstract_mask, abstract_totals),
+                in_shardings=(state_sh, batch_sh, mask_sh, rep),
+                out_shardings=rep,  # a few scalars, not donated: the loop can wait on them
+            )
         zeros = jax.device_put(
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_totals),
             self.strategy.replicated_like(abstract_totals),
@@ -650,14 +784,14 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import load_checkpoint
 
-                load_checkpoint(ckpt_path, module, strategy=self.strategy)
+                load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
                 self._state = None
             start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
                           else ("on_test_start", "on_test_end"))
             self._call(start)
             metrics = self._evaluate(data, method, prefix, limit)
             self.callback_metrics.update(metrics)
-            self._call("on_log", dict(metrics), self._global_step)
+            self.log_metrics(metrics, self._global_step)
             self._call(end)
             return metrics
         except BaseException as exc:
@@ -675,7 +809,7 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import load_checkpoint
 
-                load_checkpoint(ckpt_path, module, strategy=self.strategy)
+                load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
                 self._state = None
             self._call("on_predict_start")
             state = self._eval_state()
@@ -684,24 +818,34 @@ class Fit:
                 local = int(np.shape(jax.tree.leaves(batch)[0])[0])
                 if "predict" not in self._eval_batch_size:
                     dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-                    self._eval_batch_size["predict"] = math.ceil(local / dp_local) * dp_local
-                batch, _ = self._pad(batch, self._eval_batch_size["predict"], "predict")
+                    self._eval_batch_size["predict"] = _distributed.agree_max(
+                        "eval_batch:predict", math.ceil(local / dp_local) * dp_local)
+                size = self._eval_batch_size["predict"]
+                batch, _ = self._pad(batch, size, "predict")
                 if compiled is None:
+                    _distributed.check_batch_agreement(batch, "predict batch (padded)")
                     abstract_batch = _abstract_global_batch(batch)
                     batch_sh = self.strategy.batch_shardings(abstract_batch)
+                    _distributed.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._shardings.replace(opt_state=None) \
                         if state.opt_state is None else self._shardings
-                    abstract_state = jax.tree.map(
-                        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
-                    self._count_compile("predict")
-                    compiled = self.strategy.compile(
-                        build_predict_step(module, self._spec.eval_graphdef),
-                        (abstract_state, abstract_batch),
-                        in_shardings=(state_sh, batch_sh), out_shardings=None)
+                    abstract_state = self._canonical_abstract(state)
+                    with self._compiling("predict"):
+                        compiled = self.strategy.compile(
+                            build_predict_step(module, self._spec.eval_graphdef),
+                            (abstract_state, abstract_batch),
+                            in_shardings=(state_sh, batch_sh), out_shardings=None)
                 out = compiled(state, self.strategy.put_batch(batch, batch_sh))
-                out = jax.tree.map(lambda x: np.asarray(
-                    jax.experimental.multihost_utils.process_allgather(x, tiled=True)
-                    if jax.process_count() > 1 else x)[:local * jax.process_count()], out)
+                if jax.process_count() > 1:
+                    # Process p's rows sit at [p * size, p * size + its count) of the output.
+                    counts = _distributed.all_gather_json("predict_rows", local)
+                    rows = np.concatenate([np.arange(p * size, p * size + c)
+                                           for p, c in enumerate(counts)])
+                    out = jax.tree.map(lambda x: np.asarray(
+                        jax.experimental.multihost_utils.process_allgather(x, tiled=True))[rows],
+                        out)
+                else:
+                    out = jax.tree.map(lambda x: np.asarray(x)[:local], out)
                 outputs.append(out)
             del started
             self._call("on_predict_end")

@@ -77,8 +77,13 @@ def build_model(module, rngs_seed: int) -> nnx.Module:
         return module.configure_model(nnx.Rngs(rngs_seed))
 
 
-def model_spec(module, tx: optax.GradientTransformation, seed: int) -> ModelSpec:
-    """Builds the model abstractly (`nnx.eval_shape`): shapes, logical axes, no arrays."""
+def model_spec(module, tx: optax.GradientTransformation, seed: int,
+               params_transform=None) -> ModelSpec:
+    """Builds the model abstractly (`nnx.eval_shape`): shapes, logical axes, no arrays.
+
+    `params_transform` (from `Callback.transform_params`) maps the initialized parameters to
+    their stored form (dtypes); it must keep the tree structure and shapes.
+    """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
     if not isinstance(abstract, nnx.Module):
@@ -102,6 +107,8 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int) -> ModelSpec
 
     params = nnx.to_pure_dict(params_state)
     rest = nnx.to_pure_dict(rest_state)
+    if params_transform is not None:
+        params = jax.eval_shape(params_transform, params)
     abs_opt = jax.eval_shape(tx.init, params)
     param_axes = _logical_names(params_state)
     wrapped = jax.tree.map(_Axes, param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
@@ -122,11 +129,13 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int) -> ModelSpec
     return ModelSpec(graphdef, eval_graphdef, abstract_state, logical)
 
 
-def make_init_fn(module, tx: optax.GradientTransformation, seed: int):
+def make_init_fn(module, tx: optax.GradientTransformation, seed: int, params_transform=None):
     """A pure function creating the real TrainState; jit it with the target out_shardings."""
 
     def init() -> TrainState:
         _, params, rest = split_model(build_model(module, seed), module.trainable)
+        if params_transform is not None:
+            params = params_transform(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=tx.init(params), rest=rest)
 

@@ -1,7 +1,8 @@
 """Step assembly: the pure functions a fit compiles, built once from the module and callbacks.
 
 A training step is `train_step(state, batch) -> (state, metrics)`, put together from pieces that
-step-transforming callbacks may wrap, innermost first:
+step-transforming callbacks may wrap, innermost first (each callback first sees the strategy in
+`Callback.setup_step`; `Callback.transform_params` maps the parameters once, at state creation):
 
     loss_fn(params, rest, batch) -> (loss, (metrics, rest))           Callback.transform_loss
     grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)  Callback.transform_grad
@@ -95,6 +96,8 @@ def build_train_step(
 
     `tx` is the final optimizer (after `transform_optimizer`, see `build_optimizer`).
     """
+    for cb in callbacks:
+        cb.setup_step(strategy)
     loss_fn = make_loss_fn(module, graphdef)
     for cb in callbacks:
         loss_fn = cb.transform_loss(loss_fn)
@@ -120,6 +123,23 @@ def build_train_step(
     for cb in callbacks:
         step = cb.transform_step(step)
     return step
+
+
+def build_params_transform(callbacks: Sequence) -> Callable | None:
+    """The callbacks' `transform_params` chained in order, or None when none overrides it."""
+    from jaxlight.callbacks._base import Callback
+
+    active = [cb for cb in callbacks
+              if type(cb).transform_params is not Callback.transform_params]
+    if not active:
+        return None
+
+    def transform(params):
+        for cb in active:
+            params = cb.transform_params(params)
+        return params
+
+    return transform
 
 
 def build_optimizer(module, callbacks: Sequence) -> optax.GradientTransformation:

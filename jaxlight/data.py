@@ -58,7 +58,8 @@ class ArrayLoader:
         lengths = {int(np.shape(x)[0]) for x in leaves}
         if len(lengths) != 1:
             raise DataError(
-                f"ArrayLoader arrays must share their first dimension; got lengths {sorted(lengths)}."
+                "ArrayLoader arrays must share their first dimension; got lengths "
+                f"{sorted(lengths)}."
             )
         if batch_size <= 0:
             raise ConfigurationError(f"batch_size must be positive, got {batch_size}.")
@@ -68,6 +69,12 @@ class ArrayLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_remainder = drop_remainder
+        if process_index is None or process_count is None:
+            # A loader is often built before Fit: join a launched multi-process job first (a
+            # started JAX backend could not join it any more).
+            from jaxlight import distributed
+
+            distributed.initialize()
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count
         if self.batch_size % self.process_count:
@@ -84,16 +91,24 @@ class ArrayLoader:
             )
         self.epoch = 0
         self.position = 0  # batches already yielded in the current epoch
+        self._restored = False  # set by load_state_dict: the next set_epoch keeps the position
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_remainder else 0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the permutation of `epoch` and rewinds to its start (unless resuming)."""
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self.position = 0
+        """Selects the permutation of `epoch` and rewinds to its start.
+
+        Right after `load_state_dict` for the same epoch it keeps the restored position, so a
+        resumed fit continues with the next unseen batch.
+        """
+        if self._restored and epoch == self.epoch:
+            self._restored = False
+            return
+        self._restored = False
+        self.epoch = epoch
+        self.position = 0
 
     def state_dict(self) -> dict[str, int]:
         """The loader's position: restoring it resumes with the next unseen batch."""
@@ -103,6 +118,7 @@ class ArrayLoader:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
+        self._restored = True
 
     def _order(self) -> np.ndarray:
         if not self.shuffle:

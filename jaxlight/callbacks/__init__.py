@@ -1,8 +1,38 @@
 """Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
 
+from jaxlight.callbacks._accumulation import GradientAccumulation
 from jaxlight.callbacks._base import Callback, LambdaCallback
+from jaxlight.callbacks._checkpoint import ModelCheckpoint
+from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
+from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._lr_monitor import LearningRateMonitor
+from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
+from jaxlight.callbacks._precision import MixedPrecision
+from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
 from jaxlight.callbacks._summary import ModelSummary
+from jaxlight.callbacks._tensorboard import TensorBoardLogger
+from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
+from jaxlight.callbacks._wandb import WandbLogger
 
-__all__ = ["CSVLogger", "Callback", "LambdaCallback", "ModelSummary", "TQDMProgressBar"]
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "DeviceStatsMonitor",
+    "EarlyStopping",
+    "GradientAccumulation",
+    "GradientClipping",
+    "LambdaCallback",
+    "LearningRateMonitor",
+    "MixedPrecision",
+    "ModelCheckpoint",
+    "ModelSummary",
+    "NonFiniteGuard",
+    "NonFiniteState",
+    "Profiler",
+    "TQDMProgressBar",
+    "TensorBoardLogger",
+    "ThroughputMonitor",
+    "WandbLogger",
+]

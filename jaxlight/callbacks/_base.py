@@ -62,6 +62,23 @@ class Callback:
         return type(self).__qualname__
 
     # -- step-transforming pieces (identity by default) --------------------------------------
+    def setup_step(self, strategy) -> None:
+        """Called with the strategy just before the step is assembled from the pieces below.
+
+        For pieces whose layout depends on the strategy (`GradientAccumulation` asks it how to
+        scan microbatches); keep what you need, do not change the strategy.
+        """
+
+    def transform_params(self, params: Any) -> Any:
+        """Maps the trainable parameters as initialized to how the train state stores them.
+
+        Runs once inside state creation, before the optimizer state is made from the result
+        (and abstractly, on ShapeDtypeStructs, to fix the state's shapes and dtypes), so use
+        only jax.numpy operations and keep the tree structure and shapes; `MixedPrecision(
+        "bf16-true")` casts floating parameters to bfloat16 here.
+        """
+        return params
+
     def transform_loss(self, loss_fn: Callable) -> Callable:
         """Wraps `loss_fn(params, rest, batch) -> (loss, (metrics, rest))`."""
         return loss_fn

@@ -1,4 +1,4 @@
-"""CSVLogger: one row per log step, written by process 0 only."""
+"""CSVLogger: one row per log step and the curves as a PNG, written by process 0 only."""
 
 from __future__ import annotations
 
@@ -8,29 +8,46 @@ import os
 import jax
 
 from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._logdir import ensure_writable, hparams_record
+from jaxlight.callbacks._plot import plot_curves
 
 
 class CSVLogger(Callback):
-    """Writes `metrics.csv` (a row per logged step) and `hparams.yaml`.
+    """Writes `metrics.csv` (one row per logged step), `hparams.yaml` and `curves.png`.
 
-    Rows are written as metrics arrive; when a new metric name appears (validation after the
-    first training rows) the file is rewritten with the wider header.
+    Metrics logged at the same step (training metrics, then validation metrics or a monitor's
+    throughput) share one row. A row is written once its step is complete (the next step
+    arrives, or a stage ends); when a new metric name appears the file is rewritten with the
+    wider header, so the CSV always reads back with one header. At the end of a fit the
+    training and validation curves go to `curves.png` (needs the `plot` extra; without it,
+    one line says so).
+
+    This is the default logger (`Fit(logger=True)`), so a plain fit leaves its curves in
+    `jaxlight_logs/csv/version_N/`.
 
     Args:
         save_dir: root directory (default: `Fit.default_root_dir`).
         name: run subdirectory; `version_N` is appended as in Lightning.
         version: the version number, or None for the next free one.
+        plot: write `curves.png` at the end of a fit.
+
+    Example:
+        >>> logger = CSVLogger("logs", name="mlp")   # logs/mlp/version_0/metrics.csv
     """
 
     is_logger = True
 
-    def __init__(self, save_dir: str | None = None, name: str = "csv", version: int | None = None):
+    def __init__(self, save_dir: str | None = None, name: str = "csv", version: int | None = None,
+                 plot: bool = True):
         self.save_dir = save_dir
         self.name = name
         self.version = version
+        self.plot = plot
         self.log_dir: str | None = None
-        self._rows: list[dict] = []
+        self._rows: list[tuple[int, dict[str, float]]] = []  # every complete row, in order
+        self._open: tuple[int, dict[str, float]] | None = None  # the row still collecting
         self._keys: list[str] = []
+        self._written = 0  # rows of self._rows already in the file
 
     def setup(self, fit, module, stage: str) -> None:
         if jax.process_index() != 0 or self.log_dir is not None:
@@ -42,45 +59,69 @@ class CSVLogger(Callback):
                                                        else []) if d.startswith("version_")
                         and d.split("_")[1].isdigit()]
             version = max(existing, default=-1) + 1
-        self.log_dir = os.path.join(root, f"version_{version}")
-        os.makedirs(self.log_dir, exist_ok=True)
+        log_dir = ensure_writable(os.path.join(root, f"version_{version}"), "CSVLogger")
         import yaml
 
-        hparams = {"module": module.hparams, "fit": fit.config,
-                   "strategy": fit.strategy.describe()}
-        with open(os.path.join(self.log_dir, "hparams.yaml"), "w") as f:
-            yaml.safe_dump(_plain(hparams), f, sort_keys=False)
+        with open(os.path.join(log_dir, "hparams.yaml"), "w") as f:
+            yaml.safe_dump(hparams_record(fit, module), f, sort_keys=False)
+        self.log_dir = log_dir
 
     @property
     def path(self) -> str | None:
+        """The CSV file, once `setup` has chosen the run directory."""
         return None if self.log_dir is None else os.path.join(self.log_dir, "metrics.csv")
+
+    @property
+    def rows(self) -> list[tuple[int, dict[str, float]]]:
+        """Every logged `(step, metrics)` row so far, the one still collecting included."""
+        return self._rows + ([self._open] if self._open is not None else [])
 
     def on_log(self, fit, module, metrics, step) -> None:
         if self.log_dir is None:
             return
-        row = {"step": step, **metrics}
-        self._rows.append(row)
-        new = [k for k in row if k not in self._keys]
-        if new:
-            self._keys.extend(new)
-            self._write_all()
+        if self._open is not None and self._open[0] == step:
+            self._open[1].update(metrics)
+            return
+        self._close_row()
+        self._open = (int(step), dict(metrics))
+
+    def _close_row(self) -> None:
+        if self._open is not None:
+            self._rows.append(self._open)
+            self._open = None
+        self._flush()
+
+    def _flush(self) -> None:
+        pending = self._rows[self._written:]
+        if not pending or self.path is None:
+            return
+        new = [k for _, m in pending for k in m if k not in self._keys]
+        if new or self._written == 0:
+            self._keys.extend(dict.fromkeys(new))
+            self._write(self._rows, "w")
         else:
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self._keys).writerow(row)
+            self._write(pending, "a")
+        self._written = len(self._rows)
 
-    def _write_all(self) -> None:
-        with open(self.path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._keys)
-            writer.writeheader()
-            writer.writerows(self._rows)
+    def _write(self, rows, mode: str) -> None:
+        with open(self.path, mode, newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["step", *self._keys])
+            if mode == "w":
+                writer.writeheader()
+            writer.writerows({"step": s, **m} for s, m in rows)
 
+    # A stage's end completes its last row, so the file is whole whenever the loop is idle.
+    def on_train_end(self, fit, module) -> None:
+        self._close_row()
 
-def _plain(value):
-    """Hyperparameters as YAML-safe values (unknown objects become their repr)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    return repr(value)
+    def on_exception(self, fit, module, exception) -> None:
+        self._close_row()
+
+    def on_fit_end(self, fit, module) -> None:
+        self._close_row()
+        if self.plot and self.log_dir is not None:
+            plot_curves(self._rows, os.path.join(self.log_dir, "curves.png"),
+                        title=type(module).__name__)
+
+    def teardown(self, fit, module, stage: str) -> None:
+        self._close_row()

@@ -18,7 +18,7 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def parameter_table(params, shardings=None) -> tuple[str, dict]:
+def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
     """A text table of parameters and a dict of totals; per-device bytes when sharded."""
     from clu import parameter_overview
 
@@ -33,7 +33,8 @@ def parameter_table(params, shardings=None) -> tuple[str, dict]:
         nbytes = math.prod(shape) * np.dtype(x.dtype).itemsize
         sharding = shard_flat.get(name)
         if sharding is not None:
-            local_shape = sharding.shard_shape(shape)
+            local_shape = (strategy.shard_shape(shape, sharding) if strategy is not None
+                           else sharding.shard_shape(shape))
             per_device = math.prod(local_shape) * np.dtype(x.dtype).itemsize
         else:
             per_device = nbytes
@@ -64,7 +65,8 @@ class ModelSummary(Callback):
     def on_fit_start(self, fit, module) -> None:
         spec = fit._spec
         shardings = fit._shardings.params if fit._shardings is not None else None
-        self.text, self.totals = parameter_table(spec.abstract_state.params, shardings)
+        self.text, self.totals = parameter_table(spec.abstract_state.params, shardings,
+                                                 fit.strategy)
         if jax.process_index() == 0:
             if self.max_depth >= 0:
                 from clu import parameter_overview

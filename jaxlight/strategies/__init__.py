@@ -4,6 +4,11 @@
 |---|---|---|
 | `SingleDevice()` | `"single"` | one device, plain `jax.jit` |
 | `DataParallel()` | `"dp"` | SPMD `jax.jit`, batch split over `data`, params replicated |
+| `DDP()` | `"ddp"` | classic `jax.pmap`, replicated params, `pmean` of gradients |
+| `FSDP()` | `"fsdp"` | params, gradients, optimizer state sharded over `fsdp` (ZeRO-3) |
+| `TensorParallel(size)` | `"tp"` | Megatron column/row over `tp` (alias: all devices), `data` |
+| `GPipe(stages, microbatches)` | `"gpipe"` | stacked layers in stages over `pipe`, GPipe schedule |
+| `Hybrid(mesh_shape)` | — | any product of `data`, `fsdp`, `tp`, `pipe` |
 
 `"auto"` picks DataParallel when more than one device is visible, else SingleDevice.
 """
@@ -16,9 +21,32 @@ import jax
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.strategies._base import Strategy
-from jaxlight.strategies._spmd import DataParallel, SingleDevice, SpmdStrategy
+from jaxlight.strategies._ddp import DDP
+from jaxlight.strategies._gpipe import GPipe
+from jaxlight.strategies._rules import DEFAULT_RULES
+from jaxlight.strategies._spmd import (
+    FSDP,
+    DataParallel,
+    Hybrid,
+    SingleDevice,
+    SpmdStrategy,
+    TensorParallel,
+)
 
-__all__ = ["ALIASES", "DataParallel", "SingleDevice", "SpmdStrategy", "Strategy", "resolve"]
+__all__ = [
+    "ALIASES",
+    "DDP",
+    "DEFAULT_RULES",
+    "FSDP",
+    "DataParallel",
+    "GPipe",
+    "Hybrid",
+    "SingleDevice",
+    "SpmdStrategy",
+    "Strategy",
+    "TensorParallel",
+    "resolve",
+]
 
 
 def _auto() -> Strategy:
@@ -30,6 +58,10 @@ ALIASES: dict[str, Callable[[], Strategy]] = {
     "auto": _auto,
     "single": SingleDevice,
     "dp": DataParallel,
+    "ddp": DDP,
+    "fsdp": FSDP,
+    "tp": TensorParallel,
+    "gpipe": GPipe,
 }
 
 

@@ -105,6 +105,11 @@ class Strategy(abc.ABC):
     ) -> Any:
         """Compiles `fn` ahead of time for `abstract_args`; returns the compiled callable."""
 
+    def shard_shape(self, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+                    ) -> tuple[int, ...]:
+        """The part of a canonical array of `shape` one device holds under `sharding`."""
+        return tuple(sharding.shard_shape(tuple(shape)))
+
     def replicated(self) -> jax.sharding.Sharding:
         """The sharding of a value every device holds whole (metrics, scalars)."""
         assert self.mesh is not None, "call setup() first"
@@ -132,6 +137,27 @@ class Strategy(abc.ABC):
     def reduce_metrics(self, metrics: Any, op: str = "mean") -> Any:
         """Makes per-replica metrics global (`op` is "mean" or "sum"). SPMD: identity."""
         return metrics
+
+    def accumulate_gradients(self, grad_fn: Callable, k: int, *,
+                             sync_every_microbatch: bool = False) -> Callable:
+        """`grad_fn` over k microbatches of the step's batch, one fp32 gradient sum.
+
+        Used by `callbacks.GradientAccumulation`. The default scans the batch the step function
+        sees, which here is one replica's share (DDP) or the whole batch (one device); the
+        core's `reduce_gradients` then reduces the result once per step. SPMD strategies
+        override it so that their gradient collective also runs once per step.
+
+        Args:
+            grad_fn: `(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.
+            k: microbatches per optimizer step.
+            sync_every_microbatch: reduce (and, for sharded parameters, gather) once per
+                microbatch instead of once per step, keeping parameters and the accumulator
+                sharded. Here, where the reduction follows the scan, it changes nothing.
+        """
+        del sync_every_microbatch
+        from jaxlight._microbatch import accumulate_locally
+
+        return accumulate_locally(grad_fn, k, dp=self.data_parallel_size)
 
     # -- state in and out ------------------------------------------------------------------
 
@@ -168,9 +194,13 @@ def check_mesh_size(shape: dict[str, int], num_devices: int, who: str) -> dict[s
         shape[free[0]] = num_devices // known
     total = int(np.prod(list(shape.values()) or [1]))
     if total != num_devices:
+        where = jax.devices()[0].platform
+        if jax.process_count() > 1:  # name the layout: the mesh spans every process's devices
+            where += (f"; {jax.process_count()} processes x {jax.local_device_count()} local "
+                      "devices")
         raise ConfigurationError(
             f"{who}: mesh_shape {shape} has {total} devices but {num_devices} are available "
-            f"({jax.devices()[0].platform}). Make the product of the axes {num_devices}, or set "
+            f"({where}). Make the product of the axes {num_devices}, or set "
             "one axis to -1 to fill the rest."
         )
     return shape

@@ -1,0 +1,195 @@
+"""Gradient accumulation: k microbatches scanned inside one compiled step, one optimizer update.
+
+`callbacks.GradientAccumulation` asks the strategy for a microbatched gradient function
+(`Strategy.accumulate_gradients`); the two layouts it can get live here.
+
+- `accumulate_locally`: a plain `lax.scan` over the k microbatches of the batch that the step
+  function sees. Right for one device and for per-replica steps (DDP's `pmap`), whose gradients
+  the core reduces once, after the scan, with `Strategy.reduce_gradients`. Under SPMD `jit` it
+  is the opt-in `sync_every_microbatch` layout: collectives per microbatch, state kept sharded.
+- `accumulate_per_replica`: under SPMD `jit` the batch is one global array, and differentiating a
+  scan body makes XLA all-reduce each microbatch's gradient inside the loop (k times the
+  traffic). So the scan runs per data-parallel replica inside `jax.shard_map`, manual over the
+  batch axes only (tensor-parallel axes stay automatic), and a single fp32 `psum` follows the loop.
+  Parameters sharded over a batch axis (FSDP) are gathered once per step at the `shard_map`
+  boundary, not once per microbatch, so every collective runs once per optimizer step; the price
+  is one whole copy of the parameters and of the fp32 accumulator per device during the step
+  (as PyTorch FSDP's `no_sync`).
+
+Microbatch i holds the global rows whose index is i mod k. Each device's contiguous shard splits
+that way without any data movement (rows are reshaped to (n/k, k) and the k axis is scanned), and
+the microbatches are the same whatever the data-parallel degree, so a run on 8 devices sees the
+same microbatches as a run on one.
+
+Loss and metrics are averaged over microbatches (and replicas); with equal microbatch sizes this
+is the full-batch mean, and so is the gradient. Non-gradient variables (`rest`: batch statistics,
+RNG counters) are threaded through the microbatches in order; per replica, floating ones are then
+averaged over replicas, so batch statistics are per-replica statistics as in DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from jaxlight._errors import DataError
+
+GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
+
+
+def check_microbatches(batch: Any, k: int, dp: int, rows_per_replica: bool) -> None:
+    """Refuses a batch whose global size is not a multiple of k × the data-parallel degree.
+
+    Args:
+        batch: the batch as the step sees it (traced or abstract).
+        k: microbatches per step.
+        dp: the data-parallel degree.
+        rows_per_replica: True when `batch` is one replica's share (pmap), False when global.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        shape = np.shape(leaf)
+        if not shape:
+            raise DataError(
+                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; gradient accumulation "
+                "splits every batch leaf along its leading (example) dimension."
+            )
+        size = shape[0] * (dp if rows_per_replica else 1)
+        if size % (k * dp):
+            need = k * dp
+            lower, upper = size - size % need, size - size % need + need
+            example = f"{lower} or {upper}" if lower else f"{upper}"
+            raise DataError(
+                f"global batch size {size} (leaf {jax.tree_util.keystr(path)}) is not divisible "
+                f"by accumulate_grad_batches k={k} × data-parallel degree {dp} = {need}: each of "
+                f"the {dp} data-parallel shards must split into {k} equal microbatches. Use a "
+                f"global batch size that is a multiple of {need} (for example {example}), or "
+                "change k."
+            )
+
+
+def split_microbatches(batch: Any, k: int) -> Any:
+    """(n, ...) -> (k, n/k, ...) where microbatch i holds rows i, i+k, i+2k, ... (no copy across
+    devices: each device's rows stay on it)."""
+
+    def one(x):
+        n = x.shape[0]
+        return jnp.swapaxes(x.reshape(n // k, k, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(one, batch)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def scan_microbatches(grad_fn: GradFn, params, rest, batch, k: int):
+    """Runs `grad_fn` on k microbatches in a `lax.scan`, summing gradients in fp32.
+
+    Returns `(loss_mean, metrics_mean, rest, grad_sum)`; `grad_sum` is fp32 and not yet divided.
+    """
+    micro = split_microbatches(batch, k)
+    acc0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+    def body(carry, microbatch):
+        acc, rest = carry
+        (loss, (metrics, rest)), grads = grad_fn(params, rest, microbatch)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return (acc, rest), (loss.astype(jnp.float32), metrics)
+
+    (grad_sum, rest), (losses, metrics) = jax.lax.scan(body, (acc0, rest), micro)
+    metrics = jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
+    return jnp.mean(losses), metrics, rest, grad_sum
+
+
+def _finish(grad_sum, params, denominator: int):
+    """Mean gradient, in each parameter's own dtype (so the optimizer state keeps its dtypes)."""
+    return jax.tree.map(lambda g, p: (g / denominator).astype(jnp.result_type(p)), grad_sum, params)
+
+
+def accumulate_locally(grad_fn: GradFn, k: int, dp: int = 1,
+                       rows_per_replica: bool = True) -> GradFn:
+    """A microbatched `grad_fn` as a plain scan over the batch that the step function sees.
+
+    For one replica's batch (DDP, one device). Under SPMD `jit` on a global batch
+    (`rows_per_replica=False`) XLA reduces every microbatch's gradients inside the loop: k
+    times the traffic, but parameters and the accumulator stay sharded (FSDP's memory).
+
+    Args:
+        grad_fn: `(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.
+        k: microbatches per step.
+        dp: the data-parallel degree, used only to check and describe the global batch size.
+        rows_per_replica: whether the batch seen is one replica's share (pmap) or global.
+    """
+
+    def microbatched(params, rest, batch):
+        check_microbatches(batch, k, dp, rows_per_replica=rows_per_replica)
+        loss, metrics, rest, grad_sum = scan_microbatches(grad_fn, params, rest, batch, k)
+        return (loss, (metrics, rest)), _finish(grad_sum, params, k)
+
+    return microbatched
+
+
+def _without_axes(rules: Sequence, axes: Sequence[str]) -> tuple:
+    """The rules with `axes` removed from every target (they are manual inside shard_map)."""
+    out = []
+    for name, target in rules:
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        kept = tuple(a for a in targets if a not in axes)
+        out.append((name, kept or None))
+    return tuple(out)
+
+
+def accumulate_per_replica(
+    grad_fn: GradFn, k: int, mesh: jax.sharding.Mesh, batch_axes: Sequence[str],
+    rules: Sequence = (),
+) -> GradFn:
+    """A microbatched `grad_fn` for SPMD `jit` whose gradient collective runs once per step.
+
+    Args:
+        grad_fn: `(params, rest, batch) -> ((loss, (metrics, rest)), grads)` on global arrays.
+        k: microbatches per step.
+        mesh: the strategy's mesh.
+        batch_axes: the mesh axes the batch's leading dimension is split over (in that order).
+        rules: the strategy's logical-axis rules; activation constraints inside the body
+            (`jaxlight.nn.constrain`) keep the automatic axes (`tp`) and drop the manual ones.
+    """
+    from jaxlight.strategies._rules import activation_sharding
+
+    axes = tuple(batch_axes)
+    dp = int(np.prod([mesh.shape[a] for a in axes]))
+    lead = axes[0] if len(axes) == 1 else axes
+    inner_rules = _without_axes(rules, axes)
+
+    def per_replica(params, rest, batch):
+        with activation_sharding(mesh, inner_rules):
+            loss, metrics, rest, grad_sum = scan_microbatches(grad_fn, params, rest, batch, k)
+        # The one gradient collective of the step, in fp32, after the loop.
+        grad_sum = jax.lax.psum(grad_sum, axes)
+        loss, metrics = jax.lax.pmean((loss, metrics), axes)
+        rest = jax.tree.map(lambda r: jax.lax.pmean(r, axes) if _is_float(r) else r, rest)
+        return (loss, (metrics, rest)), _finish(grad_sum, params, k * dp)
+
+    def microbatched(params, rest, batch):
+        check_microbatches(batch, k, dp, rows_per_replica=False)
+        batch_specs = jax.tree.map(
+            lambda x: PartitionSpec(lead, *([None] * (np.ndim(x) - 1))), batch
+        )
+        # check_vma=False: with replication checking on, differentiating replicated parameters
+        # inside the body would insert a psum into the loop, which is exactly what this avoids.
+        # Outputs are made replicated explicitly above (psum/pmean; non-float `rest` leaves such
+        # as RNG counters advance identically on every replica).
+        return jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(), batch_specs),
+            out_specs=PartitionSpec(),
+            axis_names=frozenset(axes),
+            check_vma=False,
+        )(params, rest, batch)
+
+    return microbatched

@@ -1,0 +1,178 @@
+"""The sharding plan: what one training step costs per device, read from the compiled step.
+
+`Fit.plan(module, example_batch)` compiles the training step exactly as `fit` would (same
+strategy, callbacks and shardings) without running it, and reports:
+
+- per parameter: shape, dtype, PartitionSpec, bytes and bytes per device;
+- per device: argument, output, temporary and aliased bytes (`compiled.memory_analysis()`);
+- per step: collectives by kind with their buffer and ring-traffic bytes (`jaxlight._hlo`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight._hlo import KINDS, Collective, collectives, summarize
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """How one parameter is laid out."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: str
+    bytes: int
+    bytes_per_device: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The numbers behind `Fit.plan`; `str(plan)` is the printed table.
+
+    Attributes:
+        strategy: the strategy's `describe()` (name, mesh, rules).
+        params: one `ParamPlan` per trainable parameter.
+        param_bytes: all parameters, unsharded.
+        param_bytes_per_device: parameters one device holds.
+        opt_state_bytes_per_device: optimizer state one device holds.
+        memory: per-device bytes from `compiled.memory_analysis()` (`argument`, `output`,
+            `temp`, `alias`, `generated_code`).
+        collectives: every collective of the step (`jaxlight._hlo.Collective`).
+        collective_totals: per kind: `count`, `buffer_bytes`, `traffic_bytes` per step.
+    """
+
+    strategy: dict
+    params: tuple[ParamPlan, ...]
+    param_bytes: int
+    param_bytes_per_device: int
+    opt_state_bytes_per_device: int
+    memory: dict[str, int]
+    collectives: tuple[Collective, ...]
+    collective_totals: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict of the plan."""
+        out = dataclasses.asdict(self)
+        out["collectives"] = [dict(dataclasses.asdict(c), buffer_bytes=c.buffer_bytes,
+                                   traffic_bytes=c.traffic_bytes) for c in self.collectives]
+        return out
+
+    def table(self) -> str:
+        mesh = self.strategy.get("mesh", {})
+        lines = [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
+        lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
+                     f"{'per device':>11}")
+        for p in self.params:
+            lines.append(f"{p.path:<50} {str(p.shape):<18} {p.spec:<28} "
+                         f"{_fmt_bytes(p.bytes):>10} {_fmt_bytes(p.bytes_per_device):>11}")
+        lines.append(f"parameters: {_fmt_bytes(self.param_bytes)}, per device "
+                     f"{_fmt_bytes(self.param_bytes_per_device)}; optimizer state per device "
+                     f"{_fmt_bytes(self.opt_state_bytes_per_device)}")
+        lines += ["", "memory per device: " + ", ".join(
+            f"{k} {_fmt_bytes(v)}" for k, v in self.memory.items())]
+        lines += ["", f"{'collective':<20} {'count/step':>10} {'buffer bytes':>14} "
+                      f"{'ring traffic':>14}"]
+        for kind in KINDS:
+            t = self.collective_totals[kind]
+            lines.append(f"{kind:<20} {t['count']:>10} {_fmt_bytes(t['buffer_bytes']):>14} "
+                         f"{_fmt_bytes(t['traffic_bytes']):>14}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _spec_text(strategy, sharding) -> str:
+    from jaxlight.strategies._ddp import DDP
+
+    if isinstance(strategy, DDP):
+        return "replicated (pmap)"
+    spec = tuple(getattr(sharding, "spec", ()))
+    if not any(s is not None for s in spec):
+        return "replicated"
+    return "P(" + ", ".join("None" if s is None else repr(s) for s in spec) + ")"
+
+
+def _per_device_bytes(strategy, abstract, shardings) -> int:
+    total = 0
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings),
+                              strict=True):
+        local = strategy.shard_shape(tuple(leaf.shape), sharding)
+        total += math.prod(local) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _memory(compiled) -> dict[str, int]:
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends cannot analyse; the plan still reports the rest
+        stats = None
+    if stats is None:
+        return {}
+    names = ("argument", "output", "temp", "alias", "generated_code")
+    return {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0) for n in names}
+
+
+def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
+    """Compiles `fit`'s training step for `example_batch` and reports its layout and costs.
+
+    Nothing runs and no state is created. The compiled step is not kept: a later `fit.fit`
+    compiles its own (its batches may differ from the example).
+    """
+    from jaxlight._fit import _abstract_global_batch
+
+    fit._setup(module, "plan")
+    abstract_batch = _abstract_global_batch(example_batch)
+    strategy = fit.strategy
+    strategy.check_batch(abstract_batch)
+    prior = fit._compiled.pop("train", None)
+    try:
+        compiled, _ = fit._compile_train_step(abstract_batch)
+    finally:
+        fit._compiled.pop("train", None)
+        if prior is not None:
+            fit._compiled["train"] = prior
+
+    abstract, shardings = fit._spec.abstract_state, fit._shardings
+    params = []
+    flat_sh = jax.tree.leaves(shardings.params)
+    for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract.params),
+                                      flat_sh, strict=True):
+        shape = tuple(leaf.shape)
+        itemsize = np.dtype(leaf.dtype).itemsize
+        local = strategy.shard_shape(shape, sharding)
+        params.append(ParamPlan(
+            path=jax.tree_util.keystr(path), shape=shape, dtype=str(np.dtype(leaf.dtype)),
+            spec=_spec_text(strategy, sharding), bytes=math.prod(shape) * itemsize,
+            bytes_per_device=math.prod(local) * itemsize,
+        ))
+    found = tuple(collectives(compiled.as_text()))
+    result = Plan(
+        strategy=strategy.describe(),
+        params=tuple(params),
+        param_bytes=sum(p.bytes for p in params),
+        param_bytes_per_device=sum(p.bytes_per_device for p in params),
+        opt_state_bytes_per_device=_per_device_bytes(strategy, abstract.opt_state,
+                                                     shardings.opt_state),
+        memory=_memory(compiled),
+        collectives=found,
+        collective_totals=summarize(found),
+    )
+    if verbose and jax.process_index() == 0:
+        print(result.table())
+    return result

@@ -1,0 +1,136 @@
+"""Preemption: on SIGTERM or SIGUSR1, finish the step, checkpoint, wait for the commit, exit.
+
+Clusters announce an eviction with SIGTERM (Kubernetes, TPU VMs, most schedulers) or, with
+`sbatch --signal=USR1@90`, SLURM's SIGUSR1, some seconds before they kill the job. `Fit` adds a
+`PreemptionHandler` as its last callback; during `fit` it catches those signals, and after the
+training step in progress (every other callback's `on_train_batch_end` included) it saves a
+checkpoint through the first `ModelCheckpoint` (or under `<default_root_dir>/checkpoints`),
+blocks until orbax has committed it, prints how to resume, and raises `Preempted`, a
+`SystemExit` with status 128 + the signal number (143 for SIGTERM, 138 for SIGUSR1), the status
+of a process ended by that signal.
+
+With several processes all of them must save the same step. JAX's distributed runtime
+(`jax.distributed.initialize`) already watches SIGTERM and agrees on a step through its
+coordination service; the handler then asks `jaxlight.distributed.reached_preemption_sync_point`
+after each step (a local flag read until a notice arrives) and turns SIGUSR1 into that same
+notice. Without that service (`jax_enable_preemption_service=False`) it falls back to its own
+flag, agreed on at log intervals only (`jaxlight.distributed.agree_stop`, one barrier per
+interval; never a per-step host sync).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import jax
+
+from jaxlight.callbacks._base import Callback
+
+#: The signals treated as a preemption notice.
+SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None))
+                if s is not None)
+
+
+class Preempted(SystemExit):
+    """Raised (after a committed checkpoint) when a preemption signal stopped training."""
+
+    def __init__(self, signum: int, message: str, checkpoint: str):
+        super().__init__(128 + signum)
+        self.signum = signum
+        self.message = message
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _sync_manager() -> Any:
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.preemption_sync_manager
+    except Exception:  # noqa: BLE001 - private API moved: use the fallback
+        return None
+
+
+class PreemptionHandler(Callback):
+    """Turns SIGTERM/SIGUSR1 into checkpoint-and-exit after the current step (see module doc)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._use_sync_manager = False
+
+    # -- signal handlers ---------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:
+        del frame
+        if self.signum is None:
+            self.signum = signum
+            if jax.process_index() == 0:
+                print(f"jaxlight: received {signal.Signals(signum).name}; saving a checkpoint "
+                      "after the current step.", file=sys.stderr, flush=True)
+
+    def _forward_to_jax(self, signum, frame) -> None:
+        """SIGUSR1 with JAX's preemption service: raise the notice the service listens for."""
+        self._on_signal(signum, frame)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def setup(self, fit, module, stage: str) -> None:
+        self.signum = None
+        if stage != "fit" or threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only
+        self._use_sync_manager = jax.process_count() > 1 and _sync_manager() is not None
+        for sig in SIGNALS:
+            if self._use_sync_manager and sig == signal.SIGTERM:
+                continue  # JAX's runtime owns SIGTERM and propagates it to every process
+            handler = self._forward_to_jax if self._use_sync_manager else self._on_signal
+            self._previous[sig] = signal.signal(sig, handler)
+
+    def teardown(self, fit, module, stage: str) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    # -- after each step -----------------------------------------------------------------------
+
+    def _triggered(self, fit) -> bool:
+        if jax.process_count() == 1:
+            return self.signum is not None
+        from jaxlight import distributed
+
+        if self._use_sync_manager:
+            if distributed.reached_preemption_sync_point(fit.global_step):
+                self.signum = self.signum or signal.SIGTERM
+                return True
+            return False
+        if fit.global_step % fit.log_every_n_steps:
+            return False
+        # Every process calls this at the same log steps (one coordination-service barrier).
+        agreed = distributed.agree_stop(f"preempted {self.signum}" if self.signum else None)
+        if agreed is None:
+            return False
+        self.signum = self.signum or int(agreed.split()[1])
+        return True
+
+    def on_train_batch_end(self, fit, module, outputs, batch, batch_idx: int) -> None:
+        if not self._triggered(fit):
+            return
+        from jaxlight._checkpoint import save_on_preemption
+
+        path = save_on_preemption(fit, module)
+        name = signal.Signals(self.signum).name
+        message = (
+            f"jaxlight: stopped by {name} after step {fit.global_step}; checkpoint {path} is "
+            "committed. Resume with the same script and fit.fit(module, train_data, val_data, "
+            f"ckpt_path='last') (same ModelCheckpoint dirpath / default_root_dir), or "
+            f"ckpt_path={path!r}."
+        )
+        if jax.process_index() == 0:
+            print(message, file=sys.stderr, flush=True)
+        fit.request_stop(f"preempted by {name}")
+        raise Preempted(self.signum, message, path)

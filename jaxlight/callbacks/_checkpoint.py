@@ -1,0 +1,276 @@
+"""ModelCheckpoint: periodic, best-k and last checkpoints on orbax-checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.callbacks._base import Callback
+
+
+def _positive_or_none(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigurationError(f"ModelCheckpoint({name}={value!r}): give a positive integer or "
+                                 "None.")
+
+
+def _logged(fit) -> list[str]:
+    return sorted(k for k in fit.callback_metrics if k != "epoch")
+
+
+class ModelCheckpoint(Callback):
+    """Saves the train state with orbax-checkpoint, asynchronously and sharded.
+
+    What a checkpoint holds: parameters, optimizer state, step, epoch, RNG state (the model's
+    RNG variables), the data loader's position, every callback's `state_dict()` and the
+    hyperparameters; `docs/checkpoints.md` describes the layout, which plain orbax reads. Each
+    process writes its own shards; process 0 coordinates the commit. A save is atomic: orbax
+    writes `<step>.orbax-checkpoint-tmp` and renames it when every process has finished, and
+    older checkpoints are deleted only after that, so a killed or failed save deletes nothing.
+
+    When it saves: every `every_n_steps` optimizer steps (the state after that step; if a
+    validation runs at that step, after it, so the monitored value is fresh), or every
+    `every_n_epochs` epochs after the epoch's validation; with neither, at the end of every
+    epoch. With `save_last`, the final state is also saved when training ends.
+
+    Which it keeps: with `monitor`, the `save_top_k` best by the monitored value: a training
+    metric of the saved step itself for `every_n_steps` saves, else the latest value in
+    `fit.callback_metrics` (validation metrics are named `val_<name>`). A non-finite value
+    never counts as better than a finite one. Without `monitor`, the `save_top_k` latest.
+    `save_top_k=-1` keeps all, `0` none but the last. With `save_last`, the newest checkpoint is
+    always kept too (what `ckpt_path="last"` resumes from).
+
+    Args:
+        dirpath: the checkpoint directory (default `<default_root_dir>/checkpoints`).
+        every_n_steps: save every this many optimizer steps.
+        every_n_epochs: save every this many epochs (after the epoch's validation).
+        monitor: a metric name in `fit.callback_metrics` ranking the checkpoints.
+        mode: "min" or "max": which monitored values are better.
+        save_top_k: how many ranked checkpoints to keep (-1: all).
+        save_last: always keep the newest checkpoint, and save the final state at the end.
+        async_save: write in a background thread while training continues.
+
+    Example:
+        >>> from jaxlight import callbacks
+        >>> ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=100, monitor="val_loss")
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = True,
+        async_save: bool = True,
+    ):
+        _positive_or_none("every_n_steps", every_n_steps)
+        _positive_or_none("every_n_epochs", every_n_epochs)
+        if every_n_steps is not None and every_n_epochs is not None:
+            raise ConfigurationError(
+                f"ModelCheckpoint(every_n_steps={every_n_steps}, every_n_epochs="
+                f"{every_n_epochs}): choose one schedule; use two ModelCheckpoint callbacks with "
+                "different dirpaths for both."
+            )
+        if mode not in ("min", "max"):
+            raise ConfigurationError(f"ModelCheckpoint(mode={mode!r}): mode is 'min' or 'max'.")
+        if not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ConfigurationError(
+                f"ModelCheckpoint(save_top_k={save_top_k!r}): give -1 (keep all), 0 or a "
+                "positive number."
+            )
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        self.every_n_steps = every_n_steps
+        self.every_n_epochs = every_n_epochs
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.async_save = async_save
+        #: The best monitored value saved so far, its step and step directory.
+        self.best_model_score: float | None = None
+        self.best_step: int | None = None
+        self.best_model_path: str | None = None
+        #: The step directory of the newest save.
+        self.last_model_path: str | None = None
+        self._writer = None
+        self._stage: str | None = None
+        self._deferred = False  # a step save waiting for this step's validation
+        self._epoch_pending = False  # an epoch save waiting for the epoch's validation
+
+    @property
+    def state_key(self) -> str:
+        return f"ModelCheckpoint{{dirpath={self.dirpath!r}, monitor={self.monitor!r}}}"
+
+    def resolved_dirpath(self, fit) -> str:
+        from jaxlight._checkpoint import default_dirpath
+
+        return os.path.abspath(self.dirpath if self.dirpath is not None else default_dirpath(fit))
+
+    # -- state saved in checkpoints -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.mode, "best_model_score":
+                self.best_model_score, "best_step": self.best_step,
+                "best_model_path": self.best_model_path, "last_model_path": self.last_model_path}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("monitor") != self.monitor:
+            return  # ranked by another metric: start ranking afresh
+        self.best_model_score = state.get("best_model_score")
+        self.best_step = state.get("best_step")
+        self.best_model_path = state.get("best_model_path")
+        self.last_model_path = state.get("last_model_path")
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def setup(self, fit, module, stage: str) -> None:
+        self._stage = stage
+        if stage != "fit" or self._writer is not None:
+            return
+        from jaxlight._checkpoint import CheckpointWriter
+
+        self._writer = CheckpointWriter(
+            self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
+            save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save)
+
+    def teardown(self, fit, module, stage: str) -> None:
+        if stage == "fit" and self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
+
+    def on_train_start(self, fit, module) -> None:
+        self._deferred = self._epoch_pending = False
+        if (self.monitor is not None and self.monitor.startswith("val_")
+                and getattr(fit, "_val_data", None) is None):
+            raise ConfigurationError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) ranks by a validation metric, but "
+                "Fit.fit got no val_data. Pass val_data, or monitor a training metric such as "
+                "'loss'."
+            )
+
+    def on_train_batch_end(self, fit, module, outputs, batch, batch_idx: int) -> None:
+        if self.every_n_steps is None or fit.global_step % self.every_n_steps:
+            return
+        if _validation_due(fit):
+            self._deferred = True
+            return
+        current = None
+        if self.monitor is not None and self.monitor in getattr(outputs, "metrics", {}):
+            # This step's own value. Reading it waits for the step, which the save has to do
+            # anyway (it copies the state after this step); the logged value is a step older.
+            current = float(np.ravel(jax.device_get(outputs.metrics[self.monitor]))[0])
+        self._save(fit, module, current=current)
+
+    def on_validation_end(self, fit, module) -> None:
+        if self._stage != "fit":
+            return
+        if self._deferred or self._epoch_pending:
+            self._deferred = self._epoch_pending = False
+            self._save(fit, module)
+
+    def on_train_epoch_end(self, fit, module) -> None:
+        every = self.every_n_epochs
+        if every is None and self.every_n_steps is None:
+            every = 1
+        if every is not None and (fit.current_epoch + 1) % every == 0:
+            self._epoch_pending = True  # saved after the epoch's validation, if one runs
+
+    def on_train_epoch_start(self, fit, module) -> None:
+        if self._epoch_pending:
+            self._epoch_pending = False
+            self._save(fit, module)
+
+    def on_train_end(self, fit, module) -> None:
+        if self._epoch_pending or self._deferred:
+            self._epoch_pending = self._deferred = False
+            self._save(fit, module)
+        if self.save_last:
+            self._save(fit, module)
+        if self.monitor is not None and self.monitor not in fit.callback_metrics:
+            self._missing_monitor(fit)
+        if self._writer is not None:
+            self._writer.wait()
+
+    def on_exception(self, fit, module, exception: BaseException) -> None:
+        if self._writer is not None:
+            # Let a save already under way commit; the original exception is the one to report.
+            with contextlib.suppress(Exception):
+                self._writer.wait()
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def _missing_monitor(self, fit) -> None:
+        logged = _logged(fit)
+        raise ConfigurationError(
+            f"ModelCheckpoint(monitor={self.monitor!r}): no metric of that name was logged. "
+            f"Logged metrics: {logged}.{suggest(self.monitor, logged)} Validation metrics are "
+            "named 'val_<name>'."
+        )
+
+    def _monitor_value(self, fit, strict: bool = True) -> float | None:
+        if self.monitor is None:
+            return None
+        metrics = fit.callback_metrics
+        if self.monitor in metrics:
+            return float(metrics[self.monitor])
+        # Training metrics arrive at log intervals and validation metrics after a validation:
+        # the monitor is missing for real only once its kind has been logged.
+        is_val = self.monitor.startswith("val_")
+        seen = any(k.startswith("val_") for k in metrics) if is_val else \
+            any(not k.startswith(("val_", "test_")) and k != "epoch" for k in metrics)
+        if seen and strict:
+            self._missing_monitor(fit)
+        return None
+
+    def _save(self, fit, module, *, pin: bool = False, current: float | None = None) -> bool:
+        if self._writer is None or fit.state is None:
+            return False
+        value = current if current is not None else self._monitor_value(fit, strict=not pin)
+        finite = value is not None and math.isfinite(value)
+        if self.monitor is not None and not finite and not self.save_last and not pin:
+            return False  # it could never rank: do not spend a write on it
+        saved = self._writer.save(fit, module, value, pin=pin)
+        if saved:
+            path = self._writer.step_dir(fit.global_step)
+            self.last_model_path = path
+            if finite and (self.best_model_score is None or
+                           (value < self.best_model_score if self.mode == "min"
+                            else value > self.best_model_score)):
+                self.best_model_score, self.best_step, self.best_model_path = \
+                    value, fit.global_step, path
+        return saved
+
+    def save_now(self, fit, module, *, wait: bool = True, pin: bool = False) -> str:
+        """Saves the current state now (unless this step is saved already); returns its path.
+
+        With `wait`, blocks until the checkpoint has committed (preemption). With `pin`, the
+        retention policy keeps it until the next run's first save.
+        """
+        if self._writer is None:
+            self.setup(fit, module, "fit")
+        step = fit.global_step
+        if not self._save(fit, module, pin=pin) and pin:
+            self._writer.retention.pinned.add(step)
+        if wait:
+            self._writer.wait()
+        return self._writer.step_dir(step)
+
+
+def _validation_due(fit) -> bool:
+    """Whether the loop validates right after this training step (val_check_interval)."""
+    if getattr(fit, "_val_data", None) is None or fit.val_check_interval is None:
+        return False
+    try:
+        every = fit._val_every(fit.train_data)
+    except Exception:  # noqa: BLE001 - no len(): the loop could not validate by fraction either
+        return False
+    return bool(every) and fit.global_step % every == 0

@@ -1,0 +1,131 @@
+"""EarlyStopping: stop when a monitored metric stops improving (or stops being finite)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.callbacks._base import Callback
+
+
+class EarlyStopping(Callback):
+    """Stops training when `monitor` has not improved for `patience` checks.
+
+    The check runs after every validation during `fit` when `monitor` is a validation metric
+    (`val_<name>`), else at the end of every training epoch on the latest logged training
+    metrics. An improvement is a value better than the best so far by more than `min_delta`.
+    With `check_finite`, a NaN or infinite value stops training at once.
+
+    The decision is the same on every process: the metrics it reads are global (reduced on
+    device, then copied whole to every host), so every process computes the same decision from
+    the same bits; and `Fit` adopts a stop requested on any process on all of them at the same
+    step (`jaxlight.distributed.agree_stop`, at the agreement point right after the check), so
+    no process can be left waiting in the next step's collectives.
+
+    The wait counter and best value are saved in checkpoints and restored on resume.
+
+    Args:
+        monitor: the metric name, for example "val_loss" or "loss".
+        patience: checks without improvement before stopping.
+        mode: "min" or "max": which values are better.
+        min_delta: the smallest change that counts as an improvement.
+        check_finite: stop when the monitored value is NaN or infinite.
+
+    Example:
+        >>> from jaxlight import callbacks
+        >>> stop = callbacks.EarlyStopping("val_loss", patience=3, min_delta=1e-3)
+    """
+
+    def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
+                 min_delta: float = 0.0, check_finite: bool = True):
+        if mode not in ("min", "max"):
+            raise ConfigurationError(f"EarlyStopping(mode={mode!r}): mode is 'min' or 'max'.")
+        if not isinstance(patience, int) or patience < 1:
+            raise ConfigurationError(
+                f"EarlyStopping(patience={patience!r}): give a positive number of checks.")
+        if min_delta < 0:
+            raise ConfigurationError(
+                f"EarlyStopping(min_delta={min_delta}): give a non-negative amount; the mode "
+                "says which direction is better.")
+        self.monitor = monitor
+        self.patience = patience
+        self.mode = mode
+        self.min_delta = float(min_delta)
+        self.check_finite = check_finite
+        self.best_score: float | None = None
+        self.wait_count = 0
+        self.stopped_step: int | None = None
+        self.stop_reason: str | None = None
+        self._stage: str | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping{{monitor={self.monitor!r}}}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_score": self.best_score, "wait_count": self.wait_count,
+                "patience": self.patience, "stopped_step": self.stopped_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_score = state.get("best_score")
+        self.wait_count = int(state.get("wait_count", 0))
+        self.stopped_step = state.get("stopped_step")
+
+    def setup(self, fit, module, stage: str) -> None:
+        self._stage = stage
+
+    def on_train_start(self, fit, module) -> None:
+        if self.monitor.startswith("val_") and getattr(fit, "_val_data", None) is None:
+            raise ConfigurationError(
+                f"EarlyStopping(monitor={self.monitor!r}) watches a validation metric, but "
+                "Fit.fit got no val_data. Pass val_data or monitor a training metric."
+            )
+
+    def on_validation_end(self, fit, module) -> None:
+        if self._stage == "fit" and self.monitor.startswith("val_"):
+            self._check(fit)
+
+    def on_train_epoch_end(self, fit, module) -> None:
+        if not self.monitor.startswith("val_"):
+            self._check(fit)
+
+    def _improved(self, value: float) -> bool:
+        if self.best_score is None:
+            return True
+        if self.mode == "min":
+            return value < self.best_score - self.min_delta
+        return value > self.best_score + self.min_delta
+
+    def _decide(self, value: float) -> str | None:
+        """Updates the counters; returns why to stop, or None."""
+        if not math.isfinite(value):
+            if self.check_finite:
+                return (f"EarlyStopping: {self.monitor} = {value} is not finite; best was "
+                        f"{self.best_score}.")
+            self.wait_count += 1
+        elif self._improved(value):
+            self.best_score, self.wait_count = value, 0
+            return None
+        else:
+            self.wait_count += 1
+        if self.wait_count >= self.patience:
+            return (f"EarlyStopping: {self.monitor} did not improve by more than "
+                    f"{self.min_delta} for {self.wait_count} checks (best {self.best_score}, "
+                    f"now {value}).")
+        return None
+
+    def _check(self, fit) -> None:
+        metrics = fit.callback_metrics
+        if self.monitor not in metrics:
+            logged = sorted(k for k in metrics if k != "epoch")
+            raise ConfigurationError(
+                f"EarlyStopping(monitor={self.monitor!r}): no metric of that name was logged. "
+                f"Logged metrics: {logged}.{suggest(self.monitor, logged)} Validation metrics "
+                "are named 'val_<name>'."
+            )
+        reason = self._decide(float(metrics[self.monitor]))
+        if reason is not None:
+            self.stopped_step = fit.global_step
+            self.stop_reason = reason
+            fit.request_stop(reason)

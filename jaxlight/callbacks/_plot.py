@@ -1,0 +1,102 @@
+"""Training and validation curves as a PNG, written by the loggers at the end of a fit.
+
+Each panel is one metric: the training curve (`loss`) and, when there is one, its validation
+counterpart (`val_loss`) against the optimizer step. Monitor metrics (names with a `/`, such as
+`throughput/mfu`) and `epoch` are left out: they are not learning curves.
+
+matplotlib is an optional extra (`pip install 'jaxlight[plot]'`); without it the loggers print
+one line and carry on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterable
+
+_NOTED = False
+
+
+class MetricRows:
+    """Logged metrics as `(step, metrics)` rows, one per step (same-step rounds merged)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def add(self, step: int, metrics: dict[str, float]) -> None:
+        if self.rows and self.rows[-1][0] == step:
+            self.rows[-1][1].update(metrics)
+        else:
+            self.rows.append((int(step), dict(metrics)))
+
+
+def curve_names(keys: Iterable[str]) -> list[tuple[str, str | None, str | None]]:
+    """Panels as (title, training key, validation key), loss first.
+
+    Example:
+        >>> curve_names(["loss", "accuracy", "val_loss", "epoch", "throughput/mfu"])
+        [('loss', 'loss', 'val_loss'), ('accuracy', 'accuracy', None)]
+    """
+    keys = [k for k in keys if "/" not in k and k != "epoch"]
+    train = [k for k in keys if not k.startswith(("val_", "test_"))]
+    val = [k for k in keys if k.startswith("val_")]
+    panels = [(k, k, f"val_{k}" if f"val_{k}" in val else None) for k in train]
+    panels += [(k, None, k) for k in val if k[len("val_"):] not in train]
+    panels.sort(key=lambda p: (p[0] != "loss", p[0].removeprefix("val_") != "loss"))
+    return panels
+
+
+def plot_curves(rows: list[tuple[int, dict[str, float]]], path: str | os.PathLike,
+                title: str | None = None) -> str | None:
+    """Writes the curves of logged `(step, metrics)` rows to `path` (PNG); returns the path.
+
+    Returns None, after a one-line note on stderr, when matplotlib is not installed, and None
+    when there is nothing to plot.
+
+    Example:
+        >>> import tempfile, os
+        >>> rows = [(10, {"loss": 1.0}), (20, {"loss": 0.5, "val_loss": 0.6})]
+        >>> out = plot_curves(rows, os.path.join(tempfile.mkdtemp(), "curves.png"))
+    """
+    global _NOTED
+    keys: dict[str, None] = {}
+    for _, metrics in rows:
+        keys.update(dict.fromkeys(metrics))
+    panels = curve_names(keys)
+    if not panels:
+        return None
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        if not _NOTED:
+            print("jaxlight: matplotlib is not installed, so no training-curve PNG was written "
+                  "(pip install 'jaxlight[plot]').", file=sys.stderr)
+            _NOTED = True
+        return None
+
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    # The object API (no pyplot): no global backend switch, safe inside notebooks and threads.
+    fig = Figure(figsize=(4.5 * cols, 3.2 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    for i, (name, train_key, val_key) in enumerate(panels):
+        ax = fig.add_subplot(nrows, cols, i + 1)
+        for key, label, style in ((train_key, "train", "-"), (val_key, "validation", "o-")):
+            if key is None:
+                continue
+            points = [(s, m[key]) for s, m in rows if key in m and math.isfinite(m[key])]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, style, label=label, markersize=3)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if train_key is not None and val_key is not None:
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    path = os.fspath(path)
+    fig.savefig(path, dpi=100)
+    return path

@@ -1,0 +1,209 @@
+"""WandbLogger: Weights & Biases runs (offline when there is no API key), process 0 only."""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+from typing import Any
+from urllib.parse import urlparse
+
+import jax
+
+from jaxlight._errors import ConfigurationError
+from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._logdir import ensure_writable, hparams_record, plain, require
+from jaxlight.callbacks._plot import MetricRows, plot_curves
+
+
+def has_wandb_credentials() -> bool:
+    """True when wandb could authenticate without asking: an API key in the environment, an
+    identity token file, or a netrc entry for the W&B host. Reads no network."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbLogger(Callback):
+    """Logs a fit to Weights & Biases: configuration, every logged metric, summary, checkpoints.
+
+    The run's config holds the module's constructor arguments, the Fit configuration and the
+    strategy (mesh included), plus `config`. Every metric sent to `on_log` is logged at its
+    optimizer step; the summary gets the final metrics, the step and compile times. With
+    `log_model`, the checkpoints of `callbacks.ModelCheckpoint` become `model` artifacts.
+
+    Without credentials (no `WANDB_API_KEY`, no `wandb login`) and no explicit `mode`, the run
+    is offline: it is written under `<save_dir>/wandb/` and the logger prints the directory and
+    the `wandb sync` command that uploads it. Only process 0 logs.
+
+    Args:
+        project: the W&B project.
+        name: the run's display name (default: chosen by W&B).
+        config: extra configuration merged into the recorded hyperparameters.
+        mode: "online", "offline" or "disabled"; None means online with credentials, offline
+            without (`WANDB_MODE` in the environment also decides).
+        log_model: False; True to log the best and last checkpoints at the end of the fit;
+            "all" to log every checkpoint as it is saved.
+        save_dir: where the `wandb/` directory goes (default: `Fit.default_root_dir`).
+        plot: also write `curves.png` (training and validation curves) into the run's files.
+        **init_kwargs: passed to `wandb.init` (entity, tags, group, notes, settings, ...).
+
+    Example:
+        >>> logger = WandbLogger(project="demo", mode="offline")  # doctest: +SKIP
+    """
+
+    is_logger = True
+
+    def __init__(self, project: str | None = None, name: str | None = None,
+                 config: dict[str, Any] | None = None, mode: str | None = None,
+                 log_model: bool | str = False, save_dir: str | None = None, plot: bool = True,
+                 **init_kwargs: Any):
+        self._wandb = require("wandb", "wandb", "WandbLogger")
+        if log_model not in (False, True, "all"):
+            raise ConfigurationError(
+                f"WandbLogger(log_model={log_model!r}): use False, True (best and last "
+                "checkpoints at the end) or 'all' (every checkpoint as it is saved)."
+            )
+        if mode not in (None, "online", "offline", "disabled"):
+            raise ConfigurationError(
+                f"WandbLogger(mode={mode!r}): use 'online', 'offline', 'disabled' or None."
+            )
+        self.project = project
+        self.name = name
+        self.config = dict(config or {})
+        self.mode = mode
+        self.log_model = log_model
+        self.save_dir = save_dir
+        self.plot = plot
+        self.init_kwargs = init_kwargs
+        self.run = None
+        self.run_id: str | None = None
+        self.run_dir: str | None = None  # the run's directory (what `wandb sync` takes)
+        self._history = MetricRows()
+        self._logged_paths: set[str] = set()
+        self._save_seen = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def resolved_mode(self) -> str:
+        """The mode the run will use, following `mode`, `WANDB_MODE` and the credentials."""
+        if self.mode is not None:
+            return self.mode
+        env = os.environ.get("WANDB_MODE")
+        if env:
+            return {"run": "online", "dryrun": "offline"}.get(env, env)
+        return "online" if has_wandb_credentials() else "offline"
+
+    def setup(self, fit, module, stage: str) -> None:
+        if jax.process_index() != 0 or self.run is not None:
+            return
+        save_dir = ensure_writable(self.save_dir or fit.default_root_dir, "WandbLogger")
+        mode = self.resolved_mode()
+        if mode == "offline" and self.mode is None and not os.environ.get("WANDB_MODE"):
+            print("jaxlight: no W&B credentials found (WANDB_API_KEY or `wandb login`), so "
+                  "the W&B run is offline.", file=sys.stderr)
+        kwargs = dict(self.init_kwargs)
+        if self.run_id is not None:  # a later stage (validate, test) continues the same run
+            kwargs.setdefault("id", self.run_id)
+            kwargs.setdefault("resume", "allow")
+        self.run = self._wandb.init(
+            project=self.project, name=self.name, dir=save_dir, mode=mode,
+            config={**hparams_record(fit, module), **plain(self.config)},
+            reinit="create_new", **kwargs,
+        )
+        self.run_id = self.run.id
+        self.run_dir = getattr(self.run.settings, "sync_dir", None) or os.path.dirname(
+            self.run.dir)
+
+    def on_log(self, fit, module, metrics, step) -> None:
+        if self.run is None:
+            return
+        self.run.log(dict(metrics), step=int(step))
+        self._history.add(step, metrics)
+        if self._save_seen and self.log_model == "all":
+            self._log_checkpoints(fit, final=False)
+
+    def on_save_checkpoint(self, fit, module, checkpoint) -> None:
+        # The checkpoint is being written now (asynchronously, perhaps); it is logged once a
+        # later hook finds it committed on disk.
+        self._save_seen = True
+
+    def on_fit_end(self, fit, module) -> None:
+        if self.run is None:
+            return
+        if self.log_model:
+            self._log_checkpoints(fit, final=True)
+        if self.plot and os.path.isdir(self.run.dir):  # a disabled run has no directory
+            plot_curves(self._history.rows, os.path.join(self.run.dir, "curves.png"),
+                        title=type(module).__name__)
+
+    def on_exception(self, fit, module, exception) -> None:
+        if self.run is not None:
+            self.run.summary["exception"] = f"{type(exception).__name__}: {exception}"
+
+    def teardown(self, fit, module, stage: str) -> None:
+        if self.run is None:
+            return
+        summary = {"global_step": fit.global_step, **fit.callback_metrics}
+        summary.update({f"compile_time/{k}": v for k, v in fit.compile_times.items()})
+        self.run.summary.update(plain(summary))
+        offline = self.run.settings.mode == "offline" or getattr(
+            self.run.settings, "_offline", False)
+        self.run.finish()
+        self.run = None
+        if offline:
+            print(f"jaxlight: W&B run {self.run_id} is stored offline in {self.run_dir}; "
+                  f"upload it with: wandb sync {self.run_dir}", file=sys.stderr)
+
+    # -- checkpoints as artifacts ------------------------------------------------------------
+
+    def _checkpoint_paths(self, fit, final: bool) -> list[tuple[str, list[str], dict]]:
+        """Committed checkpoint directories of the fit's ModelCheckpoint callbacks.
+
+        Returns (path, aliases, metadata). Final: the best and the last checkpoint; otherwise
+        every committed step directory not logged yet.
+        """
+        from jaxlight.callbacks._checkpoint import ModelCheckpoint
+
+        found: dict[str, tuple[list[str], dict]] = {}
+        for cb in fit.callbacks:
+            if not isinstance(cb, ModelCheckpoint):
+                continue
+            meta = {"monitor": cb.monitor, "mode": cb.mode}
+            if final:
+                for path, alias in ((cb.best_model_path, "best"), (cb.last_model_path, "latest")):
+                    if path and os.path.isdir(path):
+                        entry = found.setdefault(os.path.abspath(path), ([], dict(meta)))
+                        entry[0].append(alias)
+                best = cb.best_model_path and os.path.abspath(cb.best_model_path)
+                if best in found and cb.best_model_score is not None:
+                    found[best][1]["score"] = float(cb.best_model_score)
+                continue
+            dirpath = cb.resolved_dirpath(fit)
+            if os.path.isdir(dirpath):
+                # orbax writes into "<step>.orbax-checkpoint-tmp..." and renames on commit.
+                steps = [e for e in os.scandir(dirpath) if e.is_dir() and e.name.isdigit()]
+                for entry in sorted(steps, key=lambda e: int(e.name)):
+                        found.setdefault(os.path.abspath(entry.path), ([], dict(meta)))
+        return [(p, a, m) for p, (a, m) in found.items()
+                if final or p not in self._logged_paths]
+
+    def _log_checkpoints(self, fit, final: bool) -> None:
+        if self.run.settings.mode == "disabled":
+            return
+        if final and self.log_model == "all":
+            self._log_checkpoints(fit, final=False)  # the saves since the last log round
+        for path, aliases, meta in self._checkpoint_paths(fit, final):
+            artifact = self._wandb.Artifact(f"model-{self.run_id}", type="model",
+                                            metadata=plain({**meta, "path": path,
+                                                            "global_step": fit.global_step}))
+            artifact.add_dir(path, name=os.path.basename(path.rstrip(os.sep)))
+            # W&B moves "latest" to each newly logged version by itself; the final pass logs
+            # the last checkpoint last, so "latest" ends on it.
+            self.run.log_artifact(artifact, aliases=aliases or None)
+            self._logged_paths.add(path)

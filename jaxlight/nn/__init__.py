@@ -1,0 +1,38 @@
+"""Annotated building blocks that shard correctly under every jaxlight strategy.
+
+Parameters carry logical axis names in MaxText's vocabulary ("embed", "mlp", "heads", "kv",
+"vocab", "norm", "layers"); activations are constrained with "batch", "length" and
+"activation_*" names. A strategy's rules table (`jaxlight.strategies.DEFAULT_RULES`) maps them
+to mesh axes.
+
+| block | weights (logical axes) |
+|---|---|
+| `Dense` | any, e.g. `("embed", "mlp")` column-parallel, `("mlp", "embed")` row-parallel |
+| `Embed` | `("vocab", "embed")`, vocabulary-parallel |
+| `RMSNorm` | `("norm",)` |
+| `MultiHeadAttention` | qkv `("embed", None, "heads", "kv")`, out `("heads", "kv", "embed")` |
+| `MLP` (SwiGLU) | fused gate/up `("embed", None, "mlp")`, down `("mlp", "embed")` |
+| `Stacked` | a leading `"layers"` axis on every weight of the repeated block |
+| `TransformerLM` | all of the above |
+"""
+
+from jaxlight.nn._layers import MLP, Dense, Embed, MultiHeadAttention, RMSNorm, apply_rope
+from jaxlight.nn._stacked import LAYERS, Stacked
+from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
+from jaxlight.strategies._rules import constrain
+
+__all__ = [
+    "LAYERS",
+    "MLP",
+    "Dense",
+    "Embed",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "Stacked",
+    "TransformerBlock",
+    "TransformerConfig",
+    "TransformerLM",
+    "apply_rope",
+    "constrain",
+    "lm_loss",
+]

@@ -1,0 +1,90 @@
+"""Stacked: a repeated block whose parameters carry a leading "layers" axis, run as a scan."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from jaxlight.nn._pipeline import active_pipeline, run_pipeline
+
+#: The logical name of the stacked-layers axis (the rules table maps it: None on most
+#: strategies, the pipeline axis under GPipe).
+LAYERS = "layers"
+
+
+class Stacked(nnx.Module):
+    """`num_layers` copies of one block, stored stacked and applied as a scan.
+
+    Every parameter of the block gains a leading dimension of size `num_layers` with the logical
+    axis name `"layers"` (for annotated parameters), so the whole stack is one array per
+    parameter: the step compiles one block body whatever the depth, and a pipelined strategy can
+    split the layer axis over its stages.
+
+    Args:
+        make_block: `make_block(rngs) -> nnx.Module`; the block maps `(x, *args) -> x` with `x`
+            of an unchanged shape (the scan carry).
+        num_layers: how many blocks.
+        rngs: random streams; each layer gets its own split of every stream.
+        remat: recompute each block's activations in the backward pass (`nnx.remat`) instead
+            of storing them: less memory, about a third more compute.
+
+    Example:
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> stack = Stacked(lambda rngs: nnx.Linear(4, 4, rngs=rngs), 3, rngs=nnx.Rngs(0))
+        >>> stack.layers.kernel.shape
+        (3, 4, 4)
+        >>> stack(jnp.ones((2, 4))).shape
+        (2, 4)
+    """
+
+    def __init__(
+        self,
+        make_block: Callable[[nnx.Rngs], nnx.Module],
+        num_layers: int,
+        *,
+        rngs: nnx.Rngs,
+        remat: bool = False,
+    ):
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"Stacked needs num_layers >= 1, got {num_layers!r}.")
+        self.num_layers = num_layers
+        self.remat = remat
+
+        @nnx.split_rngs(splits=num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+        def create(rngs: nnx.Rngs) -> nnx.Module:
+            return make_block(rngs)
+
+        #: The stacked block: one module whose every variable has a leading layer axis.
+        self.layers = create(rngs)
+
+    def __call__(self, x, *args) -> Any:
+        """Applies the blocks in order; `args` (positions, masks, ...) go to every block."""
+        pipeline = active_pipeline()
+        if pipeline is not None:
+            # A pipelined strategy (GPipe, Hybrid with a pipe axis) is tracing this step: the
+            # same layers run as the GPipe schedule over the pipe axis (jaxlight.nn._pipeline).
+            return run_pipeline(self, pipeline, x, *args)
+        return self._run_scan(x, *args)
+
+    def _run_scan(self, x, *args) -> Any:
+        """The plain layer loop: `nnx.scan` over the stacked layer axis."""
+
+        def body(block, carry, *rest):
+            return block(carry, *rest)
+
+        if self.remat:
+            body = nnx.remat(body)
+
+        @nnx.scan(
+            in_axes=(0, nnx.Carry) + (None,) * len(args),
+            out_axes=nnx.Carry,
+            transform_metadata={nnx.PARTITION_NAME: LAYERS},
+        )
+        def scan_fn(block, carry, *rest):
+            return body(block, carry, *rest)
+
+        return scan_fn(self.layers, x, *args)

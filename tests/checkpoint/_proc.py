@@ -1,0 +1,71 @@
+"""Running `_child.py` in a real subprocess and watching its output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child.py")
+
+
+class Child:
+    """A training subprocess; its stdout lines are collected by a thread (no pipe stalls)."""
+
+    #: Every child started, so that a failing test leaves no process behind (see conftest).
+    started: list[Child] = []
+
+    def __init__(self, cfg: dict, workdir: str, env: dict | None = None):
+        self.stderr_path = os.path.join(workdir, f"child-{time.monotonic_ns()}.stderr")
+        self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, json.dumps(cfg)], cwd=workdir, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, env=dict(os.environ) if env is None else env,
+        )
+        Child.started.append(self)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, prefix: str, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if line.startswith(prefix):
+                    return line
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.01)
+        self.proc.kill()
+        raise AssertionError(f"child never printed {prefix!r}; stdout {self.lines[-5:]}, "
+                             f"stderr tail {self.stderr()[-2000:]}")
+
+    def finish(self, timeout: float = 180.0) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self._reader.join(5)
+            self._stderr.close()
+        return rc
+
+    def stderr(self) -> str:
+        with open(self.stderr_path) as f:
+            return f.read()
+
+
+def kill_leftovers() -> None:
+    """SIGKILLs every child still running (a test failed before it ended them)."""
+    while Child.started:
+        child = Child.started.pop()
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+        if not child._stderr.closed:
+            child._stderr.close()

@@ -1,0 +1,194 @@
+"""Real multi-process runs on 127.0.0.1 (gloo): 2 processes x 4 simulated CPU devices each.
+
+Few launches, each doing several things, because every process pays the JAX import and its
+compiles: one training run (three strategies, checkpoints both ways), one run of bad-input
+scenarios, and short runs for missing and dead processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from tests.distributed import _train_script as script
+from tests.distributed._launch_util import run_launcher, run_processes
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, "_train_script.py")
+SCENARIOS = os.path.join(HERE, "_scenarios.py")
+STRATEGIES = ["dp", "fsdp", "hybrid"]
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _failed(results) -> str:
+    return "\n".join(r.output[-6000:] for r in results if r.returncode != 0)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fits in this process, 1 process x 8 devices; FSDP checkpoints every 2 steps."""
+    out = tmp_path_factory.mktemp("reference")
+    return out, {name: script.train(name, str(out / name), ckpt_dir=str(out / "ckpt_single")
+                                    if name == "fsdp" else None) for name in STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def multi(reference):
+    """One 2-process job: the DataParallel, FSDP (checkpointing) and Hybrid fits, then a fit
+    resuming the 1-process FSDP checkpoint of step 4."""
+    out = reference[0]
+    names = [*STRATEGIES, "ckpt_resume"]
+    results = run_processes(TRAIN, [str(out), *names], nprocs=2, devices_per_proc=4, timeout=420)
+    assert all(r.returncode == 0 for r in results), _failed(results)
+
+    def load(name, rank):
+        with open(out / f"{name}_rank{rank}.json") as f:
+            meta = json.load(f)
+        meta["losses"] = {int(k): v for k, v in meta["losses"].items()}
+        arrays = np.load(out / f"{name}_rank{rank}.npz")
+        meta["params"] = {k[len("param"):]: arrays[k] for k in arrays if k.startswith("param")}
+        meta["predictions"], meta["batch"] = arrays["predictions"], arrays["batch"]
+        return meta
+
+    return out, {(n, r): load(n, r) for n in names for r in (0, 1)}
+
+
+def _assert_same_run(got: dict, want: dict, steps) -> None:
+    assert sorted(got["losses"]) == list(steps)
+    np.testing.assert_allclose([got["losses"][s] for s in steps],
+                               [want["losses"][s] for s in steps], **TOL)
+    assert got["params"].keys() == want["params"].keys()
+    for key, value in want["params"].items():
+        np.testing.assert_allclose(got["params"][key], value, **TOL, err_msg=key)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_two_processes_match_one_process(multi, reference, name):
+    _, runs = multi
+    want = reference[1][name]
+    for rank in (0, 1):
+        got = runs[name, rank]
+        assert (got["process_count"], got["device_count"]) == (2, 8)
+        _assert_same_run(got, want, range(1, script.STEPS + 1))
+        assert got["val"].keys() == want["val"].keys()
+        np.testing.assert_allclose([got["val"][k] for k in sorted(want["val"])],
+                                   [want["val"][k] for k in sorted(want["val"])], **TOL)
+        np.testing.assert_allclose(got["predictions"], want["predictions"], **TOL)
+        assert got["predictions"].shape[0] == 33
+        assert got["compiles"] == want["compiles"] == {
+            "init": 1, "train": 1, "eval:validation_step": 1, "predict": 1}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_global_batch_is_the_one_process_batch_row_for_row(multi, reference, name):
+    _, runs = multi
+    for rank in (0, 1):
+        np.testing.assert_array_equal(runs[name, rank]["batch"], reference[1][name]["batch"])
+
+
+def test_only_process_zero_writes_logs(multi):
+    out, _ = multi
+    rank0 = [os.path.join(d, f) for d, _, files in os.walk(out / "dp" / "rank0") for f in files]
+    assert any(f.endswith("metrics.csv") for f in rank0), rank0
+    rank1 = [os.path.join(d, f) for d, _, files in os.walk(out / "dp" / "rank1") for f in files]
+    assert rank1 == []
+
+
+def test_two_process_checkpoint_resumes_in_one_process(multi, reference, tmp_path):
+    out, _ = multi
+    # Both processes wrote their shards of the FSDP state (and process 0 committed it).
+    state = out / "ckpt_multi" / "4" / "state"
+    for rank in (0, 1):
+        assert os.listdir(state / f"ocdbt.process_{rank}" / "d"), rank
+    resumed = script.train("fsdp", str(tmp_path / "resumed"),
+                           ckpt_path=str(out / "ckpt_multi" / "4"), evaluate=False)
+    _assert_same_run(resumed, reference[1]["fsdp"], range(5, script.STEPS + 1))
+
+
+def test_one_process_checkpoint_resumes_in_two_processes(multi, reference):
+    _, runs = multi
+    for rank in (0, 1):
+        _assert_same_run(runs["ckpt_resume", rank], reference[1]["fsdp"],
+                         range(5, script.STEPS + 1))
+
+
+def test_bad_input_across_processes(tmp_path):
+    names = ["versions", "batch_size", "data_length", "stop_on_one_process", "tp_everywhere",
+             "mesh_size"]
+    results = run_processes(SCENARIOS, [str(tmp_path), *names], timeout=240)
+    assert all(r.returncode == 0 for r in results), _failed(results)
+    seen = {(n, r): json.loads((tmp_path / f"{n}_rank{r}.json").read_text())
+            for n in names for r in (0, 1)}
+    for rank in (0, 1):  # every process fails alike, so none is left waiting
+        assert seen["versions", rank]["error"] == "DistributedError"
+        assert re.search(r"different versions of jaxlight \(process 0: jaxlight \S+; process 1: "
+                         r"jaxlight 0\.0\.0-other\)", seen["versions", rank]["message"])
+        assert seen["batch_size", rank]["error"] == "DataError"
+        assert re.search(r"per-process training batch differs .*process 0: \['x'\] \(16, 16\) "
+                         r"float32.*process 1: \['x'\] \(8, 16\)",
+                         seen["batch_size", rank]["message"])
+        assert seen["batch_size", rank]["compiles"] == {}  # refused before compiling
+        assert seen["data_length", rank]["error"] == "DataError"
+        assert "different lengths (process 0: 4, process 1: 3 batches)" in \
+            seen["data_length", rank]["message"]
+        # Only process 1 asked to stop, at step 3: both stopped there.
+        assert seen["stop_on_one_process", rank]["global_step"] == 3
+        assert "a host-side decision on process 1" in seen["stop_on_one_process", rank]["reason"]
+        assert seen["tp_everywhere", rank]["error"] == "ShardingError"
+        assert re.search(r"on mesh \{'tp': 8\} the devices of process 0 hold batch rows \[0, 32\) "
+                         r"of 32, but each process feeds rows \[0, 16\)",
+                         seen["tp_everywhere", rank]["message"])
+        assert seen["mesh_size", rank]["error"] == "ConfigurationError"
+        assert re.search(r"mesh_shape \{'data': 2, 'tp': 2\} has 4 devices but 8 are available "
+                         r"\(cpu; 2 processes x 4 local devices\)",
+                         seen["mesh_size", rank]["message"])
+
+
+def test_missing_process_ends_with_a_clear_error_within_the_timeout():
+    code = "import jaxlight; jaxlight.distributed.initialize()"
+
+    def alone(rank):
+        [result] = run_processes(code, ranks=[rank], world_size=2, dist_timeout=3,
+                                 devices_per_proc=1, timeout=60)
+        return result
+
+    # WORLD_SIZE=2 but one process starts: rank 0 (two separate jobs, run side by side).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        r0, r1 = pool.map(alone, [0, 1])
+    # Rank 0 waits 3 s for rank 1, then says so.
+    assert r0.returncode == 1, r0.output
+    assert re.search(r"DistributedError: process 0 waited 3 s for the other processes of the job "
+                     r"to connect to its coordinator at 127\.0\.0\.1:\d+, but not all 2 arrived\. "
+                     r"Check that WORLD_SIZE=2 matches the number of processes started", r0.stderr)
+    # Rank 1 alone: nobody listens at the coordinator address.
+    assert r1.returncode == 1, r1.output
+    assert re.search(r"process 1 could not reach the coordinator at 127\.0\.0\.1:\d+ within 3 s: "
+                     r"nothing is listening there", r1.stderr)
+
+
+def test_launcher_stops_the_others_when_one_dies(tmp_path):
+    done, _ = run_launcher(["--nprocs", "2", "--devices-per-proc", "1", "--timeout", "10",
+                            "--grace", "1", "--", "python", SCENARIOS, str(tmp_path), "die"],
+                           timeout=120)
+    ended = time.time()
+    assert done.returncode == 128 + 9, done.stderr  # rank 1's SIGKILL, passed on
+    died = float(re.search(r"\[rank1\] rank 1 dies at ([0-9.]+)", done.stdout).group(1))
+    assert ended - died < 10, (ended - died, done.stderr)  # within --timeout, not a hang
+    assert "jaxlight launch: rank 1 failed (killed by SIGKILL); stopping rank 0." in done.stderr
+
+
+def test_dead_peer_ends_the_others_without_a_launcher(tmp_path):
+    # Rank 1 dies; rank 0 (the coordinator, sleeping, in no collective) notices through JAX's
+    # heartbeats within the 5 s timeout and terminates with JAX's diagnosis.
+    results = run_processes(SCENARIOS, [str(tmp_path), "die"], devices_per_proc=1,
+                            dist_timeout=5, timeout=120)
+    r0, r1 = results
+    assert r1.returncode == -9 and r0.returncode != 0, _failed(results)
+    assert "another task died" in r0.stderr and "stopped sending heartbeats" in r0.stderr
+    assert r0.seconds - r1.seconds < 5 + 5, (r0.seconds, r1.seconds)
