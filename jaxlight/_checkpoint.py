@@ -170,6 +170,8 @@ class Retention:
         keep = [info.step in self.pinned for info in checkpoints]
         if not n:
             return keep
+        if self.top_k < 0:  # keep all, scored or not (a save before the monitor was logged too)
+            return [True] * n
         if self.keep_last:
             keep[max(range(n), key=lambda i: checkpoints[i].step)] = True
         if self.monitor is None:

@@ -144,9 +144,25 @@ def _without_axes(rules: Sequence, axes: Sequence[str]) -> tuple:
     return tuple(out)
 
 
+def _manual_dim(spec: Any, axes: Sequence[str]) -> tuple[int, tuple[str, ...]] | None:
+    """The one dimension of a parameter spec sharded over manual (batch) axes only, if any."""
+    if spec is None:
+        return None
+    found = None
+    for dim, entry in enumerate(tuple(spec)):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        manual = tuple(n for n in names if n in axes)
+        if not manual:
+            continue
+        if len(manual) != len(names) or found is not None:
+            return None  # mixed manual/automatic sharding: left to GSPMD at the boundary
+        found = (dim, manual)
+    return found
+
+
 def accumulate_per_replica(
     grad_fn: GradFn, k: int, mesh: jax.sharding.Mesh, batch_axes: Sequence[str],
-    rules: Sequence = (),
+    rules: Sequence = (), param_specs: Any = None,
 ) -> GradFn:
     """A microbatched `grad_fn` for SPMD `jit` whose gradient collective runs once per step.
 
@@ -157,6 +173,10 @@ def accumulate_per_replica(
         batch_axes: the mesh axes the batch's leading dimension is split over (in that order).
         rules: the strategy's logical-axis rules; activation constraints inside the body
             (`jaxlight.nn.constrain`) keep the automatic axes (`tp`) and drop the manual ones.
+        param_specs: PartitionSpecs of the parameters (a pytree like them), or None. A
+            parameter sharded over batch axes (FSDP) then enters as its shard, is all-gathered
+            once inside, and its gradient leaves through one reduce-scatter (`psum_scatter`)
+            into the same shard layout: (N−1)/N·Ψβ each way, the least FSDP can move.
     """
     from jaxlight.strategies._rules import activation_sharding
 
@@ -165,11 +185,58 @@ def accumulate_per_replica(
     lead = axes[0] if len(axes) == 1 else axes
     inner_rules = _without_axes(rules, axes)
 
+    treedef = None
+    manual_dims = None
+    if param_specs is not None:
+        treedef = jax.tree.structure(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        manual_dims = [_manual_dim(sp, axes) for sp in
+                       jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))]
+
+    def param_in_specs():
+        if manual_dims is None:
+            return PartitionSpec()
+        specs = []
+        for md in manual_dims:
+            if md is None:
+                specs.append(PartitionSpec())
+            else:
+                dim, names = md
+                entries = [None] * (dim + 1)
+                entries[dim] = names[0] if len(names) == 1 else names
+                specs.append(PartitionSpec(*entries))
+        return jax.tree.unflatten(treedef, specs)
+
+    def gather(params):
+        if manual_dims is None:
+            return params
+        leaves = jax.tree.leaves(params)
+        out = [x if md is None else jax.lax.all_gather(x, md[1], axis=md[0], tiled=True)
+               for x, md in zip(leaves, manual_dims, strict=True)]
+        return jax.tree.unflatten(jax.tree.structure(params), out)
+
+    def reduce(grad_sum):
+        if manual_dims is None:
+            return jax.lax.psum(grad_sum, axes)
+        leaves = jax.tree.leaves(grad_sum)
+        out = []
+        for g, md in zip(leaves, manual_dims, strict=True):
+            if md is None:
+                out.append(jax.lax.psum(g, axes))
+                continue
+            dim, names = md
+            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+            others = tuple(a for a in axes if a not in names)
+            out.append(jax.lax.psum(g, others) if others else g)
+        return jax.tree.unflatten(jax.tree.structure(grad_sum), out)
+
     def per_replica(params, rest, batch):
+        shards = params
+        params = gather(params)  # FSDP: the one all-gather of the step, before the loop
         with activation_sharding(mesh, inner_rules):
             loss, metrics, rest, grad_sum = scan_microbatches(grad_fn, params, rest, batch, k)
         # The one gradient collective of the step, in fp32, after the loop.
-        grad_sum = jax.lax.psum(grad_sum, axes)
+        grad_sum = reduce(grad_sum)
+        params = shards
         loss, metrics = jax.lax.pmean((loss, metrics), axes)
         rest = jax.tree.map(lambda r: jax.lax.pmean(r, axes) if _is_float(r) else r, rest)
         return (loss, (metrics, rest)), _finish(grad_sum, params, k * dp)
@@ -183,11 +250,12 @@ def accumulate_per_replica(
         # inside the body would insert a psum into the loop, which is exactly what this avoids.
         # Outputs are made replicated explicitly above (psum/pmean; non-float `rest` leaves such
         # as RNG counters advance identically on every replica).
+        p_specs = param_in_specs()
         return jax.shard_map(
             per_replica,
             mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(), batch_specs),
-            out_specs=PartitionSpec(),
+            in_specs=(p_specs, PartitionSpec(), batch_specs),
+            out_specs=(PartitionSpec(), p_specs),
             axis_names=frozenset(axes),
             check_vma=False,
         )(params, rest, batch)

@@ -105,6 +105,10 @@ def build_train_step(
     grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
     for cb in callbacks:
         grad_fn = cb.transform_grad(grad_fn)
+    if not any(getattr(cb, "computes_gradients", False) for cb in callbacks):
+        # The strategy's own gradient layout (FSDP: gather once, reduce-scatter once), unless a
+        # callback (GradientAccumulation) already asked the strategy for it.
+        grad_fn = strategy.gradient_fn(grad_fn)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)

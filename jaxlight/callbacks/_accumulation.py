@@ -42,6 +42,9 @@ class GradientAccumulation(Callback):
         ...              enable_progress_bar=False, logger=False)
     """
 
+    #: The gradient function it returns is the strategy's own layout (see `_step.py`).
+    computes_gradients = True
+
     def __init__(self, k: int, *, sync_every_microbatch: bool = False):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigurationError(

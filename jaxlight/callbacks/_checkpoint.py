@@ -236,8 +236,9 @@ class ModelCheckpoint(Callback):
             return False
         value = current if current is not None else self._monitor_value(fit, strict=not pin)
         finite = value is not None and math.isfinite(value)
-        if self.monitor is not None and not finite and not self.save_last and not pin:
-            return False  # it could never rank: do not spend a write on it
+        if (self.monitor is not None and not finite and not self.save_last and not pin
+                and self.save_top_k != -1):
+            return False  # it could never rank (and keep-all is off): do not spend a write
         saved = self._writer.save(fit, module, value, pin=pin)
         if saved:
             path = self._writer.step_dir(fit.global_step)

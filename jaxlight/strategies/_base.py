@@ -130,6 +130,14 @@ class Strategy(abc.ABC):
 
     # -- inside the traced step --------------------------------------------------------------
 
+    def gradient_fn(self, grad_fn: Callable) -> Callable:
+        """The strategy's layout of `grad_fn(params, rest, batch)` when no callback sets one.
+
+        Identity by default (XLA places the collectives); FSDP gathers once and
+        reduce-scatters once.
+        """
+        return grad_fn
+
     def reduce_gradients(self, grads: Any) -> Any:
         """Makes per-replica gradients global. SPMD: already global (identity)."""
         return grads

@@ -82,6 +82,7 @@ class SpmdStrategy(Strategy):
                 f"{type(self).__name__}: unknown mesh axis {unknown[0]!r} in {dict(mesh_shape)}; "
                 f"valid axes are {list(MESH_AXES)}.{suggest(unknown[0], MESH_AXES)}"
             )
+        self._param_specs = None
         self.mesh_shape = dict(mesh_shape)
         self.rules = tuple((str(k), v) for k, v in rules)
         #: Rules the user passed (checked for logical axes no parameter uses).
@@ -175,9 +176,13 @@ class SpmdStrategy(Strategy):
             spec = self.spec_for(jax.tree_util.keystr(path), tuple(leaf.shape), logical)
             return NamedSharding(self.mesh, spec)
 
-        return jax.tree_util.tree_map_with_path(
+        out = jax.tree_util.tree_map_with_path(
             one, abstract_state, logical_axes, is_leaf=lambda x: x is None
         )
+        if hasattr(out, "params"):
+            # Gradient layouts (FSDP's reduce-scatter) need the parameters' specs.
+            self._param_specs = jax.tree.map(lambda s: s.spec, out.params)
+        return out
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
         assert self.mesh is not None
@@ -223,7 +228,8 @@ class SpmdStrategy(Strategy):
         if not self.batch_axes or sync_every_microbatch:
             return accumulate_locally(grad_fn, k, dp=self.data_parallel_size,
                                       rows_per_replica=False)
-        return accumulate_per_replica(grad_fn, k, self.mesh, self.batch_axes, rules=self.rules)
+        return accumulate_per_replica(grad_fn, k, self.mesh, self.batch_axes, rules=self.rules,
+                                      param_specs=self._param_specs)
 
     def compile(
         self,
@@ -321,15 +327,25 @@ class FSDP(SpmdStrategy):
 
     Parameters, gradients and optimizer state are sharded; the batch is split over the same
     axis. Sharded shapes: `W[E_fsdp, F]` is all-gathered to `W[E, F]` before use, and the
-    gradient is reduce-scattered back to `dW[E_fsdp, F]`. Per step each device moves at most
-    3(N−1)/N · Ψ · β bytes (two all-gathers, forward and backward, and one reduce-scatter) and
-    holds 1/N of the parameters and optimizer state. Annotated parameters follow their logical
+    gradient is reduce-scattered back to `dW[E_fsdp, F]`. Every device holds 1/N of the
+    parameters and optimizer state between steps. Annotated parameters follow their logical
     axes (`embed` -> `fsdp` by default); unannotated ones shard their largest dimension
     divisible by N; parameters under `min_shard_size` elements stay replicated.
+
+    Two layouts of the step, as PyTorch FSDP's `reshard_after_forward`:
+
+    - `False` (default): each sharded parameter is all-gathered once per step and its gradient
+      leaves through one explicit reduce-scatter, in fp32: 2(N−1)/N · Ψ · β bytes per device
+      and step. The step holds one whole copy of the parameters and gradients while it runs.
+    - `True`: XLA gathers each layer's parameters where they are used (forward, and again in
+      the backward pass) and reduces the gradients itself: the least temporary memory, up to
+      3(N−1)/N · Ψ · β bytes where XLA forms reduce-scatters (GPU, TPU); XLA's CPU backend
+      all-reduces instead (4(N−1)/N).
 
     Args:
         rules: logical-axis rules in front of `DEFAULT_RULES` (dict or pairs).
         min_shard_size: unannotated parameters with fewer elements stay replicated.
+        reshard_after_forward: gather per layer where used (True) or once per step (False).
         devices: the devices to use (default: all).
 
     Example:
@@ -340,11 +356,24 @@ class FSDP(SpmdStrategy):
     name = "fsdp"
 
     def __init__(self, *, rules=None, min_shard_size: int = 2**12,
+                 reshard_after_forward: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         user, full = _with_defaults(rules, "FSDP")
         super().__init__({"fsdp": -1}, full, shard_unannotated="fsdp",
                          min_shard_size=min_shard_size, devices=devices)
         self.user_rules = user
+        self.reshard_after_forward = reshard_after_forward
+
+    def gradient_fn(self, grad_fn: Callable) -> Callable:
+        if self.reshard_after_forward:
+            return grad_fn  # XLA gathers per layer, forward and backward
+        # Gather every sharded parameter once, reduce-scatter every gradient once, in fp32.
+        return self.accumulate_gradients(grad_fn, 1)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        out["reshard_after_forward"] = self.reshard_after_forward
+        return out
 
 
 class TensorParallel(SpmdStrategy):

@@ -110,6 +110,15 @@ def test_top_k_by_monitored_metric_and_best_and_last(tmp_path):
     assert metrics["val_loss"] == pytest.approx(logged[2], rel=1e-6)
 
 
+def test_save_top_k_all_keeps_checkpoints_saved_before_the_monitor_existed(tmp_path):
+    # Step 2 is saved before the first validation (step 4) logs val_loss: keep-all keeps it.
+    ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=2, monitor="val_loss",
+                                     save_top_k=-1, save_last=False)
+    fit = make_fit("single", 8, [ckpt], val_check_interval=4, log_every_n_steps=1)
+    fit.fit(Classifier(), loader(), _val_data())
+    assert complete_steps("ckpt") == [2, 4, 6, 8]
+
+
 def _nan_loader():
     """Inputs of batches 4+ (no shuffling) are NaN: the loss and the params go NaN."""
     data = classification_data(256)

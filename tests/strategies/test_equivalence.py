@@ -51,6 +51,7 @@ STRATEGIES = {
     "ddp": strategies.DDP,
     "dp": strategies.DataParallel,
     "fsdp": strategies.FSDP,
+    "fsdp_per_layer": lambda: strategies.FSDP(reshard_after_forward=True),
     "tp2": lambda: strategies.TensorParallel(2),
     "tp4": lambda: strategies.TensorParallel(4),
     "hybrid_d2_f2_t2": lambda: strategies.Hybrid({"data": 2, "fsdp": 2, "tp": 2}),
