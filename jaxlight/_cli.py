@@ -455,6 +455,11 @@ def build_strategy(name: str = "auto", mesh_shape: str | dict | None = None):
                 f"choose one of {sorted(table)} with --strategy."
             )
         return _call(hybrid, [shape, *args], kwargs, "--strategy hybrid")
+    if key.lower() == "hybrid" and not args and "mesh_shape" not in kwargs:
+        raise ConfigurationError(
+            f"--strategy hybrid needs a mesh: add --mesh-shape, for example 'data=2,fsdp=4'."
+            f"\n{MESH_FORMS}"
+        )
     target = table[key.lower()]
     if not args and not kwargs:
         return strategies.resolve(key) if key.lower() in strategies.ALIASES else target()

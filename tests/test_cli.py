@@ -23,6 +23,7 @@ from jaxlight._cli import (
 )
 from jaxlight.recipes import digits, gpt
 from jaxlight.recipes._base import fields
+from tests.recipes._small import quick_compiles  # noqa: F401 - an autouse fixture
 
 QUIET = ["--enable-progress-bar", "false", "--enable-model-summary", "false"]
 SMALL_DIGITS = ["--model.width", "32", "--model.hidden", "32"]
@@ -309,3 +310,8 @@ def test_recipe_config_defaults_match_the_command_line():
     printed = run("fit", "digits", ["--print-config"])
     assert printed is None  # printing exits without training
     assert fields(digits.Config)["model.hidden"].default == 256
+
+
+def test_hybrid_without_mesh_is_refused(capsys):
+    assert main(["fit", "digits", "--strategy", "hybrid"]) == 2
+    assert "--strategy hybrid needs a mesh: add --mesh-shape" in _err(capsys)

@@ -76,7 +76,7 @@ class ThroughputMonitor(Callback):
         self._paused = 0.0
         self._pause_start: float | None = None
         self._windows: list[tuple[float, int, float, float, float]] = []
-        self._uses_tokens = self._module_flops = self._samples = None
+        self._tokens = self._samples = None
         self._noted: set[str] = set()
 
     def _note(self, key: str, message: str) -> None:
@@ -111,20 +111,16 @@ class ThroughputMonitor(Callback):
         procs = jax.process_count()
         if self._samples is None:  # every training batch has the same shape (Fit checks it)
             self._samples = int(np.shape(jax.tree.leaves(batch)[0])[0]) * procs
-        samples = self._samples
-        tokens = flops = None
-        if self._uses_tokens is not False:
+            # Same shape every step, so the module's counts are asked once: they may be
+            # costly host work (an abstract model build), which must stay off the hot loop.
             tokens = module.tokens_per_batch(batch)
-            self._uses_tokens = tokens is not None
-            tokens = None if tokens is None else float(tokens) * procs
-        if self._module_flops is not False:
+            self._tokens = None if tokens is None else float(tokens) * procs
             flops = module.flops_per_batch(batch)
-            self._module_flops = flops is not None
-        if flops is None and self.flop_count is not None:
-            flops = self.flop_count.flops * self._devices
-        if flops is not None:
-            self.flops_per_step = float(flops)
-        self._per_step.append((fit.global_step + 1, samples, tokens, flops))
+            if flops is None and self.flop_count is not None:
+                flops = self.flop_count.flops * self._devices
+            self.flops_per_step = None if flops is None else float(flops)
+        self._per_step.append((fit.global_step + 1, self._samples, self._tokens,
+                               self.flops_per_step))
 
     def on_validation_start(self, fit, module) -> None:
         if self._t_last is not None:

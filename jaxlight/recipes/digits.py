@@ -1,6 +1,6 @@
 """Handwritten digits: an MLP on scikit-learn's bundled 8x8 images (offline, 1,797 examples).
 
-The smallest complete job: it reaches about 97% validation accuracy in well under a minute on two
+The smallest complete job: it reaches about 98% validation accuracy in well under a minute on two
 CPU cores, under any strategy.
 
     jaxlight fit digits                                   # every visible device, DataParallel
@@ -189,7 +189,7 @@ def build(config: Config | None = None, max_steps: int | None = None
 
 RECIPE = Recipe(
     name="digits",
-    summary="MLP on scikit-learn's 8x8 digits (offline); ~97% validation accuracy in seconds",
+    summary="residual MLP on scikit-learn's 8x8 digits (offline); ~98% validation accuracy",
     config=Config,
     build=build,
     # 20 steps per epoch: 15 epochs = 300 steps is past 95% with margin; validating every

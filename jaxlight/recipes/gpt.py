@@ -123,9 +123,16 @@ def transformer_config(model: ModelConfig):
 
 def num_parameters(model: ModelConfig) -> int:
     """Parameters of the model (computed from its abstract shapes, no memory used)."""
+    return _num_parameters(dataclasses.astuple(model))
+
+
+@functools.lru_cache(maxsize=32)
+def _num_parameters(fields: tuple) -> int:
+    # Cached: building the abstract model is host work that must not repeat per step.
     from jaxlight.nn import TransformerLM
 
-    abstract = nnx.eval_shape(lambda: TransformerLM(transformer_config(model), rngs=nnx.Rngs(0)))
+    config = transformer_config(ModelConfig(*fields))
+    abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 

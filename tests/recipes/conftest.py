@@ -1,16 +1,3 @@
-"""Recipe tests compile many small programs: skip XLA's expensive optimization passes.
+"""Every recipe test compiles quickly (see `_small.quick_compiles`)."""
 
-Set per test (not for the process), so tests elsewhere compile as users do. The math is the same;
-every comparison in these tests is between runs compiled the same way.
-"""
-
-import jax
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _quick_compiles():
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)
+from tests.recipes._small import quick_compiles  # noqa: F401 - an autouse fixture

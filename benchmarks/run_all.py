@@ -1,0 +1,263 @@
+"""Runs every benchmark on 8 simulated CPU devices; writes JSON, PNG charts and the README table.
+
+    python benchmarks/run_all.py                 # all of them (make bench)
+    python benchmarks/run_all.py --only overhead,memory
+    python benchmarks/run_all.py --skip-run      # charts and table from existing JSON
+
+Each benchmark is its own script (flags, JSON on stdout, `benchmarks/results/<name>.json`); this
+driver runs them one after another (the machine's two cores are shared, so nothing runs in
+parallel), then reads the JSON back, draws `benchmarks/results/<name>.png` and rewrites the
+table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+#: name -> command-line flags. Order: cheap first.
+BENCHMARKS = {
+    "memory": [],
+    "sharding": [],
+    "accumulation": [],
+    "compile_time": [],
+    "pipeline": [],
+    "tp_overlap": [],
+    "overhead": ["--steps", "150", "--rounds", "5"],
+}
+
+
+def _load(name):
+    path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _fmt(x, digits=3):
+    if isinstance(x, bool):
+        return "yes" if x else "**no**"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+# -- one summary per benchmark: rows of (what, measured, target, met) --------------------------
+
+
+def summarize_overhead(r):
+    rows = []
+    for res in r.get("results", []):
+        if "error" in res:
+            rows.append((f"Fit / hand-written step time, {res['devices']} dev {res['strategy']}",
+                         "error", "≤ 1.02", False))
+            continue
+        rows.append((f"Fit / hand-written median step time, {res['devices']} device(s), "
+                     f"{res['strategy']} ({res['median_hand_ms']:.2f} ms/step)",
+                     _fmt(res["median_ratio"], 4), "≤ 1.02", res["ratio_met"]))
+        rows.append((f"final params Fit vs hand-written, {res['devices']} device(s), "
+                     f"{res['strategy']} (max rel. err.)", f"{res['final_params_max_rel_err']:.1e}",
+                     "≤ 1e-6", res["params_agree_1e-6"]))
+    return rows
+
+
+def summarize_memory(r):
+    rows = []
+    for row in r["rows"]:
+        rows.append((f"params + AdamW state per device, {row['strategy']}",
+                     f"{row['bytes_per_param_per_device']:.2f} B/param",
+                     {"dp": "12", "ddp": "12", "single": "12", "fsdp": "12/N = 1.5"}.get(
+                         row["strategy"], "—"), None))
+    f = r.get("fsdp_vs_dp")
+    if f:
+        rows.append(("FSDP state per device vs 1.05 × DP/N + replicated small",
+                     f"{f['fsdp_state_bytes_per_device']:,} B",
+                     f"≤ {f['bound_1.05x_dp_over_n_plus_replicated_small']:,.0f} B", f["met"]))
+    return rows
+
+
+def summarize_sharding(r):
+    rows = [
+        ("DataParallel all-reduce / 2(N−1)/N·Ψβ", _fmt(r["dp_all_reduce"]["ratio"], 4),
+         "1 ± 5%", r["dp_all_reduce"]["met_within_5pct"]),
+        ("FSDP all-gather + reduce-scatter / 3(N−1)/N·Ψβ", _fmt(r["fsdp"]["ratio"], 4),
+         "≤ 1", r["fsdp"]["met_at_most_theory"]),
+        ("FSDP(reshard_after_forward=True) on CPU / 3(N−1)/N·Ψβ",
+         _fmt(r["fsdp_reshard_after_forward"]["ratio_to_theory"], 4), "(reported)", None),
+        ("TP activation all-reduces per layer (b·s·h each)",
+         _fmt(r["tp"]["activation_all_reduces_per_layer"]), "4", r["tp"]["met_within_5pct"]),
+    ]
+    return rows
+
+
+def summarize_accumulation(r):
+    rows = []
+    for name, s in r["summary"].items():
+        traffic = s["collective_traffic_bytes_by_k"]
+        rows.append((f"{name}: collective bytes per step, k = {', '.join(traffic)}",
+                     " / ".join(f"{v / 1e6:.2f} MB" for v in traffic.values()), "flat in k",
+                     s["collective_bytes_flat"]))
+        rows.append((f"{name}: temp memory, k = {', '.join(s['temp_bytes_by_k'])}",
+                     " / ".join(f"{v / 1e6:.1f} MB" for v in s["temp_bytes_by_k"].values()),
+                     "falls with k", s["temp_falls_with_k"]))
+    return rows
+
+
+def summarize_compile_time(r):
+    return [(f"compile time, {row['strategy']} (train step)",
+             f"{row['compile_seconds'].get('train', float('nan')):.1f} s", "—", None)
+            for row in r["rows"]]
+
+
+def summarize_pipeline(r):
+    rows = []
+    for key, value in r.items():
+        if isinstance(value, dict) and "met" in value:
+            rows.append((f"pipeline: {key}", _fmt(value.get("measured", value.get("ratio", ""))),
+                         _fmt(value.get("target", "")), value["met"]))
+    return rows
+
+
+def summarize_tp_overlap(r):
+    rows = []
+    for key, value in r.items():
+        if isinstance(value, dict) and "met" in value:
+            rows.append((f"TP overlap: {key}", _fmt(value.get("measured", "")),
+                         _fmt(value.get("target", "")), value["met"]))
+    return rows
+
+
+# -- charts ---------------------------------------------------------------------------------------
+
+
+def charts():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'jaxlight[plot]'): no charts")
+        return
+    acc = _load("accumulation")
+    if acc:
+        fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+        for name, s in acc["summary"].items():
+            ks = [int(k) for k in s["collective_traffic_bytes_by_k"]]
+            a.plot(ks, [v / 1e6 for v in s["collective_traffic_bytes_by_k"].values()], "o-",
+                   label=name)
+            b.plot(ks, [v / 1e6 for v in s["temp_bytes_by_k"].values()], "o-", label=name)
+        a.set(xlabel="microbatches k", ylabel="collective MB / step", xscale="log", title=
+              "collective bytes per optimizer step")
+        b.set(xlabel="microbatches k", ylabel="temp MB / device", xscale="log",
+              title="temporary memory")
+        a.legend(), b.legend()
+        fig.tight_layout(), fig.savefig(os.path.join(RESULTS, "accumulation.png"), dpi=100)
+        plt.close(fig)
+    mem = _load("memory")
+    if mem:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = [r["strategy"] for r in mem["rows"]]
+        params = [r["param_bytes_per_device"] / 1e6 for r in mem["rows"]]
+        opt = [r["opt_state_bytes_per_device"] / 1e6 for r in mem["rows"]]
+        temp = [r["memory_analysis"].get("temp", 0) / 1e6 for r in mem["rows"]]
+        ax.bar(names, params, label="params")
+        ax.bar(names, opt, bottom=params, label="optimizer state")
+        ax.bar(names, temp, bottom=[p + o for p, o in zip(params, opt, strict=True)],
+               label="temp (step)")
+        ax.set(ylabel="MB per device", title="memory per device by strategy (8 devices)")
+        ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(RESULTS, "memory.png"), dpi=100)
+        plt.close(fig)
+    ov = _load("overhead")
+    if ov:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ok = [r for r in ov["results"] if "error" not in r]
+        labels = [f"{r['devices']}×{r['strategy']}" for r in ok]
+        ax.bar(labels, [r["median_ratio"] for r in ok])
+        ax.axhline(1.02, color="r", ls="--", label="target 1.02")
+        ax.set(ylabel="Fit / hand-written step time", title="framework overhead", ylim=(0.9, 1.1))
+        ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(RESULTS, "overhead.png"),
+                                                     dpi=100)
+        plt.close(fig)
+    ct = _load("compile_time")
+    if ct:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar([r["strategy"] for r in ct["rows"]],
+               [r["compile_seconds"].get("train", 0) for r in ct["rows"]])
+        ax.set(ylabel="seconds", title="train-step compile time (8 CPU devices)")
+        fig.tight_layout(), fig.savefig(os.path.join(RESULTS, "compile_time.png"), dpi=100)
+        plt.close(fig)
+
+
+def table() -> str:
+    lines = ["| benchmark | what | measured | target | met |", "|---|---|---|---|---|"]
+    for name in BENCHMARKS:
+        report = _load(name)
+        if report is None:
+            lines.append(f"| {name} | (not run) | | | |")
+            continue
+        for what, measured, target, met in globals()[f"summarize_{name}"](report):
+            lines.append(f"| {name} | {what} | {measured} | {target} | "
+                         f"{'—' if met is None else _fmt(bool(met))} |")
+    return "\n".join(lines)
+
+
+def update_readme(text: str) -> None:
+    path = os.path.join(ROOT, "README.md")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        readme = f.read()
+    start, end = "<!-- bench:start -->", "<!-- bench:end -->"
+    block = f"{start}\n{text}\n{end}"
+    if start in readme and end in readme:
+        readme = readme[: readme.index(start)] + block + readme[readme.index(end) + len(end):]
+    else:
+        readme = readme.rstrip() + "\n\n## Benchmarks\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(readme)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHMARKS))
+    p.add_argument("--skip-run", action="store_true", help="only charts and table")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per benchmark")
+    args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else list(BENCHMARKS)
+    status = {}
+    if not args.skip_run:
+        for name in names:
+            script = os.path.join(HERE, f"{name}.py")
+            start = time.time()
+            print(f"== {name}", flush=True)
+            try:
+                out = subprocess.run([sys.executable, script, *BENCHMARKS[name]],
+                                     capture_output=True, text=True, timeout=args.timeout)
+                status[name] = {"returncode": out.returncode,
+                                "seconds": round(time.time() - start, 1)}
+                if out.returncode:
+                    print(out.stderr[-3000:], file=sys.stderr)
+            except subprocess.TimeoutExpired:
+                status[name] = {"returncode": "timeout", "seconds": args.timeout}
+            print(f"   {status[name]}", flush=True)
+    charts()
+    text = table()
+    update_readme(text)
+    print(text)
+    print(json.dumps({"status": status}))
+    if any(s["returncode"] != 0 for s in status.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Every code block of the user guide and the README runs.
+
+Per page (docs/*.md, README.md): `python` blocks run top to bottom in one namespace; each line of
+a `bash` block is a `jaxlight` command, run in this process through the CLI's `main` and required
+to exit 0; a `yaml`/`json` block right after `<!-- file: NAME -->` is written to NAME first. A
+block right after `<!-- skip: reason -->` is not run. Other fences (`text`, `sh`, `console`) are
+output or shell the suite cannot run (`make test` inside the tests), and must not hide a
+`jaxlight` command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from jaxlight._cli import main
+from tests.recipes._small import quick_compiles  # noqa: F401 - an autouse fixture
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
+_MARK = re.compile(r"<!--\s*(skip|file):\s*(.*?)\s*-->\s*$")
+
+
+def blocks(text: str) -> list[tuple[str, str, int, dict]]:
+    """(language, body, line, marks) of every fenced block, marks from the comment above it."""
+    out = []
+    for m in _FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 1
+        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = _MARK.search(before)
+        marks = {mark.group(1): mark.group(2)} if mark else {}
+        out.append((m.group(1), m.group(2), line, marks))
+    return out
+
+
+def commands(body: str) -> list[str]:
+    """The commands of a bash block (comments dropped, backslash continuations joined)."""
+    joined = body.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def run_page(path: pathlib.Path) -> None:
+    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    for lang, body, line, marks in blocks(path.read_text()):
+        where = f"{path.name}:{line}"
+        if "skip" in marks:
+            continue
+        if "file" in marks:
+            pathlib.Path(marks["file"]).write_text(body)
+            continue
+        if lang == "python":
+            exec(compile(body, where, "exec"), namespace)  # noqa: S102 - the docs' own code
+        elif lang == "bash":
+            for command in commands(body):
+                argv = shlex.split(command)
+                assert argv[0] == "jaxlight", f"{where}: bash blocks hold jaxlight commands only"
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err):
+                    status = main(argv[1:])
+                assert status == 0, f"{where}: `{command}` exited {status}:\n{err.getvalue()}"
+        else:
+            hidden = [c for c in body.splitlines() if re.match(r"\s*(\$\s*)?jaxlight\s", c)]
+            assert not hidden or lang == "text", (
+                f"{where}: a `{lang}` block holds jaxlight commands {hidden}; put them in a "
+                "`bash` block so they are tested, or mark the block <!-- skip: reason -->")
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def test_page_runs(path):
+    run_page(path)
+
+
+def test_the_guide_links_every_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in PAGES:
+        if page.parent.name == "docs" and page.name != "index.md":
+            assert f"({page.name})" in index, f"docs/index.md does not link {page.name}"
+
+
+def test_readme_opens_with_the_two_commands_and_the_makefile_runs_the_demo():
+    readme = (ROOT / "README.md").read_text()
+    lang, body, _, _ = blocks(readme)[0]
+    assert [c.split("#")[0].strip() for c in commands(body)] == ["make demo", "make test"]
+    assert readme.index("```") < readme.index("\n## "), "the commands come before any section"
+    makefile = (ROOT / "Makefile").read_text()
+    demo = re.search(r"^demo:.*\n\t(.*)$", makefile, re.M).group(1)
+    assert demo.endswith("jaxlight fit digits --strategy dp")
+    assert "--xla_force_host_platform_device_count=8" in makefile
+    assert "## Benchmarks" in readme
