@@ -671,10 +671,9 @@ def _fit_kwargs(options: dict[str, Any]) -> dict[str, Any]:
 def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult | None:
     """Runs `jaxlight <command> <recipe> [argv]` in this process and returns what it built.
 
-    Example:
-        >>> result = run("fit", "digits", ["--max-steps", "2", "--enable-progress-bar", "false",
-        ...                                "--logger", "none", "--enable-model-summary", "false"])
-        ... # doctest: +SKIP
+    `run("fit", "digits", ["--max-steps", "20"])` is `jaxlight fit digits --max-steps 20`; the
+    result holds the `Fit`, the trained module, the data, the resolved config and options, and
+    every reported metric. Returns None for `--help` and `--print-config`.
     """
     recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
     if flags.get("help"):
@@ -685,8 +684,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
 
         from jaxlight.recipes._base import as_dict
 
-        printable = {k: v for k, v in options.items()}
-        printable.update(as_dict(config))
+        printable = {**options, **as_dict(config)}
         print(yaml.safe_dump(printable, sort_keys=False), end="")
         return None
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
@@ -711,16 +709,21 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     kwargs["fast_dev_run"] = options["fast_dev_run"] or False
     fit = jl.Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
                  logger=loggers is not None, **kwargs)
+    if options["ckpt_path"] is not None and recipe.ckpt_overrides:
+        from jaxlight.recipes._base import apply_overrides
+
+        config = apply_overrides(config, recipe.ckpt_overrides, f"recipe {recipe.name}")
     module, data = recipe.build(config, kwargs.get("max_steps"))
     metrics: dict[str, Any] = {}
     say = _printer()
-    say(f"{command} {recipe.name}: strategy {strategy.name}, {jl_devices()}")
-    t0 = time.perf_counter()
+    say(f"{command} {recipe.name}: strategy {strategy.name}, {_describe_devices()}")
     if command == "fit":
-        if recipe.before_fit is not None:
+        # A resumed fit starts from the checkpoint, not from what before_fit would measure.
+        if recipe.before_fit is not None and options["ckpt_path"] is None:
             before = recipe.before_fit(fit, module, data, config) or {}
             metrics.update({f"before_{k}": v for k, v in before.items()})
             _report("before training", before, say)
+        t0 = time.perf_counter()
         fit.fit(module, data.train, data.val, ckpt_path=options["ckpt_path"])
         metrics["train_seconds"] = time.perf_counter() - t0
         metrics["global_step"] = fit.global_step
@@ -734,6 +737,8 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             metrics.update(after)
             _report("after training", after, say)
     else:
+        if options["ckpt_path"] is None:
+            say(f"note: no --ckpt-path: {command} runs the freshly initialized model")
         split = data.val if command == "validate" else (data.test or data.val)
         if split is None:
             raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
@@ -744,7 +749,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     return RunResult(fit, module, data, config, options, metrics)
 
 
-def jl_devices() -> str:
+def _describe_devices() -> str:
     import jax
 
     return (f"{jax.device_count()} {jax.devices()[0].platform} devices, "

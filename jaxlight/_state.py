@@ -38,6 +38,9 @@ class ModelSpec:
     eval_graphdef: Any  # the same graph after model.eval()
     abstract_state: TrainState  # ShapeDtypeStructs
     logical_axes: TrainState  # a tuple of logical names (or None) per leaf
+    # Per leaf of `rest`, True for an `nnx.Param` the module does not train (a LoRA module's
+    # base weights): checkpoints skip these, configure_model rebuilds them.
+    frozen: Any = None
 
 
 class _Axes:
@@ -63,6 +66,12 @@ def _logical_names(state: nnx.State) -> Any:
     return jax.tree.map(
         one, specs, nnx.to_pure_dict(state), is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def frozen_mask(rest_state: nnx.State) -> Any:
+    """Per leaf of `rest` (as a pure dict), whether it is an `nnx.Param` (one not trained)."""
+    return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, nnx.Param), rest_state,
+                                         is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def split_model(model: nnx.Module, trainable: Any) -> tuple[Any, dict, dict]:
@@ -126,7 +135,7 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int,
     )
     logical = TrainState(step=None, params=param_axes, opt_state=opt_axes,
                          rest=_logical_names(rest_state))
-    return ModelSpec(graphdef, eval_graphdef, abstract_state, logical)
+    return ModelSpec(graphdef, eval_graphdef, abstract_state, logical, frozen_mask(rest_state))
 
 
 def make_init_fn(module, tx: optax.GradientTransformation, seed: int, params_transform=None):

@@ -23,7 +23,6 @@ from jaxlight._cli import (
 )
 from jaxlight.recipes import digits, gpt
 from jaxlight.recipes._base import fields
-from tests.recipes._small import quick_compiles  # noqa: F401 - an autouse fixture
 
 QUIET = ["--enable-progress-bar", "false", "--enable-model-summary", "false"]
 SMALL_DIGITS = ["--model.width", "32", "--model.hidden", "32"]
@@ -315,3 +314,19 @@ def test_recipe_config_defaults_match_the_command_line():
 def test_hybrid_without_mesh_is_refused(capsys):
     assert main(["fit", "digits", "--strategy", "hybrid"]) == 2
     assert "--strategy hybrid needs a mesh: add --mesh-shape" in _err(capsys)
+
+
+def test_sft_checkpoint_is_evaluated_without_pretraining_again():
+    """A LoRA run's checkpoint holds adapters and base: `validate` rebuilds nothing else."""
+    small = ["--model.num_layers", "2", "--model.embed_dim", "32", "--model.num_heads", "2",
+             "--model.mlp_dim", "64", "--task.train_examples", "64", "--task.val_examples",
+             "16", "--data.batch_size", "16", "--logger", "none", *QUIET]
+    trained = run("fit", "sft", ["--max-steps", "4", "--base.pretrain_steps", "0",
+                                 "--checkpoint-every-n-steps", "4", *small])
+    assert "before_val_exact_match" in trained.metrics
+    assert "generated_exact_match" in trained.metrics
+    evaluated = run("validate", "sft", ["--ckpt-path", "jaxlight_logs/checkpoints",
+                                        "--base.pretrain_steps", "2", *small])
+    # --base.pretrain_steps 2 would pretrain a base first; the checkpoint supplies it instead.
+    assert evaluated.module.base_params is None
+    assert evaluated.metrics["val_loss"] == pytest.approx(trained.metrics["val_loss"], rel=1e-5)

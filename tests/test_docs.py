@@ -19,7 +19,6 @@ import shlex
 import pytest
 
 from jaxlight._cli import main
-from tests.recipes._small import quick_compiles  # noqa: F401 - an autouse fixture
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]

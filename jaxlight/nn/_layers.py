@@ -112,7 +112,7 @@ class Dense(nnx.Module):
             x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         overlap = active_collective_matmul()  # TensorParallel(overlap=True) is tracing the step
-        axes = self.kernel.get_metadata().get("out_sharding")
+        axes = self.kernel.get_metadata().get("out_sharding") if overlap is not None else None
         if overlap is not None and overlap.handles(axes, n_in):
             y = overlap.dense(x, kernel, n_in, axes)
         else:

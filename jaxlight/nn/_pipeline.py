@@ -125,23 +125,9 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
 
 def _scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: bool) -> Any:
     """The stage's share of the stack as `Stacked`'s plain scan runs it (same metadata)."""
-    from jaxlight.nn._stacked import LAYERS
+    from jaxlight.nn._stacked import scan_layers
 
-    def body(block, carry, *rest):
-        return block(carry, *rest)
-
-    if remat:
-        body = nnx.remat(body)
-
-    @nnx.scan(
-        in_axes=(0, nnx.Carry) + (None,) * len(args),
-        out_axes=nnx.Carry,
-        transform_metadata={nnx.PARTITION_NAME: LAYERS},
-    )
-    def scan_fn(block, carry, *rest):
-        return body(block, carry, *rest)
-
-    return scan_fn(layers, x, *args)
+    return scan_layers(layers, x, args, remat)
 
 
 def _batch_size(x: Any) -> int:

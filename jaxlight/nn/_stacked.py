@@ -72,19 +72,27 @@ class Stacked(nnx.Module):
 
     def _run_scan(self, x, *args) -> Any:
         """The plain layer loop: `nnx.scan` over the stacked layer axis."""
+        return scan_layers(self.layers, x, args, self.remat)
 
-        def body(block, carry, *rest):
-            return block(carry, *rest)
 
-        if self.remat:
-            body = nnx.remat(body)
+def scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: bool) -> Any:
+    """Runs stacked `layers` (leading layer axis) in order as one `nnx.scan` over `x`.
 
-        @nnx.scan(
-            in_axes=(0, nnx.Carry) + (None,) * len(args),
-            out_axes=nnx.Carry,
-            transform_metadata={nnx.PARTITION_NAME: LAYERS},
-        )
-        def scan_fn(block, carry, *rest):
-            return body(block, carry, *rest)
+    Shared by `Stacked` and each pipeline stage, so both run the blocks identically.
+    """
 
-        return scan_fn(self.layers, x, *args)
+    def body(block, carry, *rest):
+        return block(carry, *rest)
+
+    if remat:
+        body = nnx.remat(body)
+
+    @nnx.scan(
+        in_axes=(0, nnx.Carry) + (None,) * len(args),
+        out_axes=nnx.Carry,
+        transform_metadata={nnx.PARTITION_NAME: LAYERS},
+    )
+    def scan_fn(block, carry, *rest):
+        return body(block, carry, *rest)
+
+    return scan_fn(layers, x, *args)

@@ -56,6 +56,8 @@ class Recipe:
         before_fit: optional `before_fit(fit, module, data, config) -> dict` (metrics to report).
         after_fit: optional `after_fit(fit, module, data, config) -> dict` (metrics to report,
             for example a generated sample).
+        ckpt_overrides: config overrides applied when `--ckpt-path` supplies the weights, to
+            skip work that only initializes them (sft's in-process pretraining of its base).
     """
 
     name: str
@@ -66,6 +68,7 @@ class Recipe:
     presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     before_fit: Callable | None = None
     after_fit: Callable | None = None
+    ckpt_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def default_config(self, preset: str | None = None) -> Any:
         """The config with its defaults, then the preset's values."""

@@ -155,7 +155,15 @@ class DigitsClassifier(TrainModule):
 
 def load_digits(config: DataConfig) -> dict[str, dict[str, np.ndarray]]:
     """The fixed train/val/test split of scikit-learn's digits, pixels scaled to [0, 1]."""
-    from sklearn.datasets import load_digits as sk_load_digits
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError:
+        from jaxlight._errors import ConfigurationError
+
+        raise ConfigurationError(
+            "the digits recipe reads scikit-learn's bundled digits, and scikit-learn is not "
+            "installed: pip install 'jaxlight[recipes]' (or scikit-learn)."
+        ) from None
 
     raw = sk_load_digits()
     x = (raw.data / 16.0).astype(np.float32)

@@ -49,7 +49,8 @@ from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
-__all__ = ["GPT", "Config", "build", "generate", "load_corpus", "num_parameters"]
+__all__ = ["GPT", "Config", "build", "generate", "generate_bytes", "load_corpus",
+           "num_parameters"]
 
 VOCAB_SIZE = 256  # bytes: no tokenizer to download, and every file is valid input
 PAD_BYTE = ord("\n")  # left padding of short prompts: a blank line reads naturally as code
@@ -280,6 +281,13 @@ def _decode(graphdef, state, context, key, temperature, *, window: int, max_new_
 
 def generate(model: nnx.Module, prompt: str | bytes, max_new_tokens: int = 200, *,
              temperature: float = 0.8, seed: int = 0, window: int = 64) -> str:
+    """`generate_bytes` decoded as UTF-8 (a byte model may split a character: replaced)."""
+    return generate_bytes(model, prompt, max_new_tokens, temperature=temperature, seed=seed,
+                          window=window).decode("utf-8", errors="replace")
+
+
+def generate_bytes(model: nnx.Module, prompt: str | bytes, max_new_tokens: int = 200, *,
+                   temperature: float = 0.8, seed: int = 0, window: int = 64) -> bytes:
     """Continues `prompt` byte by byte with one jitted loop (a sliding `window` of context).
 
     Each new byte runs the model over the last `window` bytes, the length it was trained on, so
@@ -290,7 +298,7 @@ def generate(model: nnx.Module, prompt: str | bytes, max_new_tokens: int = 200, 
         >>> from flax import nnx
         >>> lm = TransformerLM(TransformerConfig(vocab_size=256, embed_dim=16, num_layers=1,
         ...                                      num_heads=2), rngs=nnx.Rngs(0))
-        >>> len(generate(lm, "x = ", 5, temperature=0.0, window=8).encode("latin-1"))
+        >>> len(generate_bytes(lm, "x = ", 5, temperature=0.0, window=8))
         5
     """
     data = prompt.encode() if isinstance(prompt, str) else bytes(prompt)
@@ -305,7 +313,7 @@ def generate(model: nnx.Module, prompt: str | bytes, max_new_tokens: int = 200, 
         from jax.experimental import multihost_utils
 
         out = multihost_utils.process_allgather(out, tiled=True)
-    return bytes(np.asarray(out).astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+    return bytes(np.asarray(out).astype(np.uint8).tolist())
 
 
 # -- the recipe ------------------------------------------------------------------------------------

@@ -323,7 +323,7 @@ def pretrained_params(config: Config) -> dict | None:
         model = base_module.model
     else:
         return None
-    return jax.tree.map(_to_host, nnx.state(model, nnx.Param).to_pure_dict())
+    return jax.tree.map(_to_host, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 # -- greedy generation -----------------------------------------------------------------------------
@@ -410,4 +410,6 @@ RECIPE = Recipe(
     fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100},
     before_fit=before_fit,
     after_fit=after_fit,
+    # A checkpoint of this recipe holds the base weights too: no need to pretrain or load them.
+    ckpt_overrides={"base.pretrain_steps": 0, "base.checkpoint": None},
 )

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import jax
-import pytest
-
 import jaxlight as jl
 from jaxlight import strategies
 from jaxlight.recipes import digits, gpt, sft
@@ -48,16 +45,3 @@ def quiet_fit(strategy="single", **kwargs) -> jl.Fit:
     kwargs.setdefault("logger", False)
     return jl.Fit(strategy, **kwargs)
 
-
-@pytest.fixture(autouse=True)
-def quick_compiles():
-    """Compiles without XLA's expensive optimization passes, for this test only.
-
-    The runs here are a few steps long, so compiling dominates; the math is the same, and every
-    comparison in these tests is between programs compiled the same way. Import this fixture
-    into a test module to apply it there (tests elsewhere compile as users do).
-    """
-    previous = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", previous)

