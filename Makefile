@@ -18,7 +18,7 @@ demo: $(STAMP)  ## train the digits recipe under DataParallel on 8 simulated CPU
 	$(BIN)/jaxlight fit digits --strategy dp
 
 test: $(STAMP)  ## the whole test suite (8 simulated CPU devices)
-	$(BIN)/python -m pytest tests -x -q --durations=15
+	$(BIN)/python -m pytest tests --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

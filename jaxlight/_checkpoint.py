@@ -6,7 +6,9 @@ coordinates). A step directory is complete once orbax has renamed it from
 `<step>.orbax-checkpoint-tmp` to `<step>`:
 
     <dirpath>/<step>/state/     the train state in canonical layout (orbax StandardSave):
-                                {"step", "params", "opt_state", "rest"}; PRNG keys as key data
+                                {"step", "params", "opt_state", "rest"}; PRNG keys as key data;
+                                `rest` without frozen parameters (see `_frozen`: a LoRA
+                                module's base weights are rebuilt by configure_model)
     <dirpath>/<step>/meta/      JSON (orbax JsonSave): step, epoch, batch index, loader position,
                                 callbacks' states, hyperparameters, monitored value, key impls
     <dirpath>/<step>/metrics/   JSON {monitor: value} when ModelCheckpoint has a monitor
@@ -31,8 +33,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxlight import _frozen
 from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, _logical_names
+from jaxlight._state import TrainState, _logical_names, frozen_mask
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
@@ -428,15 +431,25 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
             f"{step_dir} has checkpoint format {meta.get('format')!r}; this jaxlight reads "
             f"format {FORMAT_VERSION}."
         )
+    mask = getattr(fit._spec, "frozen", None)
+    frozen = _frozen.has_frozen(mask)
     abstract = _state_tree(fit._spec.abstract_state)
-    check_matches(step_dir, _abstract_key_data(abstract), module,
-                  ("params", "opt_state", "rest"))
     shardings = _state_tree(_restore_shardings(fit.strategy, fit._spec.abstract_state,
                                                fit._shardings))
+    if frozen:
+        rest_shardings = shardings["rest"]
+        abstract["rest"] = _frozen.select(abstract["rest"], mask, False)
+        shardings["rest"] = _frozen.select(rest_shardings, mask, False)
+    check_matches(step_dir, _abstract_key_data(abstract), module,
+                  ("params", "opt_state", "rest"))
+    if frozen:
+        fresh = _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, fit.strategy,
+                                fit.seed)
     restored = _restore(step_dir, _with_shardings(abstract, shardings), partial=False)
     tree = _wrap_keys(restored, abstract, meta.get("prng_keys", {}))
+    rest = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
     state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
-                       rest=tree["rest"])
+                       rest=rest)
     fit._state = fit.strategy.from_canonical(state, fit._shardings)
 
     step, epoch, batch_idx = int(meta["step"]), int(meta["epoch"]), int(meta["batch_idx"])
@@ -461,6 +474,16 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
         print(f"jaxlight: resumed from {step_dir} (step {step}, epoch {epoch}, batch {batch_idx}).",
               flush=True)
     return meta
+
+
+def _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, strategy, default_seed):
+    """The frozen parameters (not in the checkpoint) from configure_model, checked against the
+    checkpoint's record; built with the seed of the fit that wrote it."""
+    seed = (meta.get("fit") or {}).get("seed", default_seed)
+    fresh = _frozen.build(module, seed, mask, _frozen.select(rest_shardings, mask, True),
+                          strategy)
+    _frozen.check(step_dir, meta.get("frozen_params"), _frozen.records(fresh), module, seed)
+    return fresh
 
 
 def _abstract_model(module, seed: int = 0):
@@ -504,12 +527,22 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     shardings = _restore_shardings(strategy, abstract,
                                    strategy.state_shardings(abstract, logical))
     target = {"params": params, "rest": rest}
-    check_matches(step_dir, _abstract_key_data(target), module, ("params", "rest"))
     sh = {"params": shardings.params, "rest": shardings.rest}
+    meta = read_meta(step_dir)
+    mask = frozen_mask(rest_state)
+    frozen = _frozen.has_frozen(mask)
+    if frozen:
+        target["rest"] = _frozen.select(rest, mask, False)
+        sh["rest"] = _frozen.select(shardings.rest, mask, False)
+    check_matches(step_dir, _abstract_key_data(target), module, ("params", "rest"))
+    if frozen:
+        fresh = _rebuild_frozen(step_dir, meta, module, mask, shardings.rest, strategy,
+                                fit.seed if fit is not None else 0)
     restored = _restore(step_dir, _with_shardings(target, sh), partial=True)
-    recorded = read_meta(step_dir).get("prng_keys", {})
-    tree = _wrap_keys({"params": restored["params"], "rest": restored["rest"]}, target, recorded)
-    model = nnx.merge(graphdef, tree["params"], tree["rest"])
+    tree = _wrap_keys({"params": restored["params"], "rest": restored["rest"]}, target,
+                      meta.get("prng_keys", {}))
+    rest = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
+    model = nnx.merge(graphdef, tree["params"], rest)
     module.model = model
     return model
 
@@ -517,7 +550,8 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
 # -- writing -------------------------------------------------------------------------------------
 
 
-def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None) -> dict:
+def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
+               frozen: dict | None = None) -> dict:
     data = fit.train_data
     loader = data.state_dict() if hasattr(data, "state_dict") else None
     callbacks = {}
@@ -542,6 +576,8 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None) -> 
         "versions": {"jax": jax.__version__, "jaxlight": _version()},
         "time": time.time(),
     }
+    if frozen is not None:  # only for modules with frozen parameters: others' records unchanged
+        meta["frozen_params"] = frozen
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
     return _jsonable(meta)
@@ -608,12 +644,18 @@ class CheckpointWriter:
         if fit.state is None:
             return False
         self.wait()  # orbax would wait too; waiting here reports a failed earlier save as such
-        tree, key_impls = _unwrap_keys(_state_tree(fit.strategy.to_canonical(fit.state)))
+        tree = _state_tree(fit.strategy.to_canonical(fit.state))
+        mask, frozen = getattr(fit._spec, "frozen", None), None
+        if _frozen.has_frozen(mask):
+            # configure_model rebuilds them on restore; their fingerprints prove it did.
+            frozen = _frozen.records(_frozen.select(tree["rest"], mask, True))
+            tree["rest"] = _frozen.select(tree["rest"], mask, False)
+        tree, key_impls = _unwrap_keys(tree)
         record = None
         if self.monitor is not None:
             record = {"name": self.monitor, "value": monitor_value,
                       "mode": self.retention.mode}
-        meta = build_meta(fit, module, key_impls, record)
+        meta = build_meta(fit, module, key_impls, record, frozen)
         metrics = None
         if self.monitor is not None:  # an empty record: saved before the metric existed
             metrics = {} if monitor_value is None else {self.monitor: monitor_value}

@@ -413,7 +413,7 @@ class Fit:
         if "train" in self._compiled:
             return self._compiled["train"]
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
-                                self.strategy)
+                                self.strategy, frozen=self._spec.frozen)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
         _distributed.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self._compiling("train"):

@@ -131,7 +131,7 @@ def check(step_dir: str, recorded: dict | None, rebuilt: dict, module, seed: int
     for path in sorted(set(recorded) | set(rebuilt)):
         was, now = recorded.get(path), rebuilt.get(path)
         if was is None:
-            lines.append(f"{path} {tuple(now['shape'])}: not frozen when the checkpoint was written")
+            lines.append(f"{path} {tuple(now['shape'])}: not frozen in the checkpoint's model")
         elif now is None:
             lines.append(f"{path} {tuple(was['shape'])}: frozen in the checkpoint's model, "
                          "not in this one")

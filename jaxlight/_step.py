@@ -90,12 +90,16 @@ def make_loss_fn(module, graphdef) -> LossFn:
 
 
 def build_train_step(
-    module, graphdef, tx: optax.GradientTransformation, callbacks: Sequence, strategy
+    module, graphdef, tx: optax.GradientTransformation, callbacks: Sequence, strategy,
+    frozen: Any = None,
 ) -> StepFn:
     """Assembles the training step from the module and callbacks.
 
     `tx` is the final optimizer (after `transform_optimizer`, see `build_optimizer`).
+    `frozen` is `ModelSpec.frozen` (the untrained `nnx.Param` leaves of `rest`).
     """
+    from jaxlight import _frozen
+
     for cb in callbacks:
         cb.setup_step(strategy)
     loss_fn = make_loss_fn(module, graphdef)
@@ -119,6 +123,12 @@ def build_train_step(
             grads, metrics = cb.process_gradients(grads, metrics)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if _frozen.has_frozen(frozen):
+            # Frozen parameters (a LoRA base) leave the step as they entered it, bit for bit:
+            # a strategy's averaging of `rest` over replicas (meant for batch statistics) would
+            # round them, and XLA drops that all-reduce of the whole base once it is unused.
+            rest = _frozen.join(frozen, _frozen.select(rest, frozen, False),
+                                _frozen.select(state.rest, frozen, True))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                                   rest=rest)
         return new_state, metrics

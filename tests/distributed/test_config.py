@@ -5,6 +5,7 @@ The real multi-process runs are in test_multiprocess.py.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import jax
@@ -177,8 +178,11 @@ def test_launcher_runs_processes_with_prefixed_output():
                             code], timeout=60)
     assert done.returncode == 0, done.stderr
     lines = sorted(done.stdout.splitlines())
+    # The launcher keeps the flags it inherits (conftest's) and sets its own device count.
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags = " ".join([*kept, "--xla_force_host_platform_device_count=2"])
     assert [line for line in lines if "xla" in line] == [
-        f"[rank{r}] {r} 3 {r} --xla_force_host_platform_device_count=2" for r in range(3)]
+        f"[rank{r}] {r} 3 {r} {flags}" for r in range(3)]
     # A carriage return (progress bars) ends a prefixed segment; a last partial line is kept.
     assert done.stdout.count("bar") == 3 and "[rank0] \rbar" not in done.stdout
     # A failing process makes the launcher exit with its status.
