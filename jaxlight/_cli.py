@@ -709,10 +709,13 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     kwargs["fast_dev_run"] = options["fast_dev_run"] or False
     fit = jl.Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
                  logger=loggers is not None, **kwargs)
-    if options["ckpt_path"] is not None and recipe.ckpt_overrides:
+    overrides = recipe.ckpt_overrides
+    if callable(overrides):
+        overrides = overrides(config)
+    if options["ckpt_path"] is not None and overrides:
         from jaxlight.recipes._base import apply_overrides
 
-        config = apply_overrides(config, recipe.ckpt_overrides, f"recipe {recipe.name}")
+        config = apply_overrides(config, overrides, f"recipe {recipe.name}")
     module, data = recipe.build(config, kwargs.get("max_steps"))
     metrics: dict[str, Any] = {}
     say = _printer()

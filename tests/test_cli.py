@@ -316,8 +316,12 @@ def test_hybrid_without_mesh_is_refused(capsys):
     assert "--strategy hybrid needs a mesh: add --mesh-shape" in _err(capsys)
 
 
-def test_sft_checkpoint_is_evaluated_without_pretraining_again():
-    """A LoRA run's checkpoint holds adapters and base: `validate` rebuilds nothing else."""
+def test_sft_checkpoints_rebuild_a_lora_base_and_skip_it_for_full_fine_tuning():
+    """A LoRA checkpoint holds the adapters only: `validate` rebuilds the base as the fit did
+    and refuses another base. A full fine-tuning checkpoint holds every weight: the base is
+    neither pretrained nor loaded again."""
+    from jaxlight import CheckpointError
+
     small = ["--model.num_layers", "2", "--model.embed_dim", "32", "--model.num_heads", "2",
              "--model.mlp_dim", "64", "--task.train_examples", "64", "--task.val_examples",
              "16", "--data.batch_size", "16", "--logger", "none", *QUIET]
@@ -326,7 +330,19 @@ def test_sft_checkpoint_is_evaluated_without_pretraining_again():
     assert "before_val_exact_match" in trained.metrics
     assert "generated_exact_match" in trained.metrics
     evaluated = run("validate", "sft", ["--ckpt-path", "jaxlight_logs/checkpoints",
-                                        "--base.pretrain_steps", "2", *small])
+                                        "--base.pretrain_steps", "0", *small])
+    assert evaluated.metrics["val_loss"] == pytest.approx(trained.metrics["val_loss"], rel=1e-5)
+    # A base pretrained for 2 steps is not the one the adapters were trained on.
+    with pytest.raises(CheckpointError, match=r"trained on other frozen parameters(.|\n)*"
+                       r"\['rest'\]\['embed'\]\['embedding'\] \(256, 32\): other values"):
+        run("validate", "sft", ["--ckpt-path", "jaxlight_logs/checkpoints",
+                                "--base.pretrain_steps", "2", *small])
+
+    full = [*small, "--lora.rank", "0", "--default-root-dir", "full"]
+    trained = run("fit", "sft", ["--max-steps", "4", "--base.pretrain_steps", "0",
+                                 "--checkpoint-every-n-steps", "4", *full])
+    evaluated = run("validate", "sft", ["--ckpt-path", "full/checkpoints",
+                                        "--base.pretrain_steps", "2", *full])
     # --base.pretrain_steps 2 would pretrain a base first; the checkpoint supplies it instead.
     assert evaluated.module.base_params is None
     assert evaluated.metrics["val_loss"] == pytest.approx(trained.metrics["val_loss"], rel=1e-5)

@@ -57,7 +57,9 @@ class Recipe:
         after_fit: optional `after_fit(fit, module, data, config) -> dict` (metrics to report,
             for example a generated sample).
         ckpt_overrides: config overrides applied when `--ckpt-path` supplies the weights, to
-            skip work that only initializes them (sft's in-process pretraining of its base).
+            skip work that only initializes them (sft's in-process pretraining of its base);
+            a mapping, or a function of the config returning one (sft: only without LoRA,
+            whose checkpoints leave the frozen base out).
     """
 
     name: str
@@ -68,7 +70,8 @@ class Recipe:
     presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     before_fit: Callable | None = None
     after_fit: Callable | None = None
-    ckpt_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    ckpt_overrides: Mapping[str, Any] | Callable[[Any], Mapping[str, Any]] = dataclasses.field(
+        default_factory=dict)
 
     def default_config(self, preset: str | None = None) -> Any:
         """The config with its defaults, then the preset's values."""

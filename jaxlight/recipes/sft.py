@@ -13,7 +13,8 @@ accuracy before and after fine-tuning.
 With `--lora.rank r > 0` (the default) every dense layer of the transformer blocks gains
 `nnx.LoRAParam` factors `A[in, r]`, `B[r, out]` (B starts at zero, so the fine-tuned model
 starts exactly at the base model), and the module sets `trainable = nnx.LoRAParam`: only the
-adapters get gradients and optimizer state; the base weights ride along frozen.
+adapters get gradients and optimizer state, and only they are checkpointed; the base weights
+ride along frozen and are rebuilt (pretrained or loaded, then fingerprint-checked) on restore.
 
 Exact match is measured in the compiled validation step, teacher-forced: an answer is exact
 when the argmax at every answer position is the right byte. For greedy decoding this is the
@@ -402,6 +403,15 @@ def after_fit(fit, module: FineTuner, data: RecipeData, config: Config) -> dict:
     return {"generated_exact_match": exact, "examples": shown}
 
 
+def _ckpt_overrides(config: Config) -> dict:
+    """A full fine-tuning checkpoint holds every weight: skip pretraining or loading the base.
+    A LoRA checkpoint holds only the adapters: the base must be rebuilt as in training (the
+    restore checks its fingerprint)."""
+    if config.lora.rank > 0:
+        return {}
+    return {"base.pretrain_steps": 0, "base.checkpoint": None}
+
+
 RECIPE = Recipe(
     name="sft",
     summary="fine-tune (LoRA by default) a gpt model to reverse words; exact match before/after",
@@ -410,6 +420,5 @@ RECIPE = Recipe(
     fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100},
     before_fit=before_fit,
     after_fit=after_fit,
-    # A checkpoint of this recipe holds the base weights too: no need to pretrain or load them.
-    ckpt_overrides={"base.pretrain_steps": 0, "base.checkpoint": None},
+    ckpt_overrides=_ckpt_overrides,
 )
