@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,8 +89,11 @@ def run_processes(
     ranks = list(range(nprocs)) if ranks is None else list(ranks)
     world = len(ranks) if world_size is None else world_size
     port = free_port() if port is None else port
+    made_cwd = cwd is None
     cwd = os.fspath(cwd) if cwd is not None else tempfile.mkdtemp(prefix="jaxlight-dist-")
     with contextlib.ExitStack() as stack:
+        if made_cwd:  # registered first, so it runs last: after every process is gone
+            stack.callback(shutil.rmtree, cwd, ignore_errors=True)
         procs, files, started = [], [], time.monotonic()
         stack.callback(_kill_all, procs)  # also on KeyboardInterrupt: never leak processes
         for rank in ranks:
