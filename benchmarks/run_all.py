@@ -31,7 +31,7 @@ BENCHMARKS = {
     "compile_time": [],
     "pipeline": [],
     "tp_overlap": [],
-    "overhead": ["--steps", "150", "--rounds", "5"],
+    "overhead": ["--steps", "150", "--rounds", "9"],
 }
 
 
