@@ -393,21 +393,29 @@ class Fit:
     def _state_from_model(self, model: nnx.Module) -> TrainState:
         """Places an existing model's variables into this strategy's layout (no optimizer)."""
         _, params, rest = split_model(model, self._module.trainable)
-        abstract = self._spec.abstract_state
         state = TrainState(step=np.zeros((), np.int32), params=params, opt_state=None, rest=rest)
-        shard = self._shardings.replace(opt_state=None)
-        del abstract
-        return self.strategy.from_canonical(state, shard)
+        return self.strategy.from_canonical(state, self._state_shardings(state))
+
+    def _state_shardings(self, state: TrainState) -> TrainState:
+        """The shardings of `state`, which may lack the optimizer (evaluation from a model)."""
+        if state.opt_state is None:
+            return self._shardings.replace(opt_state=None)
+        return self._shardings
+
+    def _eval_size(self, kind: str, local: int) -> int:
+        """The padded local batch size of an evaluation kind, fixed by its first batch."""
+        if kind not in self._eval_batch_size:
+            dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
+            # Processes may hold different counts (an uneven last batch): all pad to the
+            # largest, so that they compile the same step.
+            self._eval_batch_size[kind] = _distributed.agree_max(
+                f"eval_batch:{kind}", math.ceil(local / dp_local) * dp_local)
+        return self._eval_batch_size[kind]
 
     def _canonical_abstract(self, state: TrainState) -> TrainState:
         """Shapes of `state` as the model sees them (without DDP's device axis)."""
         shapes = jax.eval_shape(self.strategy.to_canonical, state)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
-
-    def _abstract_with_shardings(self, abstract: Any, shardings: Any) -> Any:
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-        )
 
     def _compile_train_step(self, abstract_batch: Any):
         if "train" in self._compiled:
@@ -704,13 +712,7 @@ class Fit:
             if limit is not None and idx >= limit:
                 break
             local = int(np.shape(jax.tree.leaves(batch)[0])[0])
-            if method not in self._eval_batch_size:
-                dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-                # Processes may hold different counts (an uneven last batch): all pad to the
-                # largest, so that they compile the same step.
-                self._eval_batch_size[method] = _distributed.agree_max(
-                    f"eval_batch:{method}", math.ceil(local / dp_local) * dp_local)
-            size = self._eval_batch_size[method]
+            size = self._eval_size(method, local)
             batch, mask = self._pad(batch, size, prefix)
             if compiled is None:
                 compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
@@ -746,8 +748,7 @@ class Fit:
         key = f"eval:{method}"
         eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
                                                 self.strategy)
-        state_sh = self._shardings.replace(opt_state=None) if state.opt_state is None \
-            else self._shardings
+        state_sh = self._state_shardings(state)
         abstract_state = self._canonical_abstract(state)
         with self.strategy.trace_context():
             abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
@@ -813,22 +814,17 @@ class Fit:
                 self._state = None
             self._call("on_predict_start")
             state = self._eval_state()
-            outputs, compiled, started = [], None, time.perf_counter()
+            outputs, compiled = [], None
             for batch in data:
                 local = int(np.shape(jax.tree.leaves(batch)[0])[0])
-                if "predict" not in self._eval_batch_size:
-                    dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-                    self._eval_batch_size["predict"] = _distributed.agree_max(
-                        "eval_batch:predict", math.ceil(local / dp_local) * dp_local)
-                size = self._eval_batch_size["predict"]
+                size = self._eval_size("predict", local)
                 batch, _ = self._pad(batch, size, "predict")
                 if compiled is None:
                     _distributed.check_batch_agreement(batch, "predict batch (padded)")
                     abstract_batch = _abstract_global_batch(batch)
                     batch_sh = self.strategy.batch_shardings(abstract_batch)
                     _distributed.check_batch_layout(batch_sh, abstract_batch, "predict batch")
-                    state_sh = self._shardings.replace(opt_state=None) \
-                        if state.opt_state is None else self._shardings
+                    state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
                     with self._compiling("predict"):
                         compiled = self.strategy.compile(
@@ -847,7 +843,6 @@ class Fit:
                 else:
                     out = jax.tree.map(lambda x: np.asarray(x)[:local], out)
                 outputs.append(out)
-            del started
             self._call("on_predict_end")
             return outputs
         except BaseException as exc:

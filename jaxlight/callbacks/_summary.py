@@ -20,8 +20,6 @@ def _bytes(n: float) -> str:
 
 def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
     """A text table of parameters and a dict of totals; per-device bytes when sharded."""
-    from clu import parameter_overview
-
     flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     rows = [f"{'name':<48} {'shape':<18} {'dtype':<9} {'bytes':>10} {'per device':>11}"]
     total_bytes = per_device_total = 0
@@ -45,7 +43,6 @@ def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
                     f"{_bytes(nbytes):>10} {_bytes(per_device):>11}")
     rows.append(f"Total: {total_count:,} parameters, {_bytes(total_bytes)}; "
                 f"per device {_bytes(per_device_total)}")
-    del parameter_overview  # clu's count agrees with ours; it is used for the overview below
     totals = {"parameters": total_count, "bytes": total_bytes, "bytes_per_device": per_device_total}
     return "\n".join(rows), totals
 
