@@ -9,10 +9,13 @@ the same two-steps-in-flight bound), alternated with Fit, and the median step-ti
 reported.
 
     python benchmarks/mfu.py --preset 125m --compare-hand           # on one GPU
-    python benchmarks/mfu.py --preset 1b --batch 8 --compare-hand
+    python benchmarks/mfu.py --preset 1b --batch 8 --remat none --compare-hand
     python benchmarks/mfu.py --preset tiny --steps 20 --batch 16    # CPU smoke run (no MFU)
 
-Writes benchmarks/results/mfu_<preset>_<device>.json.
+`benchmarks/gpu.sh` runs the accelerator set in one go. `--remat` and `--attention` override
+the preset's model (the 1b preset recomputes whole blocks, which a large batch on an 80 GB GPU
+needs; at batch 8 nothing needs recomputing, and MFU counts model FLOPs only, so recomputation
+is pure loss). Writes benchmarks/results/mfu_<preset>_<device>.json.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: preset's)")
     p.add_argument("--strategy", default="single")
     p.add_argument("--precision", default="bf16-mixed")
+    p.add_argument("--remat", default=None, choices=["none", "dots", "full"],
+                   help="override the preset's rematerialization")
+    p.add_argument("--attention", default=None, choices=["auto", "xla", "cudnn"],
+                   help="override the attention kernel (default: the preset's, 'auto')")
     p.add_argument("--peak-flops", type=float, default=None, help="per device, overrides table")
     p.add_argument("--compare-hand", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
@@ -56,6 +63,10 @@ def main(argv=None):
     for section_name, values in preset.items():
         for key, value in values.items():
             setattr(getattr(config, section_name), key, value)
+    if args.remat is not None:
+        config.model.remat = args.remat
+    if args.attention is not None:
+        config.model.attention = args.attention
     batch = args.batch or config.data.batch_size
     seq = args.seq or config.data.seq_len
     rng = np.random.default_rng(0)
@@ -133,6 +144,16 @@ def main(argv=None):
 
         peak = device_peak_flops(device)
     n_dev = len(fit.strategy.mesh.devices.flat)
+    from jaxlight.nn._layers import attention_implementation
+
+    c = config.model
+    attention = attention_implementation(
+        c.attention, jax.default_backend(),
+        jax.numpy.bfloat16 if args.precision.startswith("bf16") else jax.numpy.float32,
+        c.embed_dim // c.num_heads)
+    stats = device.memory_stats() or {}
+    import flax
+
     report = {
         "benchmark": "mfu",
         "preset": args.preset,
@@ -142,11 +163,18 @@ def main(argv=None):
         "devices": n_dev,
         "strategy": fit.strategy.name,
         "precision": args.precision,
+        "remat": c.remat,
+        "attention": attention,
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "global_batch": batch,
         "seq_len": seq,
         "median_step_s": step_s,
         "tokens_per_s": tokens / step_s,
         "flops_per_step": flops,
+        "compiled_flops_per_step": (None if monitor.flop_count is None
+                                    else monitor.flop_count.flops * n_dev),
         "achieved_flops_per_s": None if flops is None else flops / step_s,
         "peak_flops_per_device": peak,
         "mfu": None if (flops is None or peak is None) else flops / step_s / (peak * n_dev),

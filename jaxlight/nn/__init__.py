@@ -16,23 +16,35 @@ to mesh axes.
 | `TransformerLM` | all of the above |
 """
 
-from jaxlight.nn._layers import MLP, Dense, Embed, MultiHeadAttention, RMSNorm, apply_rope
-from jaxlight.nn._stacked import LAYERS, Stacked
+from jaxlight.nn._layers import (
+    ATTENTION_IMPLEMENTATIONS,
+    MLP,
+    Dense,
+    Embed,
+    MultiHeadAttention,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+)
+from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
 from jaxlight.strategies._rules import constrain
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
     "LAYERS",
     "MLP",
     "Dense",
     "Embed",
     "MultiHeadAttention",
+    "REMAT_POLICIES",
     "RMSNorm",
     "Stacked",
     "TransformerBlock",
     "TransformerConfig",
     "TransformerLM",
     "apply_rope",
+    "causal_attention",
     "constrain",
     "lm_loss",
 ]

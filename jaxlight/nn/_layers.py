@@ -223,6 +223,85 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> j
     return out.astype(x.dtype)
 
 
+#: What `MultiHeadAttention(attention=...)` accepts.
+ATTENTION_IMPLEMENTATIONS = {
+    "auto": "cuDNN flash attention where it applies (a CUDA GPU, bfloat16/float16 inputs, head "
+            "width a multiple of 8 up to 128), else the XLA path",
+    "xla": "einsum scores, float32 softmax, einsum values: the (length x length) scores are "
+           "materialized; runs everywhere",
+    "cudnn": "jax.nn.dot_product_attention(implementation='cudnn'): fused flash attention on "
+             "NVIDIA GPUs, no (length x length) scores in memory",
+}
+
+
+def _check_attention_name(choice: str) -> None:
+    if choice not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention={choice!r} is not an attention implementation; use one of "
+            f"{', '.join(repr(k) for k in ATTENTION_IMPLEMENTATIONS)}.")
+
+
+def attention_implementation(choice: str, backend: str, dtype: Any, head_dim: int) -> str:
+    """The implementation ("xla" or "cudnn") that `choice` resolves to.
+
+    Args:
+        choice: "auto", "xla" or "cudnn".
+        backend: the platform the step compiles for (`jax.default_backend()`).
+        dtype: the dtype of queries, keys and values.
+        head_dim: width per head.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> attention_implementation("auto", "gpu", jnp.bfloat16, 128)
+        'cudnn'
+        >>> attention_implementation("auto", "cpu", jnp.bfloat16, 128)
+        'xla'
+        >>> attention_implementation("auto", "gpu", jnp.float32, 128)
+        'xla'
+    """
+    _check_attention_name(choice)
+    fits_cudnn = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+                  and head_dim % 8 == 0 and head_dim <= 128)
+    if choice == "cudnn":
+        problems = []
+        if backend not in ("gpu", "cuda"):
+            problems.append(f"the step compiles for {backend!r}, not a CUDA GPU")
+        if not fits_cudnn:
+            problems.append(f"cuDNN flash attention needs bfloat16 or float16 inputs and a head "
+                            f"width that is a multiple of 8, at most 128; got "
+                            f"{jnp.dtype(dtype).name} and {head_dim}")
+        if problems:
+            raise ValueError(f"attention='cudnn' cannot run here: {'; '.join(problems)}. Use "
+                             "attention='auto' (cuDNN where it applies, XLA elsewhere) or 'xla'"
+                             " (for float32 on a GPU, train with precision='bf16-mixed').")
+        return "cudnn"
+    if choice == "auto" and backend in ("gpu", "cuda") and fits_cudnn:
+        return "cudnn"
+    return "xla"
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str = "xla",
+                     scale: float | None = None) -> jax.Array:
+    """Causal softmax attention of `q`, `k`, `v` `(..., length, heads, head_dim)`.
+
+    "xla" computes the scores in the inputs' dtype, the softmax in float32 and the output in
+    the inputs' dtype; "cudnn" is `jax.nn.dot_product_attention`'s fused kernel (the same
+    function, computed blockwise). `implementation="reference"` runs that function's portable
+    XLA formulation, which tests compare with the "xla" path.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if implementation in ("cudnn", "reference"):
+        impl = "cudnn" if implementation == "cudnn" else "xla"
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                            implementation=impl)
+    length = q.shape[-3]
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32) * scale
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("...hqk,...khd->...qhd", probs, v)
+
+
 class MultiHeadAttention(nnx.Module):
     """Causal multi-head self-attention with rotary positions.
 
@@ -239,6 +318,8 @@ class MultiHeadAttention(nnx.Module):
         rope_theta: rotary base wavelength.
         dtype: compute dtype (None: promote).
         param_dtype: parameter dtype.
+        attention: "auto" (cuDNN flash attention on a CUDA GPU in bfloat16, else XLA), "xla"
+            or "cudnn"; see `ATTENTION_IMPLEMENTATIONS`.
         rngs: random streams.
 
     Example:
@@ -251,14 +332,16 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, features: int, num_heads: int, *, head_dim: int | None = None,
                  rope_theta: float = 10_000.0, dtype: Any = None,
-                 param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+                 param_dtype: Any = jnp.float32, attention: str = "auto", rngs: nnx.Rngs):
         head_dim = head_dim or features // num_heads
+        _check_attention_name(attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv = Dense(features, (3, num_heads, head_dim), axes=("embed", None, "heads", "kv"),
                          kernel_init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(2, 3)),
                          **kw)
         self.out = Dense((num_heads, head_dim), features, axes=("heads", "kv", "embed"), **kw)
         self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
+        self.attention = attention
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         heads = ("batch", "length", "activation_heads", "activation_kv")[-(x.ndim + 1):]
@@ -266,13 +349,9 @@ class MultiHeadAttention(nnx.Module):
         q = constrain(apply_rope(qkv[..., 0, :, :], positions, self.rope_theta), heads)
         k = constrain(apply_rope(qkv[..., 1, :, :], positions, self.rope_theta), heads)
         v = constrain(qkv[..., 2, :, :], heads)
-        length = x.shape[-2]
-        scores = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32)
-        scores = scores * (self.head_dim**-0.5)
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = constrain(jnp.einsum("...hqk,...khd->...qhd", probs, v), heads)
+        impl = attention_implementation(self.attention, jax.default_backend(), q.dtype,
+                                        self.head_dim)
+        out = constrain(causal_attention(q, k, v, impl, self.head_dim**-0.5), heads)
         y = self.out(out)
         return constrain(y, _act(y, "activation_embed"))
 

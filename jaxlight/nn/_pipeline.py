@@ -123,7 +123,7 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: bool) -> Any:
+def _scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: Any) -> Any:
     """The stage's share of the stack as `Stacked`'s plain scan runs it (same metadata)."""
     from jaxlight.nn._stacked import scan_layers
 

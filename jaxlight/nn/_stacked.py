@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jaxlight.nn._pipeline import active_pipeline, run_pipeline
@@ -12,6 +13,40 @@ from jaxlight.nn._pipeline import active_pipeline, run_pipeline
 #: The logical name of the stacked-layers axis (the rules table maps it: None on most
 #: strategies, the pipeline axis under GPipe).
 LAYERS = "layers"
+
+#: What `remat` accepts, by name (`True` means "full", `False` "none"; a callable is a
+#: `jax.checkpoint_policies` policy).
+REMAT_POLICIES = {
+    "none": "store every activation (fastest, most memory)",
+    "full": "store only each block's input; recompute the whole block in the backward pass "
+            "(least memory, about a third more compute)",
+    "dots": "store the outputs of the weight matmuls, recompute the rest (attention scores, "
+            "norms, activations): jax.checkpoint_policies.dots_with_no_batch_dims_saveable",
+}
+
+
+def remat_policy(remat: Any) -> tuple[bool, Callable | None]:
+    """(whether to rematerialize, the `jax.checkpoint` policy) for a `remat` setting.
+
+    Example:
+        >>> remat_policy(False), remat_policy("full")
+        ((False, None), (True, None))
+        >>> remat_policy("dots")[1] is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        True
+    """
+    if remat is None or remat is False or remat == "none":
+        return False, None
+    if remat is True or remat == "full":
+        return True, None
+    if remat == "dots":
+        return True, jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if callable(remat):
+        return True, remat
+    choices = ", ".join(repr(k) for k in REMAT_POLICIES)
+    raise ValueError(
+        f"remat={remat!r} is not a rematerialization setting; use True/False, one of "
+        f"{choices}, or a jax.checkpoint_policies policy."
+    )
 
 
 class Stacked(nnx.Module):
@@ -27,8 +62,10 @@ class Stacked(nnx.Module):
             of an unchanged shape (the scan carry).
         num_layers: how many blocks.
         rngs: random streams; each layer gets its own split of every stream.
-        remat: recompute each block's activations in the backward pass (`nnx.remat`) instead
-            of storing them: less memory, about a third more compute.
+        remat: what to recompute in the backward pass instead of storing (`nnx.remat` on
+            each block): `False`/"none", `True`/"full" (the whole block: least memory, about a
+            third more compute), "dots" (keep the weight matmuls' outputs, recompute the
+            rest), or a `jax.checkpoint_policies` policy.
 
     Example:
         >>> from flax import nnx
@@ -46,10 +83,11 @@ class Stacked(nnx.Module):
         num_layers: int,
         *,
         rngs: nnx.Rngs,
-        remat: bool = False,
+        remat: bool | str | Callable = False,
     ):
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"Stacked needs num_layers >= 1, got {num_layers!r}.")
+        remat_policy(remat)  # reject a bad setting here, not at the first trace
         self.num_layers = num_layers
         self.remat = remat
 
@@ -75,7 +113,7 @@ class Stacked(nnx.Module):
         return scan_layers(self.layers, x, args, self.remat)
 
 
-def scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: bool) -> Any:
+def scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: Any) -> Any:
     """Runs stacked `layers` (leading layer axis) in order as one `nnx.scan` over `x`.
 
     Shared by `Stacked` and each pipeline stage, so both run the blocks identically.
@@ -84,8 +122,9 @@ def scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: bool) -> Any:
     def body(block, carry, *rest):
         return block(carry, *rest)
 
-    if remat:
-        body = nnx.remat(body)
+    rematerialize, policy = remat_policy(remat)
+    if rematerialize:
+        body = nnx.remat(body, policy=policy)
 
     @nnx.scan(
         in_axes=(0, nnx.Carry) + (None,) * len(args),

@@ -14,8 +14,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight.nn._layers import MLP, Dense, Embed, MultiHeadAttention, RMSNorm
-from jaxlight.nn._stacked import Stacked
+from jaxlight.nn._layers import (
+    MLP,
+    Dense,
+    Embed,
+    MultiHeadAttention,
+    RMSNorm,
+    _check_attention_name,
+)
+from jaxlight.nn._stacked import Stacked, remat_policy
 from jaxlight.strategies._rules import constrain
 
 
@@ -33,7 +40,11 @@ class TransformerConfig:
         rope_theta: rotary base wavelength.
         norm_eps: RMSNorm epsilon.
         tie_embeddings: reuse the token embedding as the output head.
-        remat: recompute block activations in the backward pass.
+        remat: what each block recomputes in the backward pass instead of storing:
+            False/"none", True/"full", "dots" (keep the weight matmuls' outputs) or a
+            `jax.checkpoint_policies` policy (see `jaxlight.nn.Stacked`).
+        attention: "auto" (cuDNN flash attention on a CUDA GPU in bfloat16, else XLA), "xla"
+            or "cudnn" (see `jaxlight.nn.MultiHeadAttention`).
         dtype: compute dtype (None: float32 parameters compute in float32).
         param_dtype: parameter dtype.
     """
@@ -47,11 +58,14 @@ class TransformerConfig:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
-    remat: bool = False
+    remat: Any = False
+    attention: str = "auto"
     dtype: Any = None
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
+        remat_policy(self.remat)
+        _check_attention_name(self.attention)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -85,7 +99,7 @@ class TransformerBlock(nnx.Module):
         self.attn_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
                                  rngs=rngs)
         self.attn = MultiHeadAttention(c.embed_dim, c.num_heads, head_dim=c.resolved_head_dim,
-                                       rope_theta=c.rope_theta, **kw)
+                                       rope_theta=c.rope_theta, attention=c.attention, **kw)
         self.mlp_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
                                 rngs=rngs)
         self.mlp = MLP(c.embed_dim, c.resolved_mlp_dim, **kw)

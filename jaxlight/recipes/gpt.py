@@ -65,9 +65,14 @@ class ModelConfig:
                                "block's parameters, as in Llama")
     rope_theta: float = option(10_000.0, "rotary base wavelength")
     tie_embeddings: bool = option(True, "share the byte embedding with the output head")
-    remat: bool = option(False, "recompute block activations in the backward pass (memory)")
+    remat: bool | Literal["none", "full", "dots"] = option(
+        False, "recompute in the backward pass instead of storing: true/'full' (whole blocks, "
+               "least memory), 'dots' (keep the weight matmuls' outputs), false/'none'")
     dtype: Literal["float32", "bfloat16"] = option(
         "float32", "compute dtype; for bf16 training prefer --precision bf16-mixed")
+    attention: Literal["auto", "xla", "cudnn"] = option(
+        "auto", "attention kernel: 'auto' uses cuDNN flash attention on a CUDA GPU in bf16, "
+                "XLA elsewhere")
 
 
 @dataclasses.dataclass
@@ -117,7 +122,7 @@ def transformer_config(model: ModelConfig):
     return TransformerConfig(
         vocab_size=VOCAB_SIZE, embed_dim=model.embed_dim, num_layers=model.num_layers,
         num_heads=model.num_heads, mlp_dim=model.mlp_dim, rope_theta=model.rope_theta,
-        tie_embeddings=model.tie_embeddings, remat=model.remat,
+        tie_embeddings=model.tie_embeddings, remat=model.remat, attention=model.attention,
         dtype=None if model.dtype == "float32" else jnp.dtype(model.dtype),
     )
 
@@ -141,20 +146,20 @@ class GPT(TrainModule):
     """A byte-level causal language model on `{"tokens": uint8[batch, seq_len + 1]}` batches.
 
     Args:
-        num_layers, embed_dim, num_heads, mlp_dim, rope_theta, tie_embeddings, remat, dtype:
-            the `jaxlight.nn.TransformerConfig` (vocabulary: 256 bytes).
+        num_layers, embed_dim, num_heads, mlp_dim, rope_theta, tie_embeddings, remat, dtype,
+            attention: the `jaxlight.nn.TransformerConfig` (vocabulary: 256 bytes).
         lr, warmup_steps, min_lr_ratio, weight_decay, b2: AdamW with warm-up and cosine decay.
         decay_steps: length of the cosine decay (the fit's max_steps); None keeps the peak rate.
     """
 
     def __init__(self, num_layers: int = 4, embed_dim: int = 128, num_heads: int = 4,
                  mlp_dim: int = 384, rope_theta: float = 10_000.0, tie_embeddings: bool = True,
-                 remat: bool = False, dtype: str = "float32", lr: float = 3e-3,
+                 remat: bool | str = False, dtype: str = "float32", lr: float = 3e-3,
                  warmup_steps: int = 50, min_lr_ratio: float = 0.1, weight_decay: float = 0.1,
-                 b2: float = 0.95, decay_steps: int | None = None):
+                 b2: float = 0.95, decay_steps: int | None = None, attention: str = "auto"):
         super().__init__()
         self.model_config = ModelConfig(num_layers, embed_dim, num_heads, mlp_dim, rope_theta,
-                                        tie_embeddings, remat, dtype)
+                                        tie_embeddings, remat, dtype, attention)
         self.lr, self.warmup_steps, self.min_lr_ratio = lr, warmup_steps, min_lr_ratio
         self.weight_decay, self.b2, self.decay_steps = weight_decay, b2, decay_steps
 
@@ -325,7 +330,7 @@ def make_module(config: Config, max_steps: int | None = None) -> GPT:
                mlp_dim=m.mlp_dim, rope_theta=m.rope_theta, tie_embeddings=m.tie_embeddings,
                remat=m.remat, dtype=m.dtype, lr=o.lr, warmup_steps=o.warmup_steps,
                min_lr_ratio=o.min_lr_ratio, weight_decay=o.weight_decay, b2=o.b2,
-               decay_steps=max_steps)
+               decay_steps=max_steps, attention=m.attention)
 
 
 def build(config: Config | None = None, max_steps: int | None = None) -> tuple[GPT, RecipeData]:

@@ -127,3 +127,52 @@ def test_config_validation():
         nn.TransformerConfig(embed_dim=10, num_heads=4)
     with pytest.raises(ValueError, match="num_layers must be a positive int"):
         nn.TransformerConfig(num_layers=0)
+
+
+def test_attention_implementation_choice():
+    from jaxlight.nn._layers import attention_implementation as pick
+
+    assert pick("auto", "gpu", jnp.bfloat16, 128) == "cudnn"
+    assert pick("auto", "cuda", jnp.float16, 64) == "cudnn"
+    assert pick("auto", "gpu", jnp.float32, 128) == "xla"  # cuDNN flash: half precision only
+    assert pick("auto", "gpu", jnp.bfloat16, 100) == "xla"  # not a multiple of 8
+    assert pick("auto", "gpu", jnp.bfloat16, 256) == "xla"
+    assert pick("auto", "cpu", jnp.bfloat16, 128) == "xla"
+    assert pick("auto", "tpu", jnp.bfloat16, 128) == "xla"
+    assert pick("xla", "gpu", jnp.bfloat16, 128) == "xla"
+    assert pick("cudnn", "gpu", jnp.bfloat16, 128) == "cudnn"
+    with pytest.raises(ValueError, match=r"compiles for 'cpu', not a CUDA GPU.*'auto'"):
+        pick("cudnn", "cpu", jnp.bfloat16, 128)
+    with pytest.raises(ValueError, match="got float32 and 128"):
+        pick("cudnn", "gpu", jnp.float32, 128)
+    with pytest.raises(ValueError, match=r"attention='flash'.*'auto', 'xla', 'cudnn'"):
+        nn.MultiHeadAttention(8, 2, attention="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="attention='flash'"):
+        nn.TransformerConfig(attention="flash")
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_xla_attention_equals_dot_product_attention(dtype, tol):
+    """The cuDNN path calls jax.nn.dot_product_attention (layout, scale, causal flag); its
+    portable formulation must compute what the XLA path computes."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 8), dtype) for key in keys)
+    ours = nn.causal_attention(q, k, v, "xla", scale=0.3)
+    reference = nn.causal_attention(q, k, v, "reference", scale=0.3)
+    assert ours.dtype == reference.dtype == dtype
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(reference, np.float32),
+                               rtol=tol, atol=tol)
+    # Causal: the first query sees only the first value.
+    np.testing.assert_allclose(np.asarray(ours[:, 0], np.float32),
+                               np.asarray(v[:, 0], np.float32), rtol=tol, atol=tol)
+
+
+def test_auto_attention_is_the_xla_path_on_cpu():
+    cfg = dict(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2)
+    tokens = jnp.arange(16).reshape(2, 8) % 32
+    auto = nn.TransformerLM(nn.TransformerConfig(**cfg), rngs=nnx.Rngs(0))
+    xla = nn.TransformerLM(nn.TransformerConfig(**cfg, attention="xla"), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(auto(tokens), xla(tokens))
+    cudnn = nn.TransformerLM(nn.TransformerConfig(**cfg, attention="cudnn"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="attention='cudnn' cannot run here"):
+        cudnn(tokens)  # built anywhere (a GPU run may build on the host), refused at the trace

@@ -28,7 +28,8 @@ def loop_reference(stack, x, scale):
     return x
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize(
+    "remat", [False, True, "none", "full", "dots", jax.checkpoint_policies.nothing_saveable])
 def test_scan_equals_python_loop_and_grads(remat):
     stack = nn.Stacked(Block, 3, rngs=nnx.Rngs(0), remat=remat)
     assert stack.layers.dense.kernel.shape == (3, 4, 4)
@@ -67,3 +68,39 @@ def test_layers_logical_axis_reaches_the_model_spec():
 def test_num_layers_must_be_positive():
     with pytest.raises(ValueError, match="num_layers >= 1"):
         nn.Stacked(Block, 0, rngs=nnx.Rngs(0))
+
+
+def test_remat_policy_sets_what_the_backward_pass_recomputes():
+    """Compiled FLOPs of a gradient: "none" < "dots" < "full" (full recomputes the matmuls)."""
+    from jaxlight._flops import compiled_flops
+
+    class MatBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nn.Dense(32, 64, axes=("embed", "mlp"), rngs=rngs)
+            self.b = nn.Dense(64, 32, axes=("mlp", "embed"), rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.b(jnp.tanh(self.a(x)))
+
+    x = jnp.ones((16, 32))
+    flops = {}
+    for remat in ("none", "dots", "full"):
+        stack = nn.Stacked(MatBlock, 4, rngs=nnx.Rngs(0), remat=remat)
+        graphdef, params = nnx.split(stack, nnx.Param)
+        grad = jax.jit(jax.grad(lambda p, g=graphdef: nnx.merge(g, p)(x).sum()))
+        flops[remat] = compiled_flops(grad.lower(params).compile()).flops
+    unit = 2 * 16 * 32 * 64  # one layer's matmul of a (16, 32) x (32, 64) product
+    # Without remat: per layer 2 forward matmuls and 4 backward ones (dW and dx of each).
+    assert abs(flops["none"] - 24 * unit) < 0.05 * 24 * unit, flops
+    # "dots" keeps the matmul outputs: only the tanh is recomputed (elementwise, < 1 unit).
+    assert 0 < flops["dots"] - flops["none"] < unit, flops
+    # "full" recomputes each layer's forward; the backward pass needs `a`'s output (for
+    # tanh') but not `b`'s, so one matmul per layer runs again, within an elementwise op.
+    assert abs(flops["full"] - flops["none"] - 4 * unit) < 0.01 * 4 * unit, flops
+
+
+def test_bad_remat_setting_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"remat='some'.*'none', 'full', 'dots'"):
+        nn.Stacked(Block, 2, rngs=nnx.Rngs(0), remat="some")
+    with pytest.raises(ValueError, match="remat='partial'"):
+        nn.TransformerConfig(remat="partial")

@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxlight.recipes import gpt
 from jaxlight.recipes._base import apply_overrides
@@ -90,3 +91,18 @@ def test_flops_and_tokens_per_batch():
     assert module.tokens_per_batch(batch) == 32 * 64
     dense = gpt.num_parameters(gpt.Config().model) - 256 * 64
     assert module.flops_per_batch(batch) == 6 * dense * 2048 + 12 * 4 * 64 * 64 * 2048
+
+
+def test_remat_and_attention_overrides_reach_the_model():
+    from jaxlight._errors import ConfigurationError
+
+    config = apply_overrides(gpt.RECIPE.default_config("tiny"), {
+        "model.remat": "dots", "model.attention": "xla"}, "test")
+    assert (config.model.remat, config.model.attention) == ("dots", "xla")
+    model = gpt.make_module(config).configure_model(nnx.Rngs(0))
+    assert model.blocks.remat == "dots"
+    assert model.blocks.layers.attn.attention == "xla"
+    assert apply_overrides(gpt.Config(), {"model.remat": "true"}, "test").model.remat is True
+    with pytest.raises(ConfigurationError, match=r"model.attention expects one of 'auto', "
+                                                 r"'xla', 'cudnn', got 'flash'"):
+        apply_overrides(gpt.Config(), {"model.attention": "flash"}, "test")
