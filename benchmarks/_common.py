@@ -32,8 +32,9 @@ def write_result(name: str, report: dict, out: str | None = None) -> str:
     return path
 
 
-def lm_module(vocab=512, embed=256, layers=4, heads=8, mlp=1024, lr=1e-3):
-    """A TrainModule around jaxlight.nn.TransformerLM (untied head, every rule used)."""
+def lm_module(vocab=512, embed=256, layers=4, heads=8, mlp=1024, lr=1e-3, weight_decay=1e-4):
+    """A TrainModule around jaxlight.nn.TransformerLM (untied head, every rule used); AdamW
+    (`weight_decay` defaults to optax's)."""
     import optax
 
     import jaxlight as jl
@@ -50,7 +51,7 @@ def lm_module(vocab=512, embed=256, layers=4, heads=8, mlp=1024, lr=1e-3):
             return nn.TransformerLM(self.config, rngs=rngs)
 
         def configure_optimizers(self):
-            return optax.adamw(lr)
+            return optax.adamw(lr, weight_decay=weight_decay)
 
         def training_step(self, model, batch):
             logits = model(batch["tokens"][:, :-1])

@@ -46,33 +46,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
-from jaxlight import nn, strategies  # noqa: E402
+from jaxlight import strategies  # noqa: E402
 from jaxlight.nn._pipeline import bubble_fraction  # noqa: E402
 from jaxlight.strategies._pipelined import schedule_stats  # noqa: E402
 
-
-class LM(jl.TrainModule):
-    """Next-token prediction with jaxlight.nn.TransformerLM (untied head)."""
-
-    def __init__(self, vocab=256, embed=64, layers=8, heads=4, mlp=256, lr=3e-3):
-        super().__init__()
-        self.config = nn.TransformerConfig(vocab_size=vocab, embed_dim=embed, num_layers=layers,
-                                           num_heads=heads, mlp_dim=mlp, tie_embeddings=False)
-        self.lr = lr
-
-    def configure_model(self, rngs):
-        return nn.TransformerLM(self.config, rngs=rngs)
-
-    def configure_optimizers(self):
-        return optax.adamw(self.lr, weight_decay=0.01)
-
-    def training_step(self, model, batch):
-        logits = model(batch["tokens"][:, :-1])
-        return nn.lm_loss(logits, batch["tokens"][:, 1:])
+sys.path.insert(0, HERE)
+from _common import lm_module  # noqa: E402
 
 
 def token_batches(steps, batch, length, vocab, seed=0):
@@ -86,8 +68,8 @@ def token_batches(steps, batch, length, vocab, seed=0):
 
 
 def _module(args):
-    return LM(vocab=args.vocab, embed=args.embed, layers=args.layers, heads=args.heads,
-              mlp=args.mlp)
+    return lm_module(vocab=args.vocab, embed=args.embed, layers=args.layers, heads=args.heads,
+                     mlp=args.mlp, lr=3e-3, weight_decay=0.01)
 
 
 def _fit(args, strategy, steps, batch):

@@ -67,6 +67,18 @@ class Strategy(abc.ABC):
     def check_batch(self, abstract_batch: Any, what: str = "batch") -> None:
         """Refuses a global batch whose leading dimension the data-parallel degree cannot split."""
         dp = self.data_parallel_size
+        self._require_divisible(
+            abstract_batch, what, dp,
+            lambda: f"the data-parallel degree {dp} of {self.name} on mesh "
+                    f"{self.describe()['mesh']}")
+
+    @staticmethod
+    def _require_divisible(abstract_batch: Any, what: str, need: int,
+                           divisor: Callable[[], str], advice: str = "") -> None:
+        """Refuses a scalar batch leaf, or one whose leading dimension `need` does not divide.
+
+        `divisor()` says what `need` is (called only for the message); `advice` ends it.
+        """
         for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_batch):
             if not np.shape(leaf):
                 raise DataError(
@@ -74,13 +86,12 @@ class Strategy(abc.ABC):
                     "needs a leading batch dimension."
                 )
             size = np.shape(leaf)[0]
-            if size % dp:
-                lower, upper = size - size % dp, size - size % dp + dp
+            if size % need:
+                lower, upper = size - size % need, size - size % need + need
                 raise DataError(
                     f"global {what} size {size} (leaf {jax.tree_util.keystr(path)}) is not "
-                    f"divisible by the data-parallel degree {dp} of {self.name} on mesh "
-                    f"{self.describe()['mesh']}. Use a batch size that is a multiple of {dp} "
-                    f"(for example {lower or upper} or {upper})."
+                    f"divisible by {divisor()}. Use a batch size that is a multiple of {need} "
+                    f"(for example {lower or upper} or {upper}){advice}."
                 )
 
     def put_batch(self, batch: Any, shardings: Any) -> Any:

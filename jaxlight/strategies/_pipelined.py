@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError
 
 #: The logical axis of `jaxlight.nn.Stacked` (kept here to avoid importing jaxlight.nn).
 LAYERS = "layers"
@@ -157,17 +157,12 @@ class Pipelined:
         if not self.pipelined or what != "batch":
             return
         need = self.microbatches * self.data_parallel_size
-        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_batch):
-            size = leaf.shape[0]
-            if size % need:
-                lower, upper = size - size % need, size - size % need + need
-                raise DataError(
-                    f"global batch size {size} (leaf {jax.tree_util.keystr(path)}) is not "
-                    f"divisible by microbatches {self.microbatches} × data-parallel degree "
+        self._require_divisible(
+            abstract_batch, what, need,
+            lambda: f"microbatches {self.microbatches} × data-parallel degree "
                     f"{self.data_parallel_size} = {need} of {self._who()} on mesh "
-                    f"{dict(self.mesh.shape)}. Use a batch size that is a multiple of {need} "
-                    f"(for example {lower or upper} or {upper}), or change microbatches."
-                )
+                    f"{dict(self.mesh.shape)}",
+            advice=", or change microbatches")
 
     # -- tracing and compiling ----------------------------------------------------------------
 
