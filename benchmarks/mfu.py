@@ -49,6 +49,7 @@ def main(argv=None):
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    import flax
     import jax
     import numpy as np
     import optax
@@ -56,6 +57,7 @@ def main(argv=None):
 
     import jaxlight as jl
     from jaxlight import callbacks
+    from jaxlight.nn._layers import attention_implementation
     from jaxlight.recipes import gpt
 
     preset = gpt.PRESETS[args.preset]["config"]
@@ -67,6 +69,8 @@ def main(argv=None):
         config.model.remat = args.remat
     if args.attention is not None:
         config.model.attention = args.attention
+    # The dtype the step computes in (bfloat16 under "bf16-mixed"), from the precision policy.
+    compute_dtype = callbacks.MixedPrecision(args.precision).compute_dtype
     batch = args.batch or config.data.batch_size
     seq = args.seq or config.data.seq_len
     rng = np.random.default_rng(0)
@@ -102,8 +106,8 @@ def main(argv=None):
 
         def step(params, opt_state, batch):
             def loss_fn(p):
-                if args.precision.startswith("bf16"):
-                    p = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), p)
+                if compute_dtype != jax.numpy.float32:
+                    p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
                 return module.training_step(nnx.merge(graphdef, p, rest), batch)[0].astype(
                     jax.numpy.float32)
 
@@ -144,16 +148,11 @@ def main(argv=None):
 
         peak = device_peak_flops(device)
     n_dev = len(fit.strategy.mesh.devices.flat)
-    from jaxlight.nn._layers import attention_implementation
-
     c = config.model
-    attention = attention_implementation(
-        c.attention, jax.default_backend(),
-        jax.numpy.bfloat16 if args.precision.startswith("bf16") else jax.numpy.float32,
-        c.embed_dim // c.num_heads)
+    # What the step's attention ran: the model's choice for its compute dtype and head width.
+    attention = attention_implementation(c.attention, jax.default_backend(), compute_dtype,
+                                         gpt.transformer_config(c).resolved_head_dim)
     stats = device.memory_stats() or {}
-    import flax
-
     report = {
         "benchmark": "mfu",
         "preset": args.preset,

@@ -286,20 +286,25 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
 
     "xla" computes the scores in the inputs' dtype, the softmax in float32 and the output in
     the inputs' dtype; "cudnn" is `jax.nn.dot_product_attention`'s fused kernel (the same
-    function, computed blockwise). `implementation="reference"` runs that function's portable
-    XLA formulation, which tests compare with the "xla" path.
+    function, computed blockwise).
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if implementation in ("cudnn", "reference"):
-        impl = "cudnn" if implementation == "cudnn" else "xla"
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                            implementation=impl)
+    if implementation == "cudnn":
+        return _dot_product_attention(q, k, v, scale, "cudnn")
     length = q.shape[-3]
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32) * scale
     causal = jnp.tril(jnp.ones((length, length), bool))
     scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("...hqk,...khd->...qhd", probs, v)
+
+
+def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                           implementation: str) -> jax.Array:
+    """`jax.nn.dot_product_attention` as the "cudnn" path calls it; tests run it with
+    `implementation="xla"` (JAX's portable formulation) against our XLA path."""
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation=implementation)
 
 
 class MultiHeadAttention(nnx.Module):
