@@ -12,6 +12,9 @@ coordinates). A step directory is complete once orbax has renamed it from
     <dirpath>/<step>/meta/      JSON (orbax JsonSave): step, epoch, batch index, loader position,
                                 callbacks' states, hyperparameters, monitored value, key impls
     <dirpath>/<step>/metrics/   JSON {monitor: value} when ModelCheckpoint has a monitor
+    <dirpath>/<step>/checksums/ JSON: a digest of every array in `state` (see `_verify`),
+                                checked on every restore; a damaged newest step makes
+                                `ckpt_path="last"` fall back to an older one
 
 The state is saved as every strategy sees it (`strategy.to_canonical`), so a checkpoint written
 under one strategy restores under any other: each process reads only the shards its target
@@ -33,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlight import _frozen
+from jaxlight import _frozen, _verify
 from jaxlight._errors import CheckpointError
 from jaxlight._state import TrainState, _logical_names, frozen_mask
 
@@ -221,7 +224,7 @@ def read_meta(step_dir: str) -> dict:
         return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
             os.path.join(step_dir, META_ITEM))
     except Exception as exc:  # noqa: BLE001 - re-raised with the path and what to do
-        raise CheckpointError(
+        raise _verify.DamagedCheckpoint(
             f"cannot read the checkpoint record {os.path.join(step_dir, META_ITEM)}: {exc}. "
             "Is this a jaxlight checkpoint step directory (<dirpath>/<step>)?"
         ) from exc
@@ -332,7 +335,8 @@ def _saved_shapes(step_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     try:
         metadata = ocp.StandardCheckpointHandler().metadata(path)
     except Exception as exc:  # noqa: BLE001 - re-raised with the path
-        raise CheckpointError(f"cannot read the array metadata of {path}: {exc}") from exc
+        raise _verify.DamagedCheckpoint(
+            f"cannot read the array metadata of {path}: {exc}") from exc
     return _shapes_by_path(getattr(metadata, "tree", metadata))
 
 
@@ -369,17 +373,28 @@ def check_matches(step_dir: str, target: dict, module, parts: Sequence[str]) -> 
     )
 
 
-def _restore(step_dir: str, target: dict, partial: bool) -> dict:
+def _restore(step_dir: str, target: dict, partial: bool, meta: dict) -> dict:
+    """Reads `target`'s arrays and checks them against the saved checksums."""
     ocp = _ocp()
     path = os.path.join(step_dir, STATE_ITEM)
     target = _abstract_key_data(target)
+    record = _verify.read_record(step_dir)
+    if record is None and meta.get("checksums"):
+        raise _verify.DamagedCheckpoint(
+            f"checkpoint {step_dir} lost its checksum record "
+            f"({os.path.join(step_dir, _verify.CHECKSUM_ITEM)} is missing).")
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
         with ocp.PyTreeCheckpointer() as checkpointer:
-            return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
                 item=target, restore_args=restore_args, partial_restore=partial))
     except Exception as exc:  # noqa: BLE001 - re-raised with the path
-        raise CheckpointError(f"restoring {path} failed: {exc}") from exc
+        raise _verify.DamagedCheckpoint(f"restoring {path} failed: {exc}") from exc
+    if record is None:
+        warnings.warn(f"checkpoint {step_dir} has no checksums (written by an older jaxlight): "
+                      "its array values are not verified.", stacklevel=4)
+    _verify.verify(step_dir, restored, record)
+    return restored
 
 
 def _restore_shardings(strategy, abstract: Any, shardings: Any) -> Any:
@@ -400,6 +415,21 @@ def _with_shardings(abstract: Any, shardings: Any) -> Any:
 
 
 # -- resume and load -----------------------------------------------------------------------------
+
+
+def _fallback_candidates(fit, ckpt_path, step_dir: str) -> list[str]:
+    """Older complete steps to try, newest first, when `step_dir` turns out damaged: for "last"
+    every checkpoint directory's steps, for a checkpoint directory its own; none for "best" or
+    a step directory the user named."""
+    if ckpt_path == "last" and fit is not None:
+        roots = [root for root, _ in _checkpoint_dirs(fit)]
+    elif ckpt_path != "best" and not _is_step_dir(os.path.abspath(os.fspath(ckpt_path))):
+        roots = [os.path.abspath(os.fspath(ckpt_path))]
+    else:
+        return []
+    found = sorted(((step, os.path.join(root, str(step))) for root in roots
+                    for step in complete_steps(root)), reverse=True)
+    return [path for _, path in found if os.path.abspath(path) != os.path.abspath(step_dir)]
 
 
 def _epoch_length(fit, data) -> int | None:
@@ -427,32 +457,10 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
     step_dir = resolve_checkpoint(fit, ckpt_path)
     if step_dir is None:
         return None
-    meta = read_meta(step_dir)
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{step_dir} has checkpoint format {meta.get('format')!r}; this jaxlight reads "
-            f"format {FORMAT_VERSION}."
-        )
-    mask = getattr(fit._spec, "frozen", None)
-    frozen = _frozen.has_frozen(mask)
-    abstract = _state_tree(fit._spec.abstract_state)
-    shardings = _state_tree(_restore_shardings(fit.strategy, fit._spec.abstract_state,
-                                               fit._shardings))
-    if frozen:
-        rest_shardings = shardings["rest"]
-        abstract["rest"] = _frozen.select(abstract["rest"], mask, False)
-        shardings["rest"] = _frozen.select(rest_shardings, mask, False)
-    check_matches(step_dir, _abstract_key_data(abstract), module,
-                  ("params", "opt_state", "rest"))
-    if frozen:
-        fresh = _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, fit.strategy,
-                                fit.seed)
-    restored = _restore(step_dir, _with_shardings(abstract, shardings), partial=False)
-    tree = _wrap_keys(restored, abstract, meta.get("prng_keys", {}))
-    rest = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
-    state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
-                       rest=rest)
-    fit._state = fit.strategy.from_canonical(state, fit._shardings)
+    step_dir, (meta, state) = _verify.with_fallback(
+        step_dir, _fallback_candidates(fit, ckpt_path, step_dir),
+        lambda path: _restore_state(fit, module, path))
+    fit._state = state
 
     step, epoch, batch_idx = int(meta["step"]), int(meta["epoch"]), int(meta["batch_idx"])
     data = fit.train_data
@@ -476,6 +484,37 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
         print(f"jaxlight: resumed from {step_dir} (step {step}, epoch {epoch}, batch {batch_idx}).",
               flush=True)
     return meta
+
+
+def _restore_state(fit, module, step_dir: str) -> tuple[dict, TrainState]:
+    """The meta record and the verified train state of one step, in the fit's layout."""
+    meta = read_meta(step_dir)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{step_dir} has checkpoint format {meta.get('format')!r}; this jaxlight reads "
+            f"format {FORMAT_VERSION}."
+        )
+    mask = getattr(fit._spec, "frozen", None)
+    frozen = _frozen.has_frozen(mask)
+    abstract = _state_tree(fit._spec.abstract_state)
+    shardings = _state_tree(_restore_shardings(fit.strategy, fit._spec.abstract_state,
+                                               fit._shardings))
+    if frozen:
+        rest_shardings = shardings["rest"]
+        abstract["rest"] = _frozen.select(abstract["rest"], mask, False)
+        shardings["rest"] = _frozen.select(rest_shardings, mask, False)
+    check_matches(step_dir, _abstract_key_data(abstract), module,
+                  ("params", "opt_state", "rest"))
+    if frozen:
+        fresh = _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, fit.strategy,
+                                fit.seed)
+    restored = _restore(step_dir, _with_shardings(abstract, shardings), partial=False,
+                        meta=meta)
+    tree = _wrap_keys(restored, abstract, meta.get("prng_keys", {}))
+    rest = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
+    state = TrainState(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"],
+                       rest=rest)
+    return meta, fit.strategy.from_canonical(state, fit._shardings)
 
 
 def _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, strategy, default_seed):
@@ -530,21 +569,25 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
                                    strategy.state_shardings(abstract, logical))
     target = {"params": params, "rest": rest}
     sh = {"params": shardings.params, "rest": shardings.rest}
-    meta = read_meta(step_dir)
     mask = frozen_mask(rest_state)
     frozen = _frozen.has_frozen(mask)
     if frozen:
         target["rest"] = _frozen.select(rest, mask, False)
         sh["rest"] = _frozen.select(shardings.rest, mask, False)
-    check_matches(step_dir, _abstract_key_data(target), module, ("params", "rest"))
-    if frozen:
-        fresh = _rebuild_frozen(step_dir, meta, module, mask, shardings.rest, strategy,
-                                fit.seed if fit is not None else 0)
-    restored = _restore(step_dir, _with_shardings(target, sh), partial=True)
-    tree = _wrap_keys({"params": restored["params"], "rest": restored["rest"]}, target,
-                      meta.get("prng_keys", {}))
-    rest = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
-    model = nnx.merge(graphdef, tree["params"], rest)
+
+    def one(step_dir):
+        meta = read_meta(step_dir)
+        check_matches(step_dir, _abstract_key_data(target), module, ("params", "rest"))
+        if frozen:
+            fresh = _rebuild_frozen(step_dir, meta, module, mask, shardings.rest, strategy,
+                                    fit.seed if fit is not None else 0)
+        restored = _restore(step_dir, _with_shardings(target, sh), partial=True, meta=meta)
+        tree = _wrap_keys({"params": restored["params"], "rest": restored["rest"]}, target,
+                          meta.get("prng_keys", {}))
+        rest_ = _frozen.join(mask, tree["rest"], fresh) if frozen else tree["rest"]
+        return nnx.merge(graphdef, tree["params"], rest_)
+
+    _, model = _verify.with_fallback(step_dir, _fallback_candidates(fit, path, step_dir), one)
     module.model = model
     return model
 
@@ -623,6 +666,7 @@ class CheckpointWriter:
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.dirpath}: {exc}") from exc
         self.last_saved_step: int | None = None
+        self._moved_aside_seen = _verify.moved_aside_count
         self._warned_exists: set[int] = set()
         self._failed = False
 
@@ -636,6 +680,10 @@ class CheckpointWriter:
         step = int(fit.global_step)
         if step == self.last_saved_step:
             return False
+        if self._moved_aside_seen != _verify.moved_aside_count:
+            # A resume moved a damaged step aside: re-list, so that step is written again.
+            self._moved_aside_seen = _verify.moved_aside_count
+            self.manager.reload()
         if step in self.manager.all_steps():
             if step not in self._warned_exists:
                 self._warned_exists.add(step)
@@ -653,11 +701,14 @@ class CheckpointWriter:
             frozen = _frozen.records(_frozen.select(tree["rest"], mask, True))
             tree["rest"] = _frozen.select(tree["rest"], mask, False)
         tree, key_impls = _unwrap_keys(tree)
+        # Dispatched now, read by orbax's writer thread: the loop does not wait for it.
+        digests = _verify.start_digests(tree)
         record = None
         if self.monitor is not None:
             record = {"name": self.monitor, "value": monitor_value,
                       "mode": self.retention.mode}
         meta = build_meta(fit, module, key_impls, record, frozen)
+        meta["checksums"] = True  # a step without its checksums item is then known damaged
         metrics = None
         if self.monitor is not None:  # an empty record: saved before the metric existed
             metrics = {} if monitor_value is None else {self.monitor: monitor_value}
@@ -667,7 +718,8 @@ class CheckpointWriter:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(tree),
-                                           META_ITEM: ocp.args.JsonSave(meta)}),
+                                           META_ITEM: ocp.args.JsonSave(meta),
+                                           _verify.CHECKSUM_ITEM: _verify.save_args(digests)}),
                 metrics=metrics,
                 force=True,
             )
