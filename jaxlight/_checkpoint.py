@@ -35,7 +35,7 @@ from flax import nnx
 
 from jaxlight import _frozen
 from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, _logical_names, frozen_mask
+from jaxlight._state import TrainState, _logical_names, abstract_model, frozen_mask
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
@@ -486,13 +486,6 @@ def _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, strategy, defa
     return fresh
 
 
-def _abstract_model(module, seed: int = 0):
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
-    graphdef, params, rest = nnx.split(abstract, module.trainable, ...)
-    return graphdef, params, rest
-
-
 def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     """Loads a checkpoint's parameters into `module.model` for inference; returns the model.
 
@@ -518,7 +511,7 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     strategy = _strategies.resolve(strategy if strategy is not None else "single")
     if strategy.mesh is None:
         strategy.setup(None)
-    graphdef, params_state, rest_state = _abstract_model(module)
+    _, graphdef, params_state, rest_state = abstract_model(module)
     params, rest = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), np.int32), params=params, opt_state={},
                           rest=rest)
