@@ -228,14 +228,16 @@ def read_meta(step_dir: str) -> dict:
 
 
 def default_dirpath(fit) -> str:
-    return os.path.join(fit.default_root_dir, DEFAULT_SUBDIR)
+    """`<default_root_dir>/checkpoints` as an absolute path (orbax refuses relative ones; a
+    relative root is the folder the run was started from)."""
+    return os.path.abspath(os.path.join(fit.default_root_dir, DEFAULT_SUBDIR))
 
 
 def _checkpoint_dirs(fit) -> list[tuple[str, Any]]:
     """(directory, ModelCheckpoint or None) for every place this fit writes checkpoints."""
     from jaxlight.callbacks._checkpoint import ModelCheckpoint
 
-    found = [(cb.resolved_dirpath(fit), cb) for cb in fit.callbacks
+    found = [(os.path.abspath(cb.resolved_dirpath(fit)), cb) for cb in fit.callbacks
              if isinstance(cb, ModelCheckpoint)]
     return found or [(default_dirpath(fit), None)]
 

@@ -110,6 +110,9 @@ class Fit:
         default_root_dir: where default loggers and checkpoints write.
         seed: seeds parameter initialization and every `nnx.Rngs` stream.
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
+        compilation_cache: where compiled steps persist across runs (`jaxlight._cache`): None
+            (`$JAXLIGHT_COMPILATION_CACHE`, JAX's own setting, else ~/.cache/jaxlight/xla), a
+            directory, True (the default directory) or False (off). Process-wide.
 
     Example:
         >>> fit = Fit(strategy="single", max_steps=10, enable_progress_bar=False)
@@ -137,10 +140,15 @@ class Fit:
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
+        compilation_cache: str | os.PathLike | bool | None = None,
     ):
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
         _distributed.initialize()
+        from jaxlight import _cache
+
+        #: The persistent compilation cache directory in use (None: off).
+        self.compilation_cache_dir = _cache.configure(compilation_cache)
         self.strategy = _strategies.resolve(strategy)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
