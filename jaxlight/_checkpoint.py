@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlight import _frozen
+from jaxlight import _frozen, _hparams
 from jaxlight._errors import CheckpointError
 from jaxlight._state import TrainState, _logical_names, frozen_mask
 
@@ -504,7 +504,9 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     Args:
         path: a step directory (`ckpt/200`), a checkpoint directory (its newest step), or
             "last"/"best" when `fit` is given.
-        module: the `TrainModule` the checkpoint was trained with (same hyperparameters).
+        module: the `TrainModule` the checkpoint was trained with (same hyperparameters), or
+            its class: built from the checkpoint's hyperparameters (`meta["hparams"]`; use
+            `Class.load_from_checkpoint` to get the module back and to override some).
         strategy: lay the parameters out as this strategy does (default: one device).
         fit: resolves "last" and "best" through its ModelCheckpoint callbacks.
 
@@ -517,6 +519,8 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     step_dir = resolve_checkpoint(fit, path)
     if step_dir is None:
         raise CheckpointError(f"ckpt_path={path!r}: no checkpoint has been saved yet.")
+    if isinstance(module, type):
+        module = _hparams.rebuild(module, read_meta(step_dir), step_dir, {})
     strategy = _strategies.resolve(strategy if strategy is not None else "single")
     if strategy.mesh is None:
         strategy.setup(None)
@@ -580,6 +584,9 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
     }
     if frozen is not None:  # only for modules with frozen parameters: others' records unchanged
         meta["frozen_params"] = frozen
+    lossy = _hparams.unrestorable(module.hparams)
+    if lossy:  # kept as text only: rebuilding the module from the record needs them given again
+        meta["hparams_unrestorable"] = lossy
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
     return _jsonable(meta)
