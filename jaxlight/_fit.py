@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlight import _batch
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
@@ -431,7 +432,7 @@ class Fit:
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy, frozen=self._spec.frozen)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, "training batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self._compiling("train"):
             compiled = self.strategy.compile(
                 step,
@@ -562,7 +563,7 @@ class Fit:
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
-        _distributed.check_batch_agreement(first, "training batch", _len_or_none(train_data))
+        _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
         reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
@@ -745,13 +746,13 @@ class Fit:
         return self._compiled[key]
 
     def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
-        _distributed.check_batch_agreement(batch, f"{method} batch (padded)")
+        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
         abstract_batch = _abstract_global_batch(batch)
         self.strategy.check_batch(abstract_batch, what=f"{method} batch")
         abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
                                                         bool))
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
         mask_sh = self.strategy.batch_shardings(abstract_mask)
         key = f"eval:{method}"
         eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
@@ -828,10 +829,10 @@ class Fit:
                 size = self._eval_size("predict", local)
                 batch, _ = self._pad(batch, size, "predict")
                 if compiled is None:
-                    _distributed.check_batch_agreement(batch, "predict batch (padded)")
+                    _batch.check_batch_agreement(batch, "predict batch (padded)")
                     abstract_batch = _abstract_global_batch(batch)
                     batch_sh = self.strategy.batch_shardings(abstract_batch)
-                    _distributed.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+                    _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
                     with self._compiling("predict"):
