@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlight import _frozen
+from jaxlight import _frozen, _hparams
 from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, _logical_names, frozen_mask
+from jaxlight._state import TrainState, _logical_names, abstract_model, frozen_mask
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
@@ -228,14 +228,16 @@ def read_meta(step_dir: str) -> dict:
 
 
 def default_dirpath(fit) -> str:
-    return os.path.join(fit.default_root_dir, DEFAULT_SUBDIR)
+    """`<default_root_dir>/checkpoints` as an absolute path (orbax refuses relative ones; a
+    relative root is the folder the run was started from)."""
+    return os.path.abspath(os.path.join(fit.default_root_dir, DEFAULT_SUBDIR))
 
 
 def _checkpoint_dirs(fit) -> list[tuple[str, Any]]:
     """(directory, ModelCheckpoint or None) for every place this fit writes checkpoints."""
     from jaxlight.callbacks._checkpoint import ModelCheckpoint
 
-    found = [(cb.resolved_dirpath(fit), cb) for cb in fit.callbacks
+    found = [(os.path.abspath(cb.resolved_dirpath(fit)), cb) for cb in fit.callbacks
              if isinstance(cb, ModelCheckpoint)]
     return found or [(default_dirpath(fit), None)]
 
@@ -484,13 +486,6 @@ def _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, strategy, defa
     return fresh
 
 
-def _abstract_model(module, seed: int = 0):
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
-    graphdef, params, rest = nnx.split(abstract, module.trainable, ...)
-    return graphdef, params, rest
-
-
 def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     """Loads a checkpoint's parameters into `module.model` for inference; returns the model.
 
@@ -500,7 +495,9 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     Args:
         path: a step directory (`ckpt/200`), a checkpoint directory (its newest step), or
             "last"/"best" when `fit` is given.
-        module: the `TrainModule` the checkpoint was trained with (same hyperparameters).
+        module: the `TrainModule` the checkpoint was trained with (same hyperparameters), or
+            its class: built from the checkpoint's hyperparameters (`meta["hparams"]`; use
+            `Class.load_from_checkpoint` to get the module back and to override some).
         strategy: lay the parameters out as this strategy does (default: one device).
         fit: resolves "last" and "best" through its ModelCheckpoint callbacks.
 
@@ -513,10 +510,12 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     step_dir = resolve_checkpoint(fit, path)
     if step_dir is None:
         raise CheckpointError(f"ckpt_path={path!r}: no checkpoint has been saved yet.")
+    if isinstance(module, type):
+        module = _hparams.rebuild(module, read_meta(step_dir), step_dir, {})
     strategy = _strategies.resolve(strategy if strategy is not None else "single")
     if strategy.mesh is None:
         strategy.setup(None)
-    graphdef, params_state, rest_state = _abstract_model(module)
+    _, graphdef, params_state, rest_state = abstract_model(module)
     params, rest = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), np.int32), params=params, opt_state={},
                           rest=rest)
@@ -578,6 +577,9 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
     }
     if frozen is not None:  # only for modules with frozen parameters: others' records unchanged
         meta["frozen_params"] = frozen
+    lossy = _hparams.unrestorable(module.hparams)
+    if lossy:  # kept as text only: rebuilding the module from the record needs them given again
+        meta["hparams_unrestorable"] = lossy
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
     return _jsonable(meta)

@@ -104,6 +104,8 @@ RUN_OPTIONS: tuple[_Opt, ...] = (
          "'best'", fit_kwarg=False),
     _Opt("default_root_dir", str, None, "where logs and checkpoints are written"),
     _Opt("seed", int, None, "seeds parameter initialization and every nnx.Rngs stream"),
+    _Opt("compilation_cache", str | None, None, "directory of the persistent compilation cache "
+         "(default $JAXLIGHT_COMPILATION_CACHE, else ~/.cache/jaxlight/xla), or 'off'"),
     _Opt("fast_dev_run", int, 0, "run N training and validation batches, no loggers (0: off)"),
 )
 

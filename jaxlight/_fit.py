@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlight import _batch
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
@@ -115,6 +116,9 @@ class Fit:
         prefetch_batches: training batches read and transferred to the devices, in their input
             sharding, while the current step runs (a background thread); 0 reads each batch
             when the loop needs it.
+        compilation_cache: where compiled steps persist across runs (`jaxlight._cache`): None
+            (`$JAXLIGHT_COMPILATION_CACHE`, JAX's own setting, else ~/.cache/jaxlight/xla), a
+            directory, True (the default directory) or False (off). Process-wide.
 
     Example:
         >>> fit = Fit(strategy="single", max_steps=10, enable_progress_bar=False)
@@ -143,10 +147,15 @@ class Fit:
         seed: int = 0,
         fast_dev_run: bool | int = False,
         prefetch_batches: int = 2,
+        compilation_cache: str | os.PathLike | bool | None = None,
     ):
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
         _distributed.initialize()
+        from jaxlight import _cache
+
+        #: The persistent compilation cache directory in use (None: off).
+        self.compilation_cache_dir = _cache.configure(compilation_cache)
         self.strategy = _strategies.resolve(strategy)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
@@ -442,7 +451,7 @@ class Fit:
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy, frozen=self._spec.frozen)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, "training batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self._compiling("train"):
             compiled = self.strategy.compile(
                 step,
@@ -573,7 +582,7 @@ class Fit:
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
-        _distributed.check_batch_agreement(first, "training batch", _len_or_none(train_data))
+        _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
         reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
@@ -764,13 +773,13 @@ class Fit:
         return self._compiled[key]
 
     def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
-        _distributed.check_batch_agreement(batch, f"{method} batch (padded)")
+        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
         abstract_batch = _abstract_global_batch(batch)
         self.strategy.check_batch(abstract_batch, what=f"{method} batch")
         abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
                                                         bool))
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
         mask_sh = self.strategy.batch_shardings(abstract_mask)
         key = f"eval:{method}"
         eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
@@ -848,10 +857,10 @@ class Fit:
                 size = self._eval_size("predict", local)
                 batch, _ = self._pad(batch, size, "predict")
                 if compiled is None:
-                    _distributed.check_batch_agreement(batch, "predict batch (padded)")
+                    _batch.check_batch_agreement(batch, "predict batch (padded)")
                     abstract_batch = _abstract_global_batch(batch)
                     batch_sh = self.strategy.batch_shardings(abstract_batch)
-                    _distributed.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+                    _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
                     with self._compiling("predict"):

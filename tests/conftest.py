@@ -12,6 +12,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests never write the user's persistent compilation cache (tests/test_cache.py uses its own).
+os.environ["JAXLIGHT_COMPILATION_CACHE"] = "off"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

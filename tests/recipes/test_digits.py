@@ -37,3 +37,12 @@ def test_reaches_95_percent_validation_accuracy_under_data_parallel():
     predictions = np.concatenate(fit.predict(module, data.test))
     assert np.mean(predictions == np.asarray(data.test.arrays["y"])) == pytest.approx(
         test["test_accuracy"])
+
+
+def test_bundled_digits_equal_scikit_learns():
+    """The recipe reads its own copy (no sklearn import at start); it is sklearn's data."""
+    datasets = pytest.importorskip("sklearn.datasets")
+    ours = np.load(digits.DIGITS_FILE)
+    theirs = datasets.load_digits()
+    np.testing.assert_array_equal(ours["images"].astype(np.float64), theirs.data)
+    np.testing.assert_array_equal(ours["labels"], theirs.target)

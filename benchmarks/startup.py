@@ -1,0 +1,127 @@
+"""Start-up time: process start to the end of the first training step of `jaxlight fit digits`.
+
+Each measurement is its own process (the command-line entry point, in a fresh interpreter):
+
+- `off`: the persistent compilation cache turned off (`--compilation-cache off`), as before it
+  existed;
+- `cold`: the cache on, in a fresh empty directory (the first run on a machine);
+- `warm`: a second process on the directory the cold run filled (every later run).
+
+The three run in turn for `--rounds` rounds and the medians are reported, so that a drift of
+the shared machine hits all three alike. "First step" is the end of step 1 on the device: a
+callback blocks on its metrics once. The report splits it into the interpreter plus
+`import jaxlight`, the init and train compiles (`Fit.compile_times`; init includes running the
+initializer) and the rest (data, set-up).
+
+    python benchmarks/startup.py [--rounds 5] [--max-steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+T0_ENV = "JAXLIGHT_STARTUP_T0"
+
+
+def child(cli_args: list[str]) -> None:
+    """Runs `jaxlight <cli_args>` in this process and prints the timings as one JSON line."""
+    t0 = float(os.environ[T0_ENV])
+    import jaxlight as jl
+    from jaxlight import _cli
+    from jaxlight.callbacks import LambdaCallback
+
+    marks = {"import_s": time.time() - t0}
+    fits = []
+
+    def first_step(fit, module, outputs, batch, batch_idx):
+        if "first_step_s" not in marks:
+            import jax
+
+            jax.block_until_ready(outputs.metrics)
+            marks["first_step_s"] = time.time() - t0
+            marks["compile_times"] = dict(fit.compile_times)
+
+    class TimedFit(jl.Fit):
+        def __init__(self, *args, callbacks=(), **kwargs):
+            super().__init__(*args, callbacks=[*callbacks, LambdaCallback(
+                on_train_batch_end=first_step)], **kwargs)
+            fits.append(self)
+
+    jl.Fit = TimedFit  # the CLI builds its Fit as jl.Fit
+    status = _cli.main(cli_args)
+    marks["exit_s"] = time.time() - t0
+    marks["status"] = status
+    marks["cache_dir"] = fits[0].compilation_cache_dir if fits else None
+    print("STARTUP " + json.dumps(marks), flush=True)
+
+
+def measure(cache: str, workdir: str, max_steps: int) -> dict:
+    args = ["fit", "digits", "--max-steps", str(max_steps), "--compilation-cache", cache]
+    env = {**os.environ, "PYTHONPATH": ROOT, T0_ENV: repr(time.time())}
+    env.pop("XLA_FLAGS", None)  # the one CPU device `jaxlight fit digits` sees here
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args],
+                         cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("STARTUP ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"child failed ({out.returncode}): {out.stderr[-2000:]}")
+    r = json.loads(lines[-1][len("STARTUP "):])
+    ct = r.pop("compile_times")
+    r["init_compile_s"] = ct.get("init", 0.0)
+    r["train_compile_s"] = ct.get("train", 0.0)
+    r["other_s"] = (r["first_step_s"] - r["import_s"] - r["init_compile_s"]
+                    - r["train_compile_s"])
+    return r
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--max-steps", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "startup.json"))
+    args = p.parse_args(argv)
+    runs: dict[str, list[dict]] = {"off": [], "cold": [], "warm": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            cache = os.path.join(tmp, f"cache{i}")
+            runs["off"].append(measure("off", tmp, args.max_steps))
+            runs["cold"].append(measure(cache, tmp, args.max_steps))
+            runs["warm"].append(measure(cache, tmp, args.max_steps))
+            entries = len([n for n in os.listdir(cache) if not n.startswith(".")])
+            print(f"round {i}: " + ", ".join(
+                f"{k} {v[-1]['first_step_s']:.2f} s" for k, v in runs.items())
+                + f" ({entries} cache files)", file=sys.stderr, flush=True)
+    keys = ("first_step_s", "import_s", "init_compile_s", "train_compile_s", "other_s", "exit_s")
+    medians = {mode: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys}
+               for mode, rs in runs.items()}
+    report = {
+        "command": f"jaxlight fit digits --max-steps {args.max_steps} --compilation-cache ...",
+        "devices": "1 CPU device (this machine, XLA_FLAGS unset)",
+        "rounds": args.rounds,
+        "median": medians,
+        "warm_first_step_s": medians["warm"]["first_step_s"],
+        "warm_target_s": 2.0,
+        "warm_met": medians["warm"]["first_step_s"] < 2.0,
+        "cold_over_off": round(medians["cold"]["first_step_s"]
+                               / medians["off"]["first_step_s"], 3),
+        "runs": runs,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2:])
+    else:
+        main()

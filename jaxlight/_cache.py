@@ -1,0 +1,108 @@
+"""The persistent compilation cache: a re-run loads its compiled steps from disk.
+
+`Fit` turns JAX's persistent compilation cache on by default, so that a second run of the same
+program (same model, shapes, strategy, devices, jax and XLA flags) skips XLA's compiles of the
+init, train, eval and predict steps. Where the cache lives, first match wins:
+
+1. `Fit(compilation_cache=...)` / `--compilation-cache`: a directory, `True` (the default
+   directory), or `False` (off);
+2. the environment variable `JAXLIGHT_COMPILATION_CACHE`: a directory, or `0`/`off`/`false`;
+3. JAX's own setting, when the user made one (`JAX_COMPILATION_CACHE_DIR` or
+   `jax.config.update("jax_compilation_cache_dir", ...)`): left as it is;
+4. `$XDG_CACHE_HOME/jaxlight/xla`, else `~/.cache/jaxlight/xla`.
+
+The cache is process-wide (JAX has one): the last `Fit` constructed decides it. Entries are
+written whatever their compile time (JAX's default skips compiles under 1 s, which is every
+compile of a small model on CPU). The directory is an LRU bounded to `MAX_BYTES`; a bounded
+cache makes JAX hold a file lock around every read and write, so several processes can share
+one directory. Within one multi-process job only process 0 writes (JAX's rule). The cache
+is trusted code: it is created readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+
+#: Environment variable that moves (a path) or disables (`0`, `off`, `false`, `no`) the cache.
+ENV = "JAXLIGHT_COMPILATION_CACHE"
+
+#: Size bound of the cache directory (least recently used entries are evicted past it).
+MAX_BYTES = 4 * 2**30
+
+_OFF = {"0", "off", "false", "no", "none", ""}
+
+#: The directory jaxlight last configured (None: jaxlight turned the cache off or never ran).
+_configured: str | None = None
+
+
+def default_dir() -> str:
+    """`$XDG_CACHE_HOME/jaxlight/xla`, else `~/.cache/jaxlight/xla`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxlight", "xla")
+
+
+def resolve(setting: Any = None) -> str | bool | None:
+    """The cache directory `setting` asks for: a path, False (off) or None (JAX's own setting).
+
+    Args:
+        setting: `Fit(compilation_cache=...)`: None (environment, then JAX's setting, then the
+            default directory), True (the default directory), False (off), or a path.
+    """
+    if setting is False:
+        return False
+    if setting is True:
+        return default_dir()
+    if setting is not None:
+        text = os.fspath(setting)
+        return False if text.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(text))
+    env = os.environ.get(ENV)
+    if env is not None:
+        return resolve(env if env.strip().lower() not in _OFF else False)
+    if jax.config.jax_compilation_cache_dir and _configured is None:
+        return None  # the user set JAX's cache: theirs to keep
+    return default_dir()
+
+
+def configure(setting: Any = None) -> str | None:
+    """Applies `setting` (see `resolve`) to JAX; returns the cache directory in use, or None.
+
+    Cheap when nothing changes. Refuses (ConfigurationError) a directory it cannot create.
+    """
+    global _configured
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    target = resolve(setting)
+    current = jax.config.jax_compilation_cache_dir
+    enabled = jax.config.jax_enable_compilation_cache
+    if target is None:
+        return current if enabled else None
+    if target is False:
+        if enabled:  # also stops JAX hashing every program for a cache key
+            jax.config.update("jax_enable_compilation_cache", False)
+            cc.reset_cache()
+        _configured = None
+        return None
+    try:
+        os.makedirs(target, mode=0o700, exist_ok=True)
+    except OSError as e:
+        from jaxlight._errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"cannot create the compilation cache directory {target!r} ({e.strerror}); pass "
+            f"another directory with Fit(compilation_cache=PATH) or --compilation-cache PATH, "
+            f"or turn the cache off with compilation_cache=False / {ENV}=off."
+        ) from None
+    if current == target and enabled and _configured == target:
+        return target
+    jax.config.update("jax_compilation_cache_dir", target)
+    jax.config.update("jax_enable_compilation_cache", True)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    cc.reset_cache()  # JAX opens its cache once; a new directory needs a fresh start
+    _configured = target
+    return target
