@@ -456,9 +456,7 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
 
     step, epoch, batch_idx = int(meta["step"]), int(meta["epoch"]), int(meta["batch_idx"])
     data = fit.train_data
-    loader = meta.get("loader")
-    if loader is not None and hasattr(data, "load_state_dict"):
-        data.load_state_dict(loader)
+    fit.train_feed.restore(meta.get("loader"))
     # A checkpoint taken after an epoch's last batch resumes at the start of the next epoch
     # (that epoch's end-of-epoch hooks and validation had run, or are skipped).
     length = _epoch_length(fit, data)
@@ -551,8 +549,10 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
 
 def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
                frozen: dict | None = None) -> dict:
-    data = fit.train_data
-    loader = data.state_dict() if hasattr(data, "state_dict") else None
+    feed = fit.train_feed
+    # The position after the last trained batch (prefetching reads ahead of it); None outside
+    # fit (a checkpoint saved by validate/test has no data position).
+    loader = feed.state() if feed is not None else None
     callbacks = {}
     for cb in fit.callbacks:
         state = cb.state_dict()
