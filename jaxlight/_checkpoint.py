@@ -36,9 +36,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlight import _frozen, _verify
+from jaxlight import _frozen, _hparams, _verify
 from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, _logical_names, frozen_mask
+from jaxlight._state import TrainState, _logical_names, abstract_model, frozen_mask
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
@@ -464,9 +464,7 @@ def resume_fit(fit, module, ckpt_path) -> dict | None:
 
     step, epoch, batch_idx = int(meta["step"]), int(meta["epoch"]), int(meta["batch_idx"])
     data = fit.train_data
-    loader = meta.get("loader")
-    if loader is not None and hasattr(data, "load_state_dict"):
-        data.load_state_dict(loader)
+    fit.train_feed.restore(meta.get("loader"))
     # A checkpoint taken after an epoch's last batch resumes at the start of the next epoch
     # (that epoch's end-of-epoch hooks and validation had run, or are skipped).
     length = _epoch_length(fit, data)
@@ -527,13 +525,6 @@ def _rebuild_frozen(step_dir, meta, module, mask, rest_shardings, strategy, defa
     return fresh
 
 
-def _abstract_model(module, seed: int = 0):
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
-    graphdef, params, rest = nnx.split(abstract, module.trainable, ...)
-    return graphdef, params, rest
-
-
 def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     """Loads a checkpoint's parameters into `module.model` for inference; returns the model.
 
@@ -543,7 +534,9 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     Args:
         path: a step directory (`ckpt/200`), a checkpoint directory (its newest step), or
             "last"/"best" when `fit` is given.
-        module: the `TrainModule` the checkpoint was trained with (same hyperparameters).
+        module: the `TrainModule` the checkpoint was trained with (same hyperparameters), or
+            its class: built from the checkpoint's hyperparameters (`meta["hparams"]`; use
+            `Class.load_from_checkpoint` to get the module back and to override some).
         strategy: lay the parameters out as this strategy does (default: one device).
         fit: resolves "last" and "best" through its ModelCheckpoint callbacks.
 
@@ -556,10 +549,12 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     step_dir = resolve_checkpoint(fit, path)
     if step_dir is None:
         raise CheckpointError(f"ckpt_path={path!r}: no checkpoint has been saved yet.")
+    if isinstance(module, type):
+        module = _hparams.rebuild(module, read_meta(step_dir), step_dir, {})
     strategy = _strategies.resolve(strategy if strategy is not None else "single")
     if strategy.mesh is None:
         strategy.setup(None)
-    graphdef, params_state, rest_state = _abstract_model(module)
+    _, graphdef, params_state, rest_state = abstract_model(module)
     params, rest = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), np.int32), params=params, opt_state={},
                           rest=rest)
@@ -597,8 +592,10 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
 
 def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
                frozen: dict | None = None) -> dict:
-    data = fit.train_data
-    loader = data.state_dict() if hasattr(data, "state_dict") else None
+    feed = fit.train_feed
+    # The position after the last trained batch (prefetching reads ahead of it); None outside
+    # fit (a checkpoint saved by validate/test has no data position).
+    loader = feed.state() if feed is not None else None
     callbacks = {}
     for cb in fit.callbacks:
         state = cb.state_dict()
@@ -623,6 +620,9 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
     }
     if frozen is not None:  # only for modules with frozen parameters: others' records unchanged
         meta["frozen_params"] = frozen
+    lossy = _hparams.unrestorable(module.hparams)
+    if lossy:  # kept as text only: rebuilding the module from the record needs them given again
+        meta["hparams_unrestorable"] = lossy
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
     return _jsonable(meta)

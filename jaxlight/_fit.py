@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlight import _batch
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
@@ -37,6 +38,9 @@ from jaxlight._step import (
     build_train_step,
 )
 from jaxlight.callbacks._base import Callback
+from jaxlight.data._convert import check_iterable, numpy_batches
+from jaxlight.data._feed import TrainFeed
+from jaxlight.data._prefetch import Prefetcher
 
 #: Steps the host may run ahead of the device (see the module docstring).
 MAX_IN_FLIGHT = 2
@@ -109,6 +113,9 @@ class Fit:
         default_root_dir: where default loggers and checkpoints write.
         seed: seeds parameter initialization and every `nnx.Rngs` stream.
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
+        prefetch_batches: training batches read and transferred to the devices, in their input
+            sharding, while the current step runs (a background thread); 0 reads each batch
+            when the loop needs it.
         compilation_cache: where compiled steps persist across runs (`jaxlight._cache`): None
             (`$JAXLIGHT_COMPILATION_CACHE`, JAX's own setting, else ~/.cache/jaxlight/xla), a
             directory, True (the default directory) or False (off). Process-wide.
@@ -139,6 +146,7 @@ class Fit:
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
+        prefetch_batches: int = 2,
         compilation_cache: str | os.PathLike | bool | None = None,
     ):
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
@@ -178,6 +186,12 @@ class Fit:
         self.default_root_dir = os.fspath(default_root_dir)
         self.seed = seed
         self.fast_dev_run = fast_dev_run
+        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ConfigurationError(
+                f"prefetch_batches must be an integer >= 0, got {prefetch_batches!r} (0 turns "
+                "prefetching off, 2 is the default)."
+            )
+        self.prefetch_batches = prefetch_batches
         self.callbacks: list[Callback] = self._assemble_callbacks(
             list(callbacks), precision, accumulate_grad_batches, gradient_clip_val,
             gradient_clip_algorithm, enable_progress_bar, enable_model_summary, logger,
@@ -212,6 +226,7 @@ class Fit:
         self._shardings = None
         self._eval_batch_size: dict[str, int] = {}
         self._train_data = None
+        self._feed: TrainFeed | None = None
 
     # -- callbacks -----------------------------------------------------------------------------
 
@@ -301,6 +316,11 @@ class Fit:
     @property
     def train_data(self):
         return self._train_data
+
+    @property
+    def train_feed(self) -> TrainFeed | None:
+        """The training data's reader during fit: its `state()` is what a checkpoint saves."""
+        return self._feed
 
     @property
     def compiled_train_step(self) -> Any | None:
@@ -431,7 +451,7 @@ class Fit:
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy, frozen=self._spec.frozen)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, "training batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self._compiling("train"):
             compiled = self.strategy.compile(
                 step,
@@ -470,6 +490,7 @@ class Fit:
         """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
         self._setup(module, "fit")
         self._train_data = train_data
+        self._feed = TrainFeed(train_data)
         self._val_data = val_data
         self._stop_reason = None
         self._agreed_stop: str | None = None
@@ -500,14 +521,13 @@ class Fit:
         canonical = self.strategy.to_canonical(self._state)
         self._module.model = nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
 
-    def _epoch_iterator(self, data: Iterable, epoch: int, skip: int) -> Iterator:
-        if hasattr(data, "set_epoch"):
-            data.set_epoch(epoch)
-        iterator = iter(data)
-        if skip and not hasattr(data, "load_state_dict"):
-            # A generic iterable resumes by skipping the batches it already gave.
-            iterator = itertools.islice(iterator, skip, None)
-        return iterator
+    def _epoch_batches(self, limit: int | None) -> Iterator:
+        """This epoch's `(batch, position)` pairs, never reading past what will be trained."""
+        budget = None if self.max_steps is None else self.max_steps - self._global_step
+        if limit is not None:
+            left = limit - self._batch_idx
+            budget = left if budget is None else min(budget, left)
+        return self._feed.epoch(self._epoch, self._batch_idx, budget)
 
     def _limit(self, limit, data) -> int | None:
         if limit is None:
@@ -539,12 +559,12 @@ class Fit:
             return max(1, int(per_epoch * v))
         return int(v)
 
-    def _check_batch(self, batch: Any, reference: tuple) -> None:
+    def _check_batch(self, batch: Any, reference: tuple, index: int) -> None:
         treedef, shapes = reference
         if jax.tree.structure(batch) != treedef or [np.shape(x) for x in jax.tree.leaves(batch)] \
                 != shapes:
             raise DataError(
-                f"batch {self._batch_idx} of epoch {self._epoch} has structure "
+                f"batch {index} of epoch {self._epoch} has structure "
                 f"{_describe_batch(batch)}, but the step was compiled for "
                 f"{self._reference_desc}. Every training batch must have the same structure and "
                 "shapes (drop a last partial batch, for example ArrayLoader(drop_remainder=True))."
@@ -553,16 +573,16 @@ class Fit:
     def _run_training(self, train_data: Iterable, val_data: Iterable | None) -> None:
         limit = self._limit(self.limit_train_batches, train_data)
         val_every = self._val_every(train_data)
-        iterator = self._epoch_iterator(train_data, self._epoch, self._batch_idx)
+        pairs = self._epoch_batches(limit)
         try:
-            first = next(iterator)
+            first, first_position = next(pairs)
         except StopIteration:
             raise DataError(
                 "the training data yielded no batch: the iterable is empty (or exhausted, if it "
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
-        _distributed.check_batch_agreement(first, "training batch", _len_or_none(train_data))
+        _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
         reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
@@ -572,42 +592,49 @@ class Fit:
         compiled, batch_sh = self._compile_train_step(abstract_batch)
         self._call("on_train_start")
 
+        def put(batch):
+            return self.strategy.put_batch(batch, batch_sh)
+
         pending: _Pending | None = None
         first_epoch = True
         if self._multi_process:
             self._agree_stop()
         while not self._done():
-            if not first_epoch:
-                iterator = self._epoch_iterator(train_data, self._epoch, self._batch_idx)
+            if first_epoch:
+                pairs = itertools.chain([(first, first_position)], pairs)
+            else:
+                pairs = self._epoch_batches(limit)
             self._call("on_train_epoch_start")
-            batches = itertools.chain([first], iterator) if first_epoch else iterator
+            start = self._batch_idx
+            batches = Prefetcher(pairs, put, self.prefetch_batches,
+                                 lambda b, n, s=start: self._check_batch(b, reference, s + n))
             first_epoch = False
             got_any = False
-            for batch in batches:
-                if limit is not None and self._batch_idx >= limit:
-                    break
-                got_any = True
-                self._check_batch(batch, reference)
-                self._call("on_train_batch_start", batch, self._batch_idx)
-                device_batch = self.strategy.put_batch(batch, batch_sh)
-                self._state, metrics = compiled(self._state, device_batch)
-                self._global_step += 1
-                self._batch_idx += 1
-                logged = pending is not None and pending.log
-                if pending is not None:
-                    self._retire(pending)
-                log = self._global_step % self.log_every_n_steps == 0
-                pending = _Pending(self._global_step, metrics, log)
-                self._call("on_train_batch_end", StepOutput(self._global_step, metrics), batch,
-                           self._batch_idx - 1)
-                if val_every and self._global_step % val_every == 0 and val_data is not None:
-                    pending = self._retire(pending, final=True)
-                    self._run_validation(val_data)
-                    logged = True
-                if self._multi_process and logged:
-                    self._agree_stop()
-                if self._done():
-                    break
+            try:
+                for batch, device_batch, position in batches:
+                    got_any = True
+                    self._call("on_train_batch_start", batch, self._batch_idx)
+                    self._state, metrics = compiled(self._state, device_batch)
+                    self._feed.consumed(position)
+                    self._global_step += 1
+                    self._batch_idx += 1
+                    logged = pending is not None and pending.log
+                    if pending is not None:
+                        self._retire(pending)
+                    log = self._global_step % self.log_every_n_steps == 0
+                    pending = _Pending(self._global_step, metrics, log)
+                    self._call("on_train_batch_end", StepOutput(self._global_step, metrics), batch,
+                               self._batch_idx - 1)
+                    if val_every and self._global_step % val_every == 0 and val_data is not None:
+                        pending = self._retire(pending, final=True)
+                        self._run_validation(val_data)
+                        logged = True
+                    if self._multi_process and logged:
+                        self._agree_stop()
+                    if self._done():
+                        break
+            finally:
+                batches.close()
             if not got_any and self._batch_idx == 0:
                 raise DataError(
                     f"the training data yielded no batch in epoch {self._epoch} (it gave batches "
@@ -716,7 +743,8 @@ class Fit:
         totals = None
         compiled = None
         pending = None
-        for idx, batch in enumerate(data):
+        check_iterable(data, prefix)
+        for idx, batch in enumerate(numpy_batches(data)):
             if limit is not None and idx >= limit:
                 break
             local = int(np.shape(jax.tree.leaves(batch)[0])[0])
@@ -745,13 +773,13 @@ class Fit:
         return self._compiled[key]
 
     def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
-        _distributed.check_batch_agreement(batch, f"{method} batch (padded)")
+        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
         abstract_batch = _abstract_global_batch(batch)
         self.strategy.check_batch(abstract_batch, what=f"{method} batch")
         abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
                                                         bool))
         batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _distributed.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
+        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
         mask_sh = self.strategy.batch_shardings(abstract_mask)
         key = f"eval:{method}"
         eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
@@ -823,15 +851,16 @@ class Fit:
             self._call("on_predict_start")
             state = self._eval_state()
             outputs, compiled = [], None
-            for batch in data:
+            check_iterable(data, "predict")
+            for batch in numpy_batches(data):
                 local = int(np.shape(jax.tree.leaves(batch)[0])[0])
                 size = self._eval_size("predict", local)
                 batch, _ = self._pad(batch, size, "predict")
                 if compiled is None:
-                    _distributed.check_batch_agreement(batch, "predict batch (padded)")
+                    _batch.check_batch_agreement(batch, "predict batch (padded)")
                     abstract_batch = _abstract_global_batch(batch)
                     batch_sh = self.strategy.batch_shardings(abstract_batch)
-                    _distributed.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+                    _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
                     with self._compiling("predict"):

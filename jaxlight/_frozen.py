@@ -20,8 +20,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlight._errors import CheckpointError
+from jaxlight._state import build_model, split_model
 
 _SKIP = object()
 
@@ -89,8 +91,6 @@ def _host_scalar(x: jax.Array) -> int:
         return int(np.asarray(x))
     if x.is_fully_replicated:
         return int(np.asarray(x.addressable_data(0)))
-    from jax.experimental import multihost_utils
-
     return int(np.asarray(multihost_utils.process_allgather(x)))
 
 
@@ -107,8 +107,6 @@ def records(frozen: Any) -> dict[str, dict]:
 
 def build(module, seed: int, mask: Any, shardings: Any, strategy) -> Any:
     """The frozen parameters as `configure_model` makes them, created in `shardings`."""
-    from jaxlight._state import build_model, split_model
-
     def frozen_only():
         _, _, rest = split_model(build_model(module, seed), module.trainable)
         return select(rest, mask, True)  # XLA drops the computation of everything else

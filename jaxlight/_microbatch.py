@@ -29,7 +29,9 @@ averaged over replicas, so batch statistics are per-replica statistics as in DDP
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxlight._errors import DataError
+from jaxlight._layout import activation_sharding, axes_of, require_divisible
 
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
 
@@ -51,25 +53,44 @@ def check_microbatches(batch: Any, k: int, dp: int, rows_per_replica: bool) -> N
         dp: the data-parallel degree.
         rows_per_replica: True when `batch` is one replica's share (pmap), False when global.
     """
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        shape = np.shape(leaf)
-        if not shape:
-            raise DataError(
-                f"batch leaf {jax.tree_util.keystr(path)} is a scalar; gradient accumulation "
-                "splits every batch leaf along its leading (example) dimension."
-            )
-        size = shape[0] * (dp if rows_per_replica else 1)
-        if size % (k * dp):
-            need = k * dp
-            lower, upper = size - size % need, size - size % need + need
-            example = f"{lower} or {upper}" if lower else f"{upper}"
-            raise DataError(
-                f"global batch size {size} (leaf {jax.tree_util.keystr(path)}) is not divisible "
-                f"by accumulate_grad_batches k={k} × data-parallel degree {dp} = {need}: each of "
-                f"the {dp} data-parallel shards must split into {k} equal microbatches. Use a "
-                f"global batch size that is a multiple of {need} (for example {example}), or "
-                "change k."
-            )
+    need = k * dp
+    require_divisible(
+        batch, "batch", need,
+        lambda: f"accumulate_grad_batches k={k} × data-parallel degree {dp} = {need}: each of "
+                f"the {dp} data-parallel shards must split into {k} equal microbatches",
+        advice=", or change k", scale=dp if rows_per_replica else 1,
+        scalar_reason="gradient accumulation splits every batch leaf along its leading "
+                      "(example) dimension")
+
+
+# -- the parameters' layout of the step being compiled ------------------------------------------
+
+_PARAM_SPECS: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxlight_param_specs",
+                                                                  default=None)
+
+
+@contextlib.contextmanager
+def param_layout(in_shardings: Any) -> Iterator[None]:
+    """Makes the PartitionSpecs of a step's parameters known while it is traced and compiled.
+
+    `in_shardings` are the step's input shardings; its first argument is the train state (a
+    pytree with `params`), whose parameter specs `traced_param_specs` then returns.
+    """
+    state = in_shardings[0] if isinstance(in_shardings, tuple | list) and in_shardings else None
+    specs = None
+    if hasattr(state, "params"):
+        specs = jax.tree.map(lambda s: s.spec, state.params,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    token = _PARAM_SPECS.set(specs)
+    try:
+        yield
+    finally:
+        _PARAM_SPECS.reset(token)
+
+
+def traced_param_specs() -> Any:
+    """The PartitionSpecs of the parameters of the step being compiled, or None."""
+    return _PARAM_SPECS.get()
 
 
 def split_microbatches(batch: Any, k: int) -> Any:
@@ -136,12 +157,8 @@ def accumulate_locally(grad_fn: GradFn, k: int, dp: int = 1,
 
 def _without_axes(rules: Sequence, axes: Sequence[str]) -> tuple:
     """The rules with `axes` removed from every target (they are manual inside shard_map)."""
-    out = []
-    for name, target in rules:
-        targets = (target,) if isinstance(target, str) else tuple(target or ())
-        kept = tuple(a for a in targets if a not in axes)
-        out.append((name, kept or None))
-    return tuple(out)
+    return tuple((name, tuple(a for a in axes_of(target) if a not in axes) or None)
+                 for name, target in rules)
 
 
 def _manual_dim(spec: Any, axes: Sequence[str]) -> tuple[int, tuple[str, ...]] | None:
@@ -150,7 +167,7 @@ def _manual_dim(spec: Any, axes: Sequence[str]) -> tuple[int, tuple[str, ...]] |
         return None
     found = None
     for dim, entry in enumerate(tuple(spec)):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        names = axes_of(entry)
         manual = tuple(n for n in names if n in axes)
         if not manual:
             continue
@@ -178,8 +195,6 @@ def accumulate_per_replica(
             once inside, and its gradient leaves through one reduce-scatter (`psum_scatter`)
             into the same shard layout: (N−1)/N·Ψβ each way, the least FSDP can move.
     """
-    from jaxlight.strategies._rules import activation_sharding
-
     axes = tuple(batch_axes)
     dp = int(np.prod([mesh.shape[a] for a in axes]))
     lead = axes[0] if len(axes) == 1 else axes

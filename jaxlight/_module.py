@@ -8,6 +8,8 @@ from typing import Any
 import optax
 from flax import nnx
 
+from jaxlight import _hparams
+
 Batch = Any
 Metrics = dict[str, Any]
 
@@ -19,8 +21,9 @@ class TrainModule:
     and write `training_step`. Step methods are pure: they are traced once and compiled, so they
     must not read host state that changes between steps.
 
-    Constructor arguments are recorded as hyperparameters (`module.hparams`) without any call
-    from the subclass, as Lightning's `save_hyperparameters()` does.
+    Constructor arguments are recorded as hyperparameters (`module.hparams`, attribute access
+    like `module.hparams.lr`) without any call from the subclass; `self.save_hyperparameters()`
+    narrows the record as in Lightning (`ignore=`, argument names).
 
     Example:
         >>> import jaxlight as jl, optax
@@ -44,29 +47,56 @@ class TrainModule:
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
-        hparams: dict[str, Any] = {}
-        try:
-            bound = inspect.signature(cls.__init__).bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            for name, value in list(bound.arguments.items())[1:]:
-                param = inspect.signature(cls.__init__).parameters[name]
-                if param.kind is inspect.Parameter.VAR_KEYWORD:
-                    hparams.update(value)
-                elif param.kind is not inspect.Parameter.VAR_POSITIONAL:
-                    hparams[name] = value
-        except TypeError:
-            pass  # __init__ will raise the real error with Python's own message
-        object.__setattr__(self, "_hparams", hparams)
+        object.__setattr__(self, "_hparams", _hparams.init_arguments(cls, args, kwargs))
         object.__setattr__(self, "_model", None)
         return self
 
     def __init__(self):
         pass
 
+    def save_hyperparameters(self, *names, ignore=None) -> None:
+        """Records the `__init__` arguments as `self.hparams`, as Lightning does.
+
+        Reads the arguments of the `__init__` that calls it (and of subclass `__init__`s above
+        it) as they are at the call (an argument reassigned before the call is recorded as
+        reassigned, and `load_from_checkpoint` passes that value back to `__init__`). Without a
+        call, every constructor argument is recorded as given.
+
+        Args:
+            *names: record only these arguments; or one dict / Namespace to record as it is.
+            ignore: argument names (or one name) to leave out, e.g. a backbone module.
+        """
+        frame = inspect.currentframe().f_back
+        try:
+            object.__setattr__(self, "_hparams", _hparams.collect(self, names, ignore, frame))
+        finally:
+            del frame  # no reference cycle through the caller's frame
+
     @property
-    def hparams(self) -> dict[str, Any]:
-        """The constructor arguments, with defaults filled in."""
-        return dict(self._hparams)
+    def hparams(self) -> _hparams.AttributeDict:
+        """The hyperparameters (constructor arguments, defaults filled in): `hparams.lr` or
+        `hparams["lr"]`. Checkpoints and loggers record them."""
+        return self._hparams
+
+    @classmethod
+    def load_from_checkpoint(cls, path, strategy=None, **hparams):
+        """Rebuilds the module from a checkpoint's hyperparameters and loads its parameters.
+
+        Returns the module with `module.model` set. `hparams` override recorded values (or give
+        the ones recorded only as text, like arrays or a backbone passed to `__init__`).
+
+        Example:
+            >>> module = Classifier.load_from_checkpoint("checkpoints/100")  # doctest: +SKIP
+            >>> logits = module.model(x)  # doctest: +SKIP
+        """
+        from jaxlight import _checkpoint
+
+        step_dir = _checkpoint.resolve_checkpoint(None, path)
+        if step_dir is None:
+            raise _checkpoint.CheckpointError(f"{path!r}: no checkpoint has been saved there yet.")
+        module = _hparams.rebuild(cls, _checkpoint.read_meta(step_dir), step_dir, hparams)
+        _checkpoint.load_checkpoint(step_dir, module, strategy)
+        return module
 
     @property
     def model(self) -> nnx.Module:

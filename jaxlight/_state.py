@@ -12,6 +12,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxlight._errors import ConfigurationError
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -86,26 +88,32 @@ def build_model(module, rngs_seed: int) -> nnx.Module:
         return module.configure_model(nnx.Rngs(rngs_seed))
 
 
-def model_spec(module, tx: optax.GradientTransformation, seed: int,
-               params_transform=None) -> ModelSpec:
-    """Builds the model abstractly (`nnx.eval_shape`): shapes, logical axes, no arrays.
+def abstract_model(module, seed: int = 0) -> tuple[nnx.Module, Any, nnx.State, nnx.State]:
+    """The one abstract build of a module's model (`nnx.eval_shape`: shapes, no arrays).
 
-    `params_transform` (from `Callback.transform_params`) maps the initialized parameters to
-    their stored form (dtypes); it must keep the tree structure and shapes.
+    Returns `(abstract_model, graphdef, params_state, rest_state)`, split by
+    `module.trainable`. Used for the train state (`model_spec`) and for loading checkpoints.
     """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(seed)))
     if not isinstance(abstract, nnx.Module):
-        from jaxlight._errors import ConfigurationError
-
         raise ConfigurationError(
             f"{type(module).__name__}.configure_model returned {type(abstract).__name__}; it must "
             "return an nnx.Module built with the rngs it is given."
         )
     graphdef, params_state, rest_state = nnx.split(abstract, module.trainable, ...)
-    if not jax.tree.leaves(params_state):
-        from jaxlight._errors import ConfigurationError
+    return abstract, graphdef, params_state, rest_state
 
+
+def model_spec(module, tx: optax.GradientTransformation, seed: int,
+               params_transform=None) -> ModelSpec:
+    """Builds the model abstractly (`abstract_model`): shapes, logical axes, no arrays.
+
+    `params_transform` (from `Callback.transform_params`) maps the initialized parameters to
+    their stored form (dtypes); it must keep the tree structure and shapes.
+    """
+    abstract, graphdef, params_state, rest_state = abstract_model(module, seed)
+    if not jax.tree.leaves(params_state):
         raise ConfigurationError(
             f"{type(module).__name__}'s model has no variables of the trainable type "
             f"{module.trainable}: nothing to optimize."

@@ -16,6 +16,7 @@ to mesh axes.
 | `TransformerLM` | all of the above |
 """
 
+from jaxlight._layout import constrain
 from jaxlight.nn._layers import (
     ATTENTION_IMPLEMENTATIONS,
     MLP,
@@ -28,7 +29,6 @@ from jaxlight.nn._layers import (
 )
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
-from jaxlight.strategies._rules import constrain
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",

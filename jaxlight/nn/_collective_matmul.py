@@ -52,6 +52,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxlight._errors import ShardingError
+from jaxlight._layout import rule_axes
 
 #: Rules put in front of the defaults by `TensorParallel(overlap=True)`: the residual stream
 #: (and every other activation named `activation_embed`) is sharded over `tp` on its width.
@@ -205,22 +206,12 @@ class CollectiveMatmul:
     def size(self) -> int:
         return int(self.mesh.shape.get(self.axis, 1))
 
-    def _targets(self, name: str | None) -> tuple[str, ...]:
-        if name is None:
-            return ()
-        for rule_name, target in self.rules:
-            if rule_name == name:
-                if target is None:
-                    return ()
-                return (target,) if isinstance(target, str) else tuple(target)
-        return ()
-
     def tp_dim(self, axes: Sequence[str | None] | None) -> int | None:
         """The kernel dimension the rules shard over `axis` (the first that claims it), or None."""
         if not axes or self.size == 1:
             return None
         for i, name in enumerate(axes):
-            if self.axis in self._targets(name):
+            if self.axis in rule_axes(self.rules, name):
                 return i
         return None
 

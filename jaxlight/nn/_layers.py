@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlight._layout import constrain
 from jaxlight.nn._collective_matmul import active_collective_matmul
-from jaxlight.strategies._rules import constrain
 
 Shape = int | Sequence[int]
 

@@ -51,6 +51,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._layout import activation_sharding
+from jaxlight.nn._scan import LAYERS, scan_layers
 
 
 @dataclasses.dataclass
@@ -123,13 +125,6 @@ def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _scan_layers(layers: nnx.Module, x: Any, args: tuple, remat: Any) -> Any:
-    """The stage's share of the stack as `Stacked`'s plain scan runs it (same metadata)."""
-    from jaxlight.nn._stacked import scan_layers
-
-    return scan_layers(layers, x, args, remat)
-
-
 def _batch_size(x: Any) -> int:
     sizes = {int(jnp.shape(leaf)[0]) if jnp.ndim(leaf) else None for leaf in jax.tree.leaves(x)}
     if len(sizes) != 1 or None in sizes:
@@ -141,8 +136,6 @@ def _batch_size(x: Any) -> int:
 
 
 def _check_state(stacked, state: nnx.State, stages: int) -> None:
-    from jaxlight.nn._stacked import LAYERS
-
     if stacked.num_layers % stages:
         divisors = [d for d in range(1, stacked.num_layers + 1) if stacked.num_layers % d == 0]
         raise ConfigurationError(
@@ -228,7 +221,8 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
 
     def stage_fn(stage_state, inp, stage_args):
         layers = nnx.merge(graphdef, stage_state)
-        return _scan_layers(layers, inp, stage_args, stacked.remat)
+        # The stage's share of the stack, run as Stacked's plain scan runs it (same metadata).
+        return scan_layers(layers, inp, stage_args, stacked.remat)
 
     if config.remat:
         stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
@@ -265,8 +259,6 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         (_, outs), _ = lax.scan(iteration, (buffer, outs), jnp.arange(m + p - 1))
         # Only the last stage holds the outputs: one all-reduce hands them to every stage.
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
-
-    from jaxlight.strategies._rules import activation_sharding
 
     state_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
     # Activation constraints (jaxlight.nn.constrain) name the whole mesh, whose pipe and data

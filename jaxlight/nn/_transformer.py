@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlight._layout import constrain
 from jaxlight.nn._layers import (
     MLP,
     Dense,
@@ -23,7 +24,6 @@ from jaxlight.nn._layers import (
     _check_attention_name,
 )
 from jaxlight.nn._stacked import Stacked, remat_policy
-from jaxlight.strategies._rules import constrain
 
 
 @dataclasses.dataclass(frozen=True)

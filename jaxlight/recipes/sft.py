@@ -251,7 +251,7 @@ class FineTuner(TrainModule):
     @property
     def hparams(self) -> dict[str, Any]:
         # The pretrained arrays are data, not a hyperparameter worth logging.
-        out = super().hparams
+        out = type(super().hparams)(super().hparams)  # a copy: the record itself stays as given
         out["base_params"] = None if self.base_params is None else "pretrained"
         return out
 

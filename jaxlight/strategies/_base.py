@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._layout import require_divisible
+from jaxlight._microbatch import accumulate_locally
 
 
 class Strategy(abc.ABC):
@@ -67,32 +68,10 @@ class Strategy(abc.ABC):
     def check_batch(self, abstract_batch: Any, what: str = "batch") -> None:
         """Refuses a global batch whose leading dimension the data-parallel degree cannot split."""
         dp = self.data_parallel_size
-        self._require_divisible(
+        require_divisible(
             abstract_batch, what, dp,
             lambda: f"the data-parallel degree {dp} of {self.name} on mesh "
                     f"{self.describe()['mesh']}")
-
-    @staticmethod
-    def _require_divisible(abstract_batch: Any, what: str, need: int,
-                           divisor: Callable[[], str], advice: str = "") -> None:
-        """Refuses a scalar batch leaf, or one whose leading dimension `need` does not divide.
-
-        `divisor()` says what `need` is (called only for the message); `advice` ends it.
-        """
-        for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_batch):
-            if not np.shape(leaf):
-                raise DataError(
-                    f"{what} leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf "
-                    "needs a leading batch dimension."
-                )
-            size = np.shape(leaf)[0]
-            if size % need:
-                lower, upper = size - size % need, size - size % need + need
-                raise DataError(
-                    f"global {what} size {size} (leaf {jax.tree_util.keystr(path)}) is not "
-                    f"divisible by {divisor()}. Use a batch size that is a multiple of {need} "
-                    f"(for example {lower or upper} or {upper}){advice}."
-                )
 
     def put_batch(self, batch: Any, shardings: Any) -> Any:
         """Turns this process's share of a batch into global device arrays."""
@@ -174,8 +153,6 @@ class Strategy(abc.ABC):
                 sharded. Here, where the reduction follows the scan, it changes nothing.
         """
         del sync_every_microbatch
-        from jaxlight._microbatch import accumulate_locally
-
         return accumulate_locally(grad_fn, k, dp=self.data_parallel_size)
 
     # -- state in and out ------------------------------------------------------------------
@@ -187,39 +164,3 @@ class Strategy(abc.ABC):
     def from_canonical(self, tree: Any, shardings: Any) -> Any:
         """Places canonical arrays into this strategy's layout."""
         return jax.device_put(tree, shardings)
-
-
-def check_mesh_size(shape: dict[str, int], num_devices: int, who: str) -> dict[str, int]:
-    """Resolves one `-1` axis and checks that the mesh covers exactly the devices."""
-    shape = dict(shape)
-    free = [name for name, size in shape.items() if size == -1]
-    if len(free) > 1:
-        raise ConfigurationError(
-            f"{who}: mesh_shape {shape} has {len(free)} axes set to -1 ({free}); at most one "
-            "axis may be -1 (it fills the remaining devices)."
-        )
-    for name, size in shape.items():
-        if size != -1 and (not isinstance(size, int) or size < 1):
-            raise ConfigurationError(
-                f"{who}: mesh axis {name!r} has size {size!r}; sizes are positive integers or -1."
-            )
-    known = int(np.prod([s for s in shape.values() if s != -1] or [1]))
-    if free:
-        if num_devices % known:
-            raise ConfigurationError(
-                f"{who}: cannot fill axis {free[0]!r}: the other axes use {known} devices, which "
-                f"does not divide the {num_devices} devices available."
-            )
-        shape[free[0]] = num_devices // known
-    total = int(np.prod(list(shape.values()) or [1]))
-    if total != num_devices:
-        where = jax.devices()[0].platform
-        if jax.process_count() > 1:  # name the layout: the mesh spans every process's devices
-            where += (f"; {jax.process_count()} processes x {jax.local_device_count()} local "
-                      "devices")
-        raise ConfigurationError(
-            f"{who}: mesh_shape {shape} has {total} devices but {num_devices} are available "
-            f"({where}). Make the product of the axes {num_devices}, or set "
-            "one axis to -1 to fill the rest."
-        )
-    return shape

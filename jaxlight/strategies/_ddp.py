@@ -10,6 +10,8 @@ checkpoints and `module.model` look exactly like every other strategy's.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,10 +20,30 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxlight._errors import ConfigurationError
 from jaxlight.strategies._base import Strategy
 
 #: The pmap axis name (`lax.pmean(x, AXIS)` inside the step).
 AXIS = "ddp"
+
+#: True while DDP's pmapped function body is traced (the pmap axis is bound there); the core
+#: also traces the step abstractly, outside any pmap, where the reductions are identities.
+_PER_REPLICA: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxlight_ddp_replica",
+                                                                   default=False)
+
+
+def _per_replica(fn: Callable) -> Callable:
+    """`fn` as the body of DDP's pmap: the reductions inside it see the pmap axis."""
+
+    @functools.wraps(fn)
+    def body(*args):
+        token = _PER_REPLICA.set(True)
+        try:
+            return fn(*args)
+        finally:
+            _PER_REPLICA.reset(token)
+
+    return body
 
 
 def _is_sharding(x) -> bool:
@@ -74,9 +96,6 @@ class DDP(Strategy):
         super().__init__()
         self._devices = devices
         self.devices: list[jax.Device] = []
-        # True only while the pmapped step is traced: the reductions need the pmap axis bound
-        # (the core also traces pieces abstractly, outside any pmap, for output shapes).
-        self._in_pmap = False
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -85,8 +104,6 @@ class DDP(Strategy):
             # Multi-process pmap needs host-local views of every global array and its own
             # checkpoint gathering; the SPMD DataParallel does the same arithmetic and
             # collectives across processes, so jaxlight offers that instead.
-            from jaxlight._errors import ConfigurationError
-
             raise ConfigurationError(
                 f"DDP (jax.pmap) supports one process; this job has {jax.process_count()} "
                 "processes. Use strategies.DataParallel() (alias 'dp'): the same replicated "
@@ -207,14 +224,9 @@ class DDP(Strategy):
         out_axes = 0 if merge else jax.tree.map(
             lambda s: 0 if s is None or tuple(s.spec) else None, out_shardings,
             is_leaf=_is_sharding)
-        mapped = jax.pmap(fn, axis_name=AXIS, in_axes=tuple(in_axes), out_axes=out_axes,
-                          devices=self.devices, donate_argnums=donate_argnums)
-        self._in_pmap = True
-        try:
-            lowered = mapped.lower(*lifted)
-        finally:
-            self._in_pmap = False
-        return _CompiledPmap(lowered.compile(), merge)
+        mapped = jax.pmap(_per_replica(fn), axis_name=AXIS, in_axes=tuple(in_axes),
+                          out_axes=out_axes, devices=self.devices, donate_argnums=donate_argnums)
+        return _CompiledPmap(mapped.lower(*lifted).compile(), merge)
 
     def trace_context(self):
         return contextlib.nullcontext()
@@ -223,14 +235,12 @@ class DDP(Strategy):
 
     def reduce_gradients(self, grads: Any) -> Any:
         """The mean of every replica's gradients (`lax.pmean` over the devices)."""
-        return jax.lax.pmean(grads, AXIS) if self._in_pmap else grads
+        return jax.lax.pmean(grads, AXIS) if _PER_REPLICA.get() else grads
 
     def reduce_metrics(self, metrics: Any, op: str = "mean") -> Any:
         """The mean (or, for `op="sum"`, the sum) of every replica's metrics."""
-        if not self._in_pmap:
+        if op not in ("mean", "sum"):
+            raise ValueError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}")
+        if not _PER_REPLICA.get():
             return metrics
-        if op == "mean":
-            return jax.lax.pmean(metrics, AXIS)
-        if op == "sum":
-            return jax.lax.psum(metrics, AXIS)
-        raise ValueError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}")
+        return jax.lax.pmean(metrics, AXIS) if op == "mean" else jax.lax.psum(metrics, AXIS)

@@ -13,21 +13,23 @@ device holds its stage's parameters and optimizer state); what it adds is
   layers were called some other way).
 
 It lives apart from `_gpipe.py` so that `Hybrid` (in `_spmd.py`) can use it without an import
-cycle.
+cycle. It keeps no state between calls: `compile` makes a fresh `PipelineConfig` for the step
+it traces and reads its call counter back.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any
 
 import jax
 
 from jaxlight._errors import ConfigurationError
+from jaxlight._hlo import collectives, summarize
+from jaxlight._layout import is_axes, require_divisible
+from jaxlight.nn._pipeline import PipelineConfig, bubble_fraction, pipeline_context
+from jaxlight.nn._scan import LAYERS
 
-#: The logical axis of `jaxlight.nn.Stacked` (kept here to avoid importing jaxlight.nn).
-LAYERS = "layers"
 PIPE = "pipe"
 
 
@@ -42,8 +44,6 @@ def check_microbatches_arg(microbatches: Any, who: str) -> None:
 
 def warn_few_microbatches(stages: int, microbatches: int, who: str) -> None:
     if microbatches < stages:
-        from jaxlight.nn._pipeline import bubble_fraction
-
         bubble = bubble_fraction(stages, microbatches)
         warnings.warn(
             f"{who}: {microbatches} microbatches for {stages} pipeline stages leaves each stage "
@@ -68,7 +68,6 @@ class Pipelined:
         check_microbatches_arg(microbatches, type(self).__name__)
         self.microbatches = microbatches
         self.pipeline_remat = bool(remat)
-        self._pipeline = None
 
     # -- what the pipeline is -----------------------------------------------------------------
 
@@ -100,8 +99,6 @@ class Pipelined:
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         if self.pipelined and self.microbatches is not None:
-            from jaxlight.nn._pipeline import bubble_fraction
-
             out["pipeline"] = {
                 "stages": self.stages,
                 "microbatches": self.microbatches,
@@ -120,8 +117,6 @@ class Pipelined:
 
     def _check_stacked(self, abstract_state: Any, logical_axes: Any) -> None:
         """Refuses a model without stacked layers, or whose layer count the stages cannot split."""
-        from jaxlight.strategies._spmd import is_axes
-
         flat_axes = jax.tree_util.tree_leaves_with_path(
             logical_axes.params, is_leaf=lambda x: x is None or is_axes(x))
         flat_params = jax.tree.leaves(abstract_state.params)
@@ -157,7 +152,7 @@ class Pipelined:
         if not self.pipelined or what != "batch":
             return
         need = self.microbatches * self.data_parallel_size
-        self._require_divisible(
+        require_divisible(
             abstract_batch, what, need,
             lambda: f"microbatches {self.microbatches} × data-parallel degree "
                     f"{self.data_parallel_size} = {need} of {self._who()} on mesh "
@@ -166,27 +161,19 @@ class Pipelined:
 
     # -- tracing and compiling ----------------------------------------------------------------
 
-    def trace_context(self):
-        base = super().trace_context()
-        if not self.pipelined or self.mesh is None:
-            return base
-        from jaxlight.nn._pipeline import PipelineConfig, pipeline_context
-
-        # A fresh config per trace: its `calls` counter says whether a Stacked block ran.
-        self._pipeline = PipelineConfig(
-            mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
-            remat=self.pipeline_remat, axis=PIPE,
-            batch_axes=tuple(self.batch_axes),
-        )
-        stack = contextlib.ExitStack()
-        stack.enter_context(base)
-        stack.enter_context(pipeline_context(self._pipeline))
-        return stack
-
     def compile(self, fn, abstract_args, in_shardings, out_shardings, donate_argnums=()):
-        compiled = super().compile(fn, abstract_args, in_shardings, out_shardings,
+        if not self.pipelined or self.mesh is None:
+            return super().compile(fn, abstract_args, in_shardings, out_shardings,
                                    donate_argnums)
-        if self.pipelined and self._pipeline is not None and self._pipeline.calls == 0:
+        # A fresh config for this trace: its `calls` counter says whether a Stacked block ran.
+        pipeline = PipelineConfig(
+            mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
+            remat=self.pipeline_remat, axis=PIPE, batch_axes=tuple(self.batch_axes),
+        )
+        with pipeline_context(pipeline):
+            compiled = super().compile(fn, abstract_args, in_shardings, out_shardings,
+                                       donate_argnums)
+        if pipeline.calls == 0:
             raise ConfigurationError(
                 f"{self._who()}: the step ran no jaxlight.nn.Stacked block, so there is nothing "
                 "to pipeline (the model has stacked parameters but does not call the Stacked "
@@ -218,8 +205,6 @@ def schedule_stats(hlo_text: str) -> dict[str, Any]:
         >>> schedule_stats(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile().as_text())
         {'iterations': [], 'collective_permute_bytes': 0, 'other_collectives': {}}
     """
-    from jaxlight._hlo import collectives, summarize
-
     items = collectives(hlo_text)
     permutes = [c for c in items if c.kind == "collective-permute"]
     others = {kind: totals for kind, totals in summarize(

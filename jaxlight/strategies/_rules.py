@@ -25,16 +25,27 @@ parameter names decide where weights, gradients and optimizer state live.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import yaml
 
-from jaxlight._errors import ConfigurationError
+from jaxlight._errors import ConfigurationError, suggest
+
+# The lookup and the activation constraints live in the leaf `jaxlight._layout` (jaxlight.nn
+# uses them too); they are re-exported here, next to the rules they read.
+from jaxlight._layout import (  # noqa: F401
+    activation_sharding,
+    axes_of,
+    constrain,
+    is_axes,
+    logical_to_spec,
+    partition_spec,
+    rule_axes,
+    spmd_context,
+)
 
 #: The default rules table shared by every SPMD strategy (see the module docstring).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -81,37 +92,115 @@ def normalize_rules(rules: Mapping[str, Any] | Sequence | None, who: str) -> tup
     return tuple(out)
 
 
-def parse_mesh_shape(mesh_shape: Any, who: str) -> dict[str, int]:
-    """Accepts `{"data": 2, "fsdp": -1}` or the Tunix form `[[2, -1], ["data", "fsdp"]]`.
+# -- mesh shapes: the one grammar (Python, CLI flags, YAML) -----------------------------------
 
-    Refuses duplicate names, mismatched lengths and more than one `-1` (sizes are checked
-    against the devices in `setup`).
+#: Mesh axes, outermost first: data-parallel axes outside so that their collectives cross the
+#: slowest links, tensor parallelism innermost (fastest links).
+MESH_AXES = ("data", "pipe", "fsdp", "tp")
+
+#: Other names for mesh axes (the seeds' and other frameworks' spellings), accepted everywhere.
+AXIS_ALIASES = {"model": "tp", "tensor": "tp", "pipeline": "pipe", "stage": "pipe"}
+
+MESH_FORMS = """accepted forms of a mesh shape:
+  {"data": 4, "tp": 2}          a mapping of axis name to size (also as JSON or YAML text)
+  'data=4,tp=2'                 axis=size pairs
+  [[4, 2], ["data", "tp"]]      the Tunix form: [sizes, axis names] (also as text)
+one size may be -1 (it fills the remaining devices); mesh axes: data, pipe, fsdp, tp
+(aliases: model -> tp, tensor -> tp, pipeline -> pipe, stage -> pipe)"""
+
+
+def _parse_text(text: str, who: str) -> Any:
+    """A mesh shape given as text: `data=4,tp=2`, or JSON/YAML of a mapping or the pair form."""
+    text = text.strip()
+    bad = f"{who}: mesh shape {text!r} does not parse"
+    if not text:
+        raise ConfigurationError(f"{bad}: it is empty.\n{MESH_FORMS}")
+    if "=" in text and text[0] not in "{[":
+        shape = {}
+        for pair in text.split(","):
+            name, eq, size = pair.partition("=")
+            if not eq or not name.strip():
+                raise ConfigurationError(f"{bad}: {pair.strip()!r} is not axis=size.\n{MESH_FORMS}")
+            try:
+                shape[name.strip()] = int(size)
+            except ValueError:
+                raise ConfigurationError(
+                    f"{bad}: size {size.strip()!r} of axis {name.strip()!r} is not an integer."
+                    f"\n{MESH_FORMS}"
+                ) from None
+        return shape
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigurationError(
+            f"{bad}: {getattr(err, 'problem', None) or err}.\n{MESH_FORMS}") from None
+
+
+def _is_pair_form(value: Any) -> bool:
+    return (isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2
+            and all(isinstance(part, Sequence) and not isinstance(part, str) for part in value))
+
+
+def parse_mesh_shape(mesh_shape: str | Sequence | Mapping, who: str = "mesh_shape"
+                     ) -> dict[str, int]:
+    """The one mesh-shape grammar: `{"data": 2, "fsdp": -1}`, the Tunix form
+    `[[2, -1], ["data", "fsdp"]]` (or `[names, sizes]`), or either as text (JSON/YAML), or
+    `"data=2,fsdp=-1"`. Axis aliases (`model` -> `tp`, `pipeline` -> `pipe`) become the real
+    names.
+
+    Refuses unknown axes, duplicate names, mismatched lengths, sizes that are not positive
+    integers or -1, and more than one `-1` (sizes are checked against the devices by
+    `fill_mesh_shape` in `setup`).
+
+    Example:
+        >>> parse_mesh_shape([[4, 2], ["fsdp", "model"]])
+        {'fsdp': 4, 'tp': 2}
+        >>> parse_mesh_shape("data=2,fsdp=-1")
+        {'data': 2, 'fsdp': -1}
     """
-    if isinstance(mesh_shape, Mapping):
-        shape = {str(k): v for k, v in mesh_shape.items()}
-    elif (isinstance(mesh_shape, Sequence) and len(mesh_shape) == 2
-          and all(isinstance(part, Sequence) and not isinstance(part, str) for part in mesh_shape)):
-        sizes, names = list(mesh_shape[0]), list(mesh_shape[1])
+    value = _parse_text(mesh_shape, who) if isinstance(mesh_shape, str) else mesh_shape
+    if isinstance(value, Mapping):
+        pairs = [(k, v) for k, v in value.items()]
+    elif _is_pair_form(value):
+        sizes, names = list(value[0]), list(value[1])
+        if all(isinstance(s, str) for s in sizes) and not all(isinstance(n, str) for n in names):
+            sizes, names = names, sizes  # [[names], [sizes]] is unambiguous too
         if len(sizes) != len(names):
             raise ConfigurationError(
                 f"{who}: mesh_shape {mesh_shape!r} has {len(sizes)} sizes but {len(names)} axis "
                 "names; give one size per name, as in [[2, 4], ['data', 'fsdp']]."
             )
-        if len(set(names)) != len(names):
-            raise ConfigurationError(f"{who}: mesh_shape {mesh_shape!r} repeats an axis name.")
-        shape = {str(n): s for s, n in zip(sizes, names, strict=True)}
+        pairs = list(zip(names, sizes, strict=True))
     else:
         raise ConfigurationError(
             f"{who}: mesh_shape must be a dict like {{'data': 2, 'fsdp': -1}} or the pair "
-            f"[[2, -1], ['data', 'fsdp']], got {mesh_shape!r}."
+            f"[[2, -1], ['data', 'fsdp']], got {mesh_shape!r}.\n{MESH_FORMS}"
         )
-    if not shape:
+    if not pairs:
         raise ConfigurationError(f"{who}: mesh_shape is empty; name at least one axis.")
-    for name, size in shape.items():
+    shape: dict[str, int] = {}
+    for name, size in pairs:
+        if not isinstance(name, str):
+            raise ConfigurationError(
+                f"{who}: mesh axis name {name!r} in {mesh_shape!r} is not a string; axis names "
+                f"are {list(MESH_AXES)}.")
+        axis = AXIS_ALIASES.get(name, name)
+        if axis not in MESH_AXES:
+            raw = dict(pairs)
+            raise ConfigurationError(
+                f"{who}: unknown mesh axis {name!r} in {raw}; valid axes are {list(MESH_AXES)}."
+                f"{suggest(name, [*MESH_AXES, *AXIS_ALIASES])}"
+            )
+        if axis in shape:
+            raise ConfigurationError(
+                f"{who}: mesh_shape {mesh_shape!r} repeats an axis name ({axis!r}"
+                + (f", given as {name!r}" if name != axis else "") + ")."
+            )
         if size != -1 and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigurationError(
                 f"{who}: mesh axis {name!r} has size {size!r}; sizes are positive integers or -1."
             )
+        shape[axis] = size
     free = [n for n, s in shape.items() if s == -1]
     if len(free) > 1:
         raise ConfigurationError(
@@ -121,72 +210,27 @@ def parse_mesh_shape(mesh_shape: Any, who: str) -> dict[str, int]:
     return shape
 
 
-# -- activation sharding constraints --------------------------------------------------------
-
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, tuple] | None] = contextvars.ContextVar(
-    "jaxlight_activation_rules", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh | None, rules: Sequence = ()) -> Iterator[None]:
-    """Makes `constrain` map logical names with `rules` on `mesh` while a step is traced.
-
-    `activation_sharding(None)` switches constraints off (inside `shard_map`, for example).
-    """
-    token = _ACTIVE.set((mesh, tuple(rules)) if mesh is not None and rules else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def _lookup(rules: Sequence, name: str | None) -> tuple[str, ...]:
-    if name is None:
-        return ()
-    for rule_name, target in rules:
-        if rule_name == name:
-            if target is None:
-                return ()
-            return (target,) if isinstance(target, str) else tuple(target)
-    return ()
-
-
-def logical_to_spec(mesh: Mesh, rules: Sequence, names: Sequence[str | None],
-                    shape: Sequence[int]) -> PartitionSpec:
-    """A PartitionSpec for an activation; axes that do not divide its dimension are dropped."""
-    used: set[str] = set()
-    spec: list[Any] = []
-    for dim, name in zip(shape, names, strict=True):
-        axes = [a for a in _lookup(rules, name) if mesh.shape.get(a, 1) > 1 and a not in used]
-        # Keep the longest prefix of axes that divides the dimension (a size-1 eval batch, say).
-        while axes and dim % math.prod(mesh.shape[a] for a in axes):
-            axes.pop()
-        used.update(axes)
-        spec.append(axes[0] if len(axes) == 1 else (tuple(axes) or None))
-    return PartitionSpec(*spec)
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains an activation's sharding by logical names; identity outside an SPMD step.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> constrain(jnp.ones((2, 3)), ("batch", "activation_embed")).shape
-        (2, 3)
-    """
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
-    if len(names) != x.ndim:
-        raise ValueError(f"constrain: {len(names)} names {tuple(names)} for a {x.ndim}-d array.")
-    spec = logical_to_spec(mesh, rules, names, x.shape)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
-@contextlib.contextmanager
-def spmd_context(mesh: Mesh, rules: Sequence = ()) -> Iterator[None]:
-    """The mesh (`jax.set_mesh`) plus activation rules, active while an SPMD step is traced."""
-    with jax.set_mesh(mesh), activation_sharding(mesh, rules):
-        yield
+def fill_mesh_shape(shape: Mapping[str, int], num_devices: int, who: str) -> dict[str, int]:
+    """Resolves the one `-1` axis of a parsed shape and checks the mesh covers the devices."""
+    shape = dict(shape)
+    free = [name for name, size in shape.items() if size == -1]
+    known = math.prod(s for s in shape.values() if s != -1)
+    if free:
+        if num_devices % known:
+            raise ConfigurationError(
+                f"{who}: cannot fill axis {free[0]!r}: the other axes use {known} devices, which "
+                f"does not divide the {num_devices} devices available."
+            )
+        shape[free[0]] = num_devices // known
+    total = math.prod(shape.values())
+    if total != num_devices:
+        where = jax.devices()[0].platform
+        if jax.process_count() > 1:  # name the layout: the mesh spans every process's devices
+            where += (f"; {jax.process_count()} processes x {jax.local_device_count()} local "
+                      "devices")
+        raise ConfigurationError(
+            f"{who}: mesh_shape {shape} has {total} devices but {num_devices} are available "
+            f"({where}). Make the product of the axes {num_devices}, or set "
+            "one axis to -1 to fill the rest."
+        )
+    return shape

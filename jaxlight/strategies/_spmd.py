@@ -18,37 +18,29 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxlight._errors import ConfigurationError, ShardingError
-from jaxlight.strategies._base import Strategy, check_mesh_size
+from jaxlight._layout import axes_of, is_axes, partition_spec, spmd_context
+from jaxlight._microbatch import (
+    accumulate_locally,
+    accumulate_per_replica,
+    param_layout,
+    traced_param_specs,
+)
+from jaxlight.nn._collective_matmul import OVERLAP_RULES, overlapped
+from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import (
     ACTIVATION_NAMES,
     DEFAULT_RULES,
+    MESH_AXES,
+    fill_mesh_shape,
     normalize_rules,
     parse_mesh_shape,
-    spmd_context,
 )
 
 Rules = Sequence[tuple[str, Any]]
 
-#: Mesh axes, outermost first: data-parallel axes outside so that their collectives cross the
-#: slowest links, tensor parallelism innermost (fastest links).
-MESH_AXES = ("data", "pipe", "fsdp", "tp")
-
 #: Mesh axes that split the batch.
 BATCH_AXES = ("data", "fsdp")
-
-
-def is_axes(x) -> bool:
-    """True for a tuple of logical axis names (str or None), the leaves of a logical tree."""
-    return type(x) is tuple and all(n is None or isinstance(n, str) for n in x)
-
-
-def _axes_tuple(target) -> tuple[str, ...]:
-    if target is None:
-        return ()
-    if isinstance(target, str):
-        return (target,)
-    return tuple(target)
 
 
 class SpmdStrategy(Strategy):
@@ -74,16 +66,7 @@ class SpmdStrategy(Strategy):
         devices: Sequence[jax.Device] | None = None,
     ):
         super().__init__()
-        unknown = [a for a in mesh_shape if a not in MESH_AXES]
-        if unknown:
-            from jaxlight._errors import suggest
-
-            raise ConfigurationError(
-                f"{type(self).__name__}: unknown mesh axis {unknown[0]!r} in {dict(mesh_shape)}; "
-                f"valid axes are {list(MESH_AXES)}.{suggest(unknown[0], MESH_AXES)}"
-            )
-        self._param_specs = None
-        self.mesh_shape = dict(mesh_shape)
+        self.mesh_shape = parse_mesh_shape(mesh_shape, type(self).__name__) if mesh_shape else {}
         self.rules = tuple((str(k), v) for k, v in rules)
         #: Rules the user passed (checked for logical axes no parameter uses).
         self.user_rules: tuple[tuple[str, Any], ...] = ()
@@ -95,7 +78,7 @@ class SpmdStrategy(Strategy):
 
     def setup(self, devices: Sequence[jax.Device] | None = None) -> None:
         devices = list(devices if devices is not None else (self._devices or jax.devices()))
-        shape = check_mesh_size(self.mesh_shape, len(devices), type(self).__name__)
+        shape = fill_mesh_shape(self.mesh_shape, len(devices), type(self).__name__)
         names = [a for a in MESH_AXES if a in shape]
         sizes = [shape[a] for a in names]
         device_grid = np.asarray(devices, dtype=object).reshape(sizes)
@@ -103,7 +86,7 @@ class SpmdStrategy(Strategy):
 
     def axis_size(self, axes) -> int:
         assert self.mesh is not None
-        return math.prod(self.mesh.shape.get(a, 1) for a in _axes_tuple(axes))
+        return math.prod(self.mesh.shape.get(a, 1) for a in axes_of(axes))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -123,41 +106,16 @@ class SpmdStrategy(Strategy):
     # -- layout ----------------------------------------------------------------------------
 
     def spec_for(self, path: str, shape: tuple[int, ...], logical: tuple | None) -> PartitionSpec:
-        """The PartitionSpec of one array from its logical axes; checks divisibility."""
+        """The PartitionSpec of one array from its logical axes (`partition_spec`), or, for an
+        unannotated array, the `shard_unannotated` fallback."""
         assert self.mesh is not None
-        used: set[str] = set()
-        spec: list[Any] = []
-        logical = tuple(logical) if logical else (None,) * len(shape)
-        if len(logical) != len(shape):
-            raise ShardingError(
-                f"parameter {path} has shape {shape} but {len(logical)} logical axes {logical}; "
-                "give one name (or None) per dimension in nnx.with_partitioning."
-            )
-        for dim, name in zip(shape, logical, strict=True):
-            axes: tuple[str, ...] = ()
-            if name is not None:
-                for rule_name, target in self.rules:
-                    if rule_name == name:
-                        axes = _axes_tuple(target)
-                        break
-            axes = tuple(a for a in axes if self.mesh.shape.get(a, 1) > 1 and a not in used)
-            if axes:
-                size = self.axis_size(axes)
-                if dim % size:
-                    raise ShardingError(
-                        f"parameter {path}: dimension of size {dim} (logical axis {name!r}) is not "
-                        f"divisible by mesh axes {axes} of total size {size}. Change the model "
-                        f"dimension to a multiple of {size}, or map {name!r} to another axis with "
-                        f"rules=[({name!r}, None), ...]."
-                    )
-                used.update(axes)
-            spec.append(axes[0] if len(axes) == 1 else (axes or None))
-        if not used and self.shard_unannotated is not None and not any(logical):
-            spec = self._fallback_spec(shape)
-        return PartitionSpec(*spec)
+        spec = partition_spec(dict(self.mesh.shape), self.rules, shape, logical, path=path)
+        if self.shard_unannotated is not None and not any(logical or ()):
+            return PartitionSpec(*self._fallback_spec(shape))
+        return spec
 
     def _fallback_spec(self, shape: tuple[int, ...]) -> list[Any]:
-        axes = tuple(a for a in _axes_tuple(self.shard_unannotated)
+        axes = tuple(a for a in axes_of(self.shard_unannotated)
                      if self.mesh.shape.get(a, 1) > 1)
         spec: list[Any] = [None] * len(shape)
         if not axes or math.prod(shape) < self.min_shard_size:
@@ -176,13 +134,9 @@ class SpmdStrategy(Strategy):
             spec = self.spec_for(jax.tree_util.keystr(path), tuple(leaf.shape), logical)
             return NamedSharding(self.mesh, spec)
 
-        out = jax.tree_util.tree_map_with_path(
+        return jax.tree_util.tree_map_with_path(
             one, abstract_state, logical_axes, is_leaf=lambda x: x is None
         )
-        if hasattr(out, "params"):
-            # Gradient layouts (FSDP's reduce-scatter) need the parameters' specs.
-            self._param_specs = jax.tree.map(lambda s: s.spec, out.params)
-        return out
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
         assert self.mesh is not None
@@ -223,13 +177,18 @@ class SpmdStrategy(Strategy):
         `sync_every_microbatch` it is a plain scan over the global batch: XLA gathers and
         reduces per microbatch and parameters and accumulator stay sharded (FSDP's memory).
         """
-        from jaxlight._microbatch import accumulate_locally, accumulate_per_replica
-
         if not self.batch_axes or sync_every_microbatch:
             return accumulate_locally(grad_fn, k, dp=self.data_parallel_size,
                                       rows_per_replica=False)
-        return accumulate_per_replica(grad_fn, k, self.mesh, self.batch_axes, rules=self.rules,
-                                      param_specs=self._param_specs)
+        mesh, axes, rules = self.mesh, self.batch_axes, self.rules
+
+        def microbatched(params, rest, batch):
+            # The parameters' layout is that of the step being compiled (`compile` makes it
+            # known while tracing); without one (abstract tracing) parameters enter whole.
+            return accumulate_per_replica(grad_fn, k, mesh, axes, rules=rules,
+                                          param_specs=traced_param_specs())(params, rest, batch)
+
+        return microbatched
 
     def compile(
         self,
@@ -245,7 +204,7 @@ class SpmdStrategy(Strategy):
             out_shardings=out_shardings,
             donate_argnums=donate_argnums,
         )
-        with self.trace_context():
+        with self.trace_context(), param_layout(in_shardings):
             return jitted.lower(*abstract_args).compile()
 
 
@@ -307,7 +266,7 @@ def require_tp_annotations(strategy: SpmdStrategy, abstract_state: Any, sharding
     if any(uses_tp(s) for s in jax.tree.leaves(shardings.params)):
         return
     tp_names = sorted(name for name, target in strategy.rules
-                      if "tp" in _axes_tuple(target) and name not in ACTIVATION_NAMES)
+                      if "tp" in axes_of(target) and name not in ACTIVATION_NAMES)
     flat = jax.tree_util.tree_leaves_with_path(abstract_state.params)
     largest = sorted(flat, key=lambda kv: -math.prod(kv[1].shape))[:5]
     listed = ", ".join(f"{jax.tree_util.keystr(p)} {tuple(x.shape)}" for p, x in largest)
@@ -411,8 +370,6 @@ class TensorParallel(SpmdStrategy):
             raise ConfigurationError(f"TensorParallel(size) needs a positive int, got {size!r}.")
         user, full = _with_defaults(rules, "TensorParallel")
         if overlap:
-            from jaxlight.nn._collective_matmul import OVERLAP_RULES
-
             full = user + OVERLAP_RULES + full[len(user):]
         shape = {"tp": -1} if size is None else {"data": -1, "tp": size}
         super().__init__(shape, full, devices=devices)
@@ -426,8 +383,6 @@ class TensorParallel(SpmdStrategy):
     def trace_context(self):
         if not self.overlap or self.mesh is None:
             return super().trace_context()
-        from jaxlight.nn._collective_matmul import overlapped
-
         return overlapped(super().trace_context(), self.mesh, self.rules)
 
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:

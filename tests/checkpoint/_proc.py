@@ -18,11 +18,11 @@ class Child:
     #: Every child started, so that a failing test leaves no process behind (see conftest).
     started: list[Child] = []
 
-    def __init__(self, cfg: dict, workdir: str, env: dict | None = None):
+    def __init__(self, cfg: dict, workdir: str, env: dict | None = None, script: str = CHILD):
         self.stderr_path = os.path.join(workdir, f"child-{time.monotonic_ns()}.stderr")
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 - closed in finish()
         self.proc = subprocess.Popen(
-            [sys.executable, CHILD, json.dumps(cfg)], cwd=workdir, stdout=subprocess.PIPE,
+            [sys.executable, script, json.dumps(cfg)], cwd=workdir, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, env=dict(os.environ) if env is None else env,
         )
         Child.started.append(self)

@@ -32,10 +32,10 @@ def versions(out: str) -> dict:
     from jaxlight import distributed
 
     distributed.initialize()  # checks the real versions (equal) first
-    mine = dict(distributed._versions())
+    mine = dict(distributed.package_versions())
     if RANK == 1:
         mine["jaxlight"] = "0.0.0-other"
-    return _error(lambda: distributed._check_versions(mine))
+    return _error(lambda: distributed.check_versions(mine))
 
 
 def batch_size(out: str) -> dict:

@@ -1,4 +1,4 @@
-"""In-memory data loading with deterministic, resumable, per-process sharded batches.
+"""ArrayLoader: in-memory data with deterministic, resumable, per-process sharded batches.
 
 `ArrayLoader` holds a pytree of NumPy arrays with a common leading (example) dimension. Each epoch
 draws one permutation from `(seed, epoch)`, so every process, and every resumed run, sees the same
@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jaxlight._errors import ConfigurationError, DataError
+from jaxlight.data._convert import is_hf_dataset, to_numpy
 
 __all__ = ["ArrayLoader"]
 
@@ -26,7 +27,8 @@ class ArrayLoader:
     """Batches of an in-memory pytree of arrays.
 
     Args:
-        arrays: a pytree (usually a dict) of arrays sharing their first dimension.
+        arrays: a pytree (usually a dict) of arrays sharing their first dimension (NumPy, or
+            torch CPU tensors, shared without copies), or a Hugging Face `datasets.Dataset`.
         batch_size: the global batch size (all processes together).
         shuffle: draw a new permutation each epoch from `(seed, epoch)`.
         seed: the shuffling seed.
@@ -52,6 +54,10 @@ class ArrayLoader:
         process_index: int | None = None,
         process_count: int | None = None,
     ):
+        if is_hf_dataset(arrays):
+            # A Hugging Face dataset's columns as NumPy (Arrow memory, no copy where possible).
+            arrays = arrays.with_format("numpy")[:]
+        arrays = to_numpy(arrays)  # torch tensors share their memory with the NumPy views
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise DataError("ArrayLoader got no arrays: pass a dict such as {'x': X, 'y': Y}.")

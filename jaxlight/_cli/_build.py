@@ -1,0 +1,161 @@
+"""Building what the options name: the strategy, loggers and callbacks, looked up in
+`jaxlight.strategies` and `jaxlight.callbacks` when the command runs."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Mapping, Sequence
+
+from jaxlight import callbacks, strategies
+from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.strategies._rules import MESH_FORMS
+from jaxlight.strategies._rules import parse_mesh_shape as _parse_mesh_shape
+
+
+def _parse_call(text: str, what: str) -> tuple[str, list, dict]:
+    """`"tp(size=4)"` -> `("tp", [], {"size": 4})`; a bare name has no arguments."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError as err:
+        raise ConfigurationError(
+            f"{what} {text!r} does not parse ({err.msg}); write a name, or a call with literal "
+            "arguments such as \"tp(size=4)\"."
+        ) from None
+    if isinstance(node, ast.Name):
+        return node.id, [], {}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        try:
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+        except ValueError:
+            raise ConfigurationError(
+                f"{what} {text!r}: arguments must be literals (numbers, strings, lists, dicts)."
+            ) from None
+        return node.func.id, args, kwargs
+    raise ConfigurationError(
+        f"{what} {text!r} is not a name or a call such as \"tp(size=4)\"."
+    )
+
+
+def _split_calls(text: str) -> list[str]:
+    """Splits `"a(x=1, y=2), b"` at top-level commas."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _call(target, args, kwargs, what: str):
+    try:
+        return target(*args, **kwargs)
+    except TypeError as err:
+        try:
+            sig = str(inspect.signature(target))
+        except (TypeError, ValueError):
+            sig = "(...)"
+        raise ConfigurationError(f"{what}: {err}; the signature is {sig}.") from None
+
+
+
+def parse_mesh_shape(value: str | Sequence | Mapping, who: str = "--mesh-shape") -> dict[str, int]:
+    """`--mesh-shape` (or a config file's `mesh_shape`) in any form of the one mesh grammar
+    (`strategies._rules.parse_mesh_shape`); every error lists the accepted forms."""
+    try:
+        return _parse_mesh_shape(value, who)
+    except ConfigurationError as err:
+        text = str(err)
+        raise ConfigurationError(text if MESH_FORMS in text else f"{text}\n{MESH_FORMS}") from None
+
+
+def _strategy_class(key: str):
+    """A class of `jaxlight.strategies` named in call form (`TensorParallel(size=4)`), or None."""
+    obj = getattr(strategies, key, None)
+    if inspect.isclass(obj) and issubclass(obj, strategies.Strategy) \
+            and not inspect.isabstract(obj):
+        return obj
+    return None
+
+
+def build_strategy(name: str = "auto", mesh_shape: str | Sequence | Mapping | None = None):
+    """The strategy an option pair names: a `strategies.resolve` alias, a class of
+    `jaxlight.strategies`, either in call form (`"tp(size=4)"`), or `Hybrid` from a mesh shape."""
+    key, args, kwargs = _parse_call(name or "auto", "--strategy")
+    lower = key.lower()
+    if mesh_shape is not None:
+        if lower not in ("auto", "hybrid"):
+            raise ConfigurationError(
+                f"--mesh-shape builds strategies.Hybrid, but --strategy is {name!r}; drop one of "
+                "them, or use --strategy hybrid (the mesh axes data, fsdp, tp and pipe express "
+                "every other strategy)."
+            )
+        shape = parse_mesh_shape(mesh_shape)
+        return _call(strategies.Hybrid, [shape, *args], kwargs, "--strategy hybrid")
+    if lower == "hybrid":
+        if not args and "mesh_shape" not in kwargs:
+            raise ConfigurationError(
+                "--strategy hybrid needs a mesh: add --mesh-shape, for example 'data=2,fsdp=4'."
+                f"\n{MESH_FORMS}"
+            )
+        if args:
+            args = [parse_mesh_shape(args[0]), *args[1:]]
+        else:
+            kwargs = {**kwargs, "mesh_shape": parse_mesh_shape(kwargs["mesh_shape"])}
+        return _call(strategies.Hybrid, args, kwargs, f"--strategy {name}")
+    target = _strategy_class(key)
+    if lower not in strategies.ALIASES and target is None:
+        try:
+            strategies.resolve(key)
+        except ConfigurationError as err:
+            raise ConfigurationError(
+                f"{err} On the command line also: 'hybrid' (with --mesh-shape), and any class of "
+                "jaxlight.strategies, with arguments in call form such as \"tp(size=4)\"."
+            ) from None
+    if not args and not kwargs:
+        return strategies.resolve(key) if lower in strategies.ALIASES else target()
+    return _call(strategies.ALIASES.get(lower, target), args, kwargs, f"--strategy {name}")
+
+
+_LOGGERS = {"csv": "CSVLogger", "wandb": "WandbLogger", "tensorboard": "TensorBoardLogger",
+            "tb": "TensorBoardLogger"}
+
+
+def build_loggers(text: str | None) -> list | None:
+    """Logger callbacks from `csv,wandb,...`; None when no logger is wanted."""
+    if text is None or text.strip().lower() in ("", "none", "false", "off"):
+        return None
+    out = []
+    for part in _split_calls(text):
+        name, args, kwargs = _parse_call(part, "--logger")
+        cls_name = _LOGGERS.get(name.lower(), name)
+        cls = getattr(callbacks, cls_name, None)
+        if cls is None or not getattr(cls, "is_logger", False):
+            available = [k for k, v in _LOGGERS.items() if hasattr(callbacks, v) and k != "tb"]
+            raise ConfigurationError(
+                f"unknown logger {name!r}; available loggers are {available} (or 'none')."
+                f"{suggest(name.lower(), _LOGGERS)}"
+            )
+        out.append(_call(cls, args, kwargs, f"--logger {part}"))
+    return out
+
+
+def build_callbacks(text: str | None) -> list:
+    """Callbacks from `"EarlyStopping(monitor='val_loss'), LearningRateMonitor()"`."""
+    if not text:
+        return []
+    valid = [n for n in getattr(callbacks, "__all__", ()) if n not in ("Callback",)]
+    out = []
+    for part in _split_calls(text):
+        name, args, kwargs = _parse_call(part, "--callbacks")
+        cls = getattr(callbacks, name, None)
+        if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+            raise ConfigurationError(
+                f"unknown callback {name!r}; jaxlight.callbacks has {valid}.{suggest(name, valid)}"
+            )
+        out.append(_call(cls, args, kwargs, f"--callbacks {part}"))
+    return out

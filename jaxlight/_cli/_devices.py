@@ -1,0 +1,117 @@
+"""Devices on the command line: `--devices N` (simulated CPU devices), joining a multi-process
+job, and the `jaxlight devices` command."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jaxlight import distributed
+from jaxlight._cli._build import build_strategy
+from jaxlight._cli._options import COMMANDS, _normalize, _Parser, _unknown_option_error
+from jaxlight._errors import ConfigurationError
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _prescan_devices(argv: Sequence[str]) -> int | None:
+    """`--devices N` from raw argv (before argparse, before JAX starts)."""
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        value = None
+        if token == "--devices" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith("--devices="):
+            value = token.split("=", 1)[1]
+        if value is not None:
+            try:
+                n = int(value)
+            except ValueError:
+                raise ConfigurationError(f"--devices expects a positive int, got {value!r}.") \
+                    from None
+            if n < 1:
+                raise ConfigurationError(f"--devices expects a positive int, got {n}.")
+            return n
+    return None
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Asks XLA for `n` CPU devices; effective only before JAX initializes its backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", flags)
+    os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
+
+
+def _initialize_distributed() -> None:
+    """Joins a multi-process run when the environment describes one (the launcher's, SLURM...)."""
+    distributed.initialize()
+
+
+def _check_devices(n: int) -> None:
+    local = jax.local_device_count()
+    if local != n:
+        platform = jax.devices()[0].platform
+        if platform == "cpu":
+            hint = ("JAX had already started in this process (XLA_FLAGS is read once); run the "
+                    "command in a fresh process")
+        else:
+            hint = (f"--devices simulates CPU devices only; on {platform} choose devices with "
+                    "CUDA_VISIBLE_DEVICES (or drop --devices)")
+        raise ConfigurationError(
+            f"--devices {n} asked for {n} devices per process but this process has {local} "
+            f"{platform} devices: {hint}."
+        )
+
+
+def _print_devices(strategy_name: str, mesh_shape: str | None) -> None:
+    devices = jax.devices()
+    print(f"jaxlight {sys.modules['jaxlight'].__version__}, jax {jax.__version__}, backend "
+          f"{jax.default_backend()}")
+    print(f"process {jax.process_index()} of {jax.process_count()}; "
+          f"{jax.local_device_count()} local devices, {jax.device_count()} global")
+    print("devices:")
+    for d in devices:
+        print(f"  id {d.id:<3} {d.device_kind:<16} {d.platform:<5} process {d.process_index}"
+              f"{'  (local)' if d.process_index == jax.process_index() else ''}")
+    strategy = build_strategy(strategy_name, mesh_shape)
+    strategy.setup(None)
+    info = strategy.describe()
+    print(f"strategy {strategy.name} ({type(strategy).__name__}): mesh {info.get('mesh')}, "
+          f"data-parallel degree {strategy.data_parallel_size}")
+    mesh = getattr(strategy, "mesh", None)
+    if mesh is not None and hasattr(mesh, "devices"):
+        ids = np.vectorize(lambda d: d.id)(np.asarray(mesh.devices))
+        print(f"device ids on mesh axes {tuple(mesh.axis_names)}:")
+        for line in np.array2string(ids).splitlines():
+            print(f"  {line}")
+
+
+
+def _describe_devices() -> str:
+    return (f"{jax.device_count()} {jax.devices()[0].platform} devices, "
+            f"process {jax.process_index()} of {jax.process_count()}")
+
+
+
+def _devices_command(argv: Sequence[str]) -> None:
+    parser = _Parser(prog="jaxlight devices", description=COMMANDS["devices"],
+                     allow_abbrev=False)
+    parser.add_argument("--strategy", default="auto", help="strategy whose mesh to show "
+                        "(default: auto)")
+    parser.add_argument("--mesh-shape", default=None, help="mesh for strategies.Hybrid "
+                        "(default: none)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="simulate this many CPU devices (default: as XLA_FLAGS says)")
+    args, unknown = parser.parse_known_args(_normalize(argv))
+    if unknown:
+        _unknown_option_error(parser, unknown)
+    _initialize_distributed()
+    if args.devices is not None:
+        _check_devices(args.devices)
+    _print_devices(args.strategy, args.mesh_shape)

@@ -1,0 +1,138 @@
+"""Running a recipe command (`fit`, `validate`, `test`) in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import yaml
+
+from jaxlight import Fit
+from jaxlight import callbacks as cbs
+from jaxlight._cli._build import build_callbacks, build_loggers, build_strategy
+from jaxlight._cli._devices import _check_devices, _describe_devices, _initialize_distributed
+from jaxlight._cli._options import RUN_OPTIONS, _fit_signature_defaults, resolve
+from jaxlight._errors import ConfigurationError
+from jaxlight.recipes._base import apply_overrides, as_dict
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What `run` returns: the objects it built and every metric it reported."""
+
+    fit: Any
+    module: Any
+    data: Any
+    config: Any
+    options: dict[str, Any]
+    metrics: dict[str, Any]
+
+
+
+def _fit_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    fit_params = _fit_signature_defaults()
+    return {o.name: options[o.name] for o in RUN_OPTIONS
+            if o.fit_kwarg and o.name in fit_params}
+
+
+def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult | None:
+    """Runs `jaxlight <command> <recipe> [argv]` in this process and returns what it built.
+
+    `run("fit", "digits", ["--max-steps", "20"])` is `jaxlight fit digits --max-steps 20`; the
+    result holds the `Fit`, the trained module, the data, the resolved config and options, and
+    every reported metric. Returns None for `--help` and `--print-config`.
+    """
+    recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
+    if flags.get("help"):
+        parser.print_help()
+        return None
+    if flags.get("print_config"):
+        printable = {**options, **as_dict(config)}
+        print(yaml.safe_dump(printable, sort_keys=False), end="")
+        return None
+    # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
+    _initialize_distributed()
+    if options["devices"] is not None:
+        _check_devices(options["devices"])
+
+    strategy = build_strategy(options["strategy"], options["mesh_shape"])
+    callbacks = build_callbacks(options["callbacks"])
+    loggers = build_loggers(options["logger"]) if not options["fast_dev_run"] else None
+    if options["checkpoint_every_n_steps"]:
+        if not hasattr(cbs, "ModelCheckpoint"):
+            raise ConfigurationError("--checkpoint-every-n-steps needs callbacks.ModelCheckpoint, "
+                                     "which this jaxlight does not have.")
+        callbacks.append(cbs.ModelCheckpoint(
+            os.path.join(os.path.abspath(options["default_root_dir"]), "checkpoints"),
+            every_n_steps=options["checkpoint_every_n_steps"]))
+    kwargs = _fit_kwargs(options)
+    kwargs["fast_dev_run"] = options["fast_dev_run"] or False
+    fit = Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
+                 logger=loggers is not None, **kwargs)
+    overrides = recipe.ckpt_overrides
+    if callable(overrides):
+        overrides = overrides(config)
+    if options["ckpt_path"] is not None and overrides:
+        config = apply_overrides(config, overrides, f"recipe {recipe.name}")
+    module, data = recipe.build(config, kwargs.get("max_steps"))
+    metrics: dict[str, Any] = {}
+    say = _printer()
+    say(f"{command} {recipe.name}: strategy {strategy.name}, {_describe_devices()}")
+    if command == "fit":
+        # A resumed fit starts from the checkpoint, not from what before_fit would measure.
+        if recipe.before_fit is not None and options["ckpt_path"] is None:
+            before = recipe.before_fit(fit, module, data, config) or {}
+            metrics.update({f"before_{k}": v for k, v in before.items()})
+            _report("before training", before, say)
+        t0 = time.perf_counter()
+        fit.fit(module, data.train, data.val, ckpt_path=options["ckpt_path"])
+        metrics["train_seconds"] = time.perf_counter() - t0
+        metrics["global_step"] = fit.global_step
+        if data.val is not None:
+            final = fit.validate(module, data.val)
+            metrics.update(final)
+            _report(f"final validation metrics (step {fit.global_step}, "
+                    f"{metrics['train_seconds']:.1f} s)", final, say)
+        if recipe.after_fit is not None:
+            after = recipe.after_fit(fit, module, data, config) or {}
+            metrics.update(after)
+            _report("after training", after, say)
+    else:
+        if options["ckpt_path"] is None:
+            say(f"note: no --ckpt-path: {command} runs the freshly initialized model")
+        split = data.val if command == "validate" else (data.test or data.val)
+        if split is None:
+            raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
+        method = fit.validate if command == "validate" else fit.test
+        result = method(module, split, ckpt_path=options["ckpt_path"])
+        metrics.update(result)
+        _report(f"{command} metrics", result, say)
+    return RunResult(fit, module, data, config, options, metrics)
+
+
+
+def _printer():
+    def say(text: str) -> None:
+        if jax.process_index() == 0:
+            print(text, flush=True)
+
+    return say
+
+
+def _report(title: str, metrics: dict[str, Any], say) -> None:
+    if not metrics:
+        return
+    say(f"{title}:")
+    width = max(len(k) for k in metrics)
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            shown = f"{value:.4f}"
+        elif isinstance(value, str) and "\n" in value:
+            shown = "\n" + "\n".join(f"    | {line}" for line in value.splitlines())
+        else:
+            shown = str(value)
+        say(f"  {key:<{width}}  {shown}")

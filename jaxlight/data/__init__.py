@@ -1,0 +1,14 @@
+"""Training data: the in-memory `ArrayLoader`, and what `Fit` accepts besides it.
+
+`Fit` takes any iterable of batches (pytrees of NumPy arrays holding the global batch on one
+process, this process's share on many); grain `DataLoader`s and datasets, whose iterator state
+goes into checkpoints; and loaders yielding torch tensors, converted without copies. The loop
+reads through `TrainFeed` (positions for exact resume) and `Prefetcher` (batches on the devices
+ahead of the step). See docs/data.md.
+"""
+
+from jaxlight.data._array import ArrayLoader
+from jaxlight.data._convert import to_numpy
+from jaxlight.data._records import RecordSource, write_records
+
+__all__ = ["ArrayLoader", "RecordSource", "to_numpy", "write_records"]
