@@ -128,27 +128,18 @@ def _memory(compiled) -> dict[str, int]:
     return {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0) for n in names}
 
 
-def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
-    """Compiles `fit`'s training step for `example_batch` and reports its layout and costs.
+def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
+    """Compiles a set-up session's training step for `abstract_batch` and reports its costs.
 
-    Nothing runs and no state is created. The compiled step is not kept: a later `fit.fit`
-    compiles its own (its batches may differ from the example).
+    `session` is a `jaxlight._fit.Session` after `setup(module)`; `abstract_batch` holds the
+    global batch's shapes. Nothing runs and no state is created. The compiled step is not
+    kept: a later `fit.fit` compiles its own (its batches may differ from the example).
     """
-    from jaxlight._fit import _abstract_global_batch
-
-    fit._setup(module, "plan")
-    abstract_batch = _abstract_global_batch(example_batch)
-    strategy = fit.strategy
+    strategy = session.strategy
     strategy.check_batch(abstract_batch)
-    prior = fit._compiled.pop("train", None)
-    try:
-        compiled, _ = fit._compile_train_step(abstract_batch)
-    finally:
-        fit._compiled.pop("train", None)
-        if prior is not None:
-            fit._compiled["train"] = prior
+    compiled, _ = session.compile_train_step(abstract_batch, keep=False)
 
-    abstract, shardings = fit._spec.abstract_state, fit._shardings
+    abstract, shardings = session.spec.abstract_state, session.shardings
     params = []
     flat_sh = jax.tree.leaves(shardings.params)
     for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract.params),
