@@ -259,7 +259,7 @@ class DDP(Strategy):
     def reduce_metrics(self, metrics: Any, op: str = "mean") -> Any:
         """The mean (or, for `op="sum"`, the sum) of every replica's metrics."""
         if op not in ("mean", "sum"):
-            raise ValueError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}")
+            raise ConfigurationError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}.")
         if not _PER_REPLICA.get():
             return metrics
         return jax.lax.pmean(metrics, AXIS) if op == "mean" else jax.lax.psum(metrics, AXIS)
