@@ -11,6 +11,7 @@ from jaxlight._errors import (
     ShardingError,
     StepOutputError,
     TrainingStopped,
+    UserStepError,
 )
 from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
@@ -31,6 +32,7 @@ __all__ = [
     "TrainModule",
     "TrainState",
     "TrainingStopped",
+    "UserStepError",
     "callbacks",
     "data",
     "distributed",
