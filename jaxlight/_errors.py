@@ -7,6 +7,10 @@ class JaxlightError(Exception):
     """Base class of every error jaxlight raises on purpose."""
 
 
+class JaxlightWarning(UserWarning):
+    """Base class of every warning jaxlight gives on purpose (filter them by this class)."""
+
+
 class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 

@@ -11,6 +11,9 @@
 | `Hybrid(mesh_shape)` | — | any product of `data`, `fsdp`, `tp`, `pipe` |
 
 `"auto"` picks DataParallel when more than one device is visible, else SingleDevice.
+
+`strategies.rules` holds ready-made path rules for stock Flax NNX layers
+(`rules=strategies.rules.NNX`), so models without annotations shard by parameter name.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable
 import jax
 
 from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.strategies import rules
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._ddp import DDP
 from jaxlight.strategies._gpipe import GPipe
@@ -46,6 +50,7 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "resolve",
+    "rules",
 ]
 
 
