@@ -157,6 +157,9 @@ class Fit:
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         self.strategy = _strategies.resolve(strategy)
+        #: The `strategies.Auto` choosing this fit's layout (None: a fixed strategy). Once it
+        #: has chosen, `strategy` is the chosen one and `auto.choice` the candidate table.
+        self.auto = self.strategy if isinstance(self.strategy, _strategies.Auto) else None
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_steps, max_epochs = n, 1
@@ -391,13 +394,36 @@ class Fit:
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
-            self._shardings = self.strategy.state_shardings(
-                self._spec.abstract_state, self._spec.logical_axes
-            )
-            warn = getattr(self.strategy, "warn_unused_rules", None)
-            if warn is not None:
-                warn(self._spec.logical_axes)
             self._compiled = {}
+            self._shardings = None
+            if self.auto is not None:
+                self.strategy = self.auto  # a new model: choose again
+            # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
+            self._choose_layout(None, defer=stage in ("fit", "plan"))
+
+    def _choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
+        """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
+        candidate train steps for `abstract_batch` (None: from state bytes alone)."""
+        if self._shardings is not None:
+            return
+        if self.auto is not None:
+            def make_step(strategy):
+                return build_train_step(self._module, self._spec.graphdef, self._tx,
+                                        self.callbacks, strategy, frozen=self._spec.frozen)
+
+            chosen = self.auto.choose(self._spec.abstract_state, self._spec.logical_axes,
+                                      abstract_batch, make_step, defer=defer)
+            if chosen is None:
+                return  # decided with the first batch
+            self.strategy = chosen
+            self.compile_counts["auto"] = self.auto.choice.compiles
+            self.compile_times["auto"] = self.auto.choice.seconds
+        self._shardings = self.strategy.state_shardings(
+            self._spec.abstract_state, self._spec.logical_axes
+        )
+        warn = getattr(self.strategy, "warn_unused_rules", None)
+        if warn is not None:
+            warn(self._spec.logical_axes)
 
     def _count_compile(self, kind: str) -> None:
         self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
@@ -502,6 +528,7 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import resume_fit
 
+                self._choose_layout(None)  # restoring needs the layout before any batch
                 restored = resume_fit(self, module, ckpt_path)
             if restored is None:
                 self._global_step, self._epoch, self._batch_idx = 0, 0, 0
@@ -584,6 +611,7 @@ class Fit:
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
+        self._choose_layout(abstract_batch)
         self.strategy.check_batch(abstract_batch)
         reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
         self._reference_desc = _describe_batch(first)
