@@ -315,6 +315,16 @@ def write_train_records(config: DataConfig) -> RecordSource:
     return RecordSource(path)
 
 
+def _grain():
+    try:
+        import grain  # an extra of jaxlight (`jaxlight[grain]`); this recipe's loader needs it
+    except ImportError as e:
+        raise ConfigurationError(
+            "gpt recipe: --data.loader grain needs grain (and its ArrayRecord files): pip install "
+            "'jaxlight[grain]', or pass --data.loader memory.") from e
+    return grain
+
+
 def train_pipeline(config: DataConfig, source: RecordSource):
     """The grain pipeline of the training windows: this process's share, shuffled, reshuffled every
     pass, batched, endless (the run is bounded by `max_steps`).
@@ -324,8 +334,7 @@ def train_pipeline(config: DataConfig, source: RecordSource):
     not. The pipeline's iterator state (an index) goes into jaxlight's checkpoints, so a resumed run
     continues with the next batch.
     """
-    import grain  # an extra of jaxlight (`jaxlight[grain]`); this recipe's loader needs it
-
+    grain = _grain()
     processes = distributed.process_count()
     if config.batch_size % processes:
         raise ConfigurationError(
@@ -425,6 +434,7 @@ def build(config: Config | None = None, max_steps: int | None = None) -> tuple[G
                 "gpt recipe: the grain loader streams the training windows endlessly (reshuffled "
                 "every pass), so the run needs --max-steps; or pass --data.loader memory to count "
                 "epochs with --max-epochs.")
+        _grain()  # before writing records: ArrayRecord comes with grain
         source = write_train_records(d)
         train, train_bytes = train_pipeline(d, source), len(source) * (d.seq_len + 1)
         val = val_windows(d)
