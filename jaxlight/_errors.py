@@ -11,8 +11,16 @@ class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 
 
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """An argument of the wrong kind (so `except TypeError` also catches it)."""
+
+
 class DataError(JaxlightError, ValueError):
     """A batch or iterable that does not fit what the step was built for."""
+
+
+class DataTypeError(DataError, TypeError):
+    """A batch whose dtype the model cannot take (so `except TypeError` also catches it)."""
 
 
 class ShardingError(JaxlightError, ValueError):
@@ -29,6 +37,10 @@ class CheckpointError(JaxlightError, ValueError):
 
 class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
+
+
+class MissingDependency(JaxlightError, ModuleNotFoundError):
+    """An optional package a feature needs is not installed; the message names the extra."""
 
 
 class TrainingStopped(JaxlightError, RuntimeError):
