@@ -31,6 +31,10 @@ class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
 
 
+class PortingError(JaxlightError, TypeError):
+    """Lightning code jaxlight cannot run as written; the message names the jaxlight form."""
+
+
 class TrainingStopped(JaxlightError, RuntimeError):
     """Training was stopped by a guard (for example too many non-finite steps in a row)."""
 
