@@ -47,12 +47,6 @@ from jaxlight.data._prefetch import Prefetcher
 MAX_IN_FLIGHT = 2
 
 
-def _describe_batch(batch: Any) -> str:
-    parts = [f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))} {np.asarray(x).dtype}"
-             for p, x in jax.tree_util.tree_leaves_with_path(batch)]
-    return "{" + ", ".join(parts) + "}"
-
-
 def _len_or_none(data: Any) -> int | None:
     try:
         return len(data)
@@ -90,6 +84,24 @@ class StepOutput:
 
     def __getitem__(self, key):
         return self.metrics[key]
+
+
+
+def _check_batch_limit(name: str, value: Any, verb: str) -> None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
+    if value is None:
+        return
+    bad = (isinstance(value, bool) or not isinstance(value, int | float)
+           or (isinstance(value, int) and value < 1)
+           or (isinstance(value, float) and not 0.0 < value <= 1.0))
+    if bad:
+        skip = ("pass no validation data to skip validation" if "val" in name
+                else "set max_steps or max_epochs to train less")
+        raise ConfigurationError(
+            f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
+            f"int (batches per epoch), a float fraction of an epoch in (0, 1], or None for "
+            f"every batch; {skip}. (On the command line: --{name.replace('_', '-')}.)"
+        )
 
 
 class Fit:
@@ -172,6 +184,8 @@ class Fit:
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        _check_batch_limit("limit_train_batches", limit_train_batches, "train on")
+        _check_batch_limit("limit_val_batches", limit_val_batches, "validate on")
         if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:
             raise ConfigurationError(
                 f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "
@@ -561,16 +575,11 @@ class Fit:
             return max(1, int(per_epoch * v))
         return int(v)
 
-    def _check_batch(self, batch: Any, reference: tuple, index: int) -> None:
-        treedef, shapes = reference
-        if jax.tree.structure(batch) != treedef or [np.shape(x) for x in jax.tree.leaves(batch)] \
-                != shapes:
-            raise DataError(
-                f"batch {index} of epoch {self._epoch} has structure "
-                f"{_describe_batch(batch)}, but the step was compiled for "
-                f"{self._reference_desc}. Every training batch must have the same structure and "
-                "shapes (drop a last partial batch, for example ArrayLoader(drop_remainder=True))."
-            )
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+        _batch.check_same_signature(
+            batch, reference, f"training batch {index} of epoch {self._epoch}",
+            "Every training batch must have the same structure and shapes (drop a last partial "
+            "batch, for example ArrayLoader(drop_remainder=True)).")
 
     def _run_training(self, train_data: Iterable, val_data: Iterable | None) -> None:
         limit = self._limit(self.limit_train_batches, train_data)
@@ -587,8 +596,8 @@ class Fit:
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
-        reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
-        self._reference_desc = _describe_batch(first)
+        reference = _batch.batch_signature(
+            first, f"training batch {self._batch_idx} of epoch {self._epoch}")
         if self._state is None:
             self._state = self._init_state()
         compiled, batch_sh = self._compile_train_step(abstract_batch)
