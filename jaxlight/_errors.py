@@ -39,6 +39,10 @@ class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
 
 
+class PortingError(JaxlightError, TypeError):
+    """Lightning code jaxlight cannot run as written; the message names the jaxlight form."""
+
+
 class MissingDependency(JaxlightError, ModuleNotFoundError):
     """An optional package a feature needs is not installed; the message names the extra."""
 

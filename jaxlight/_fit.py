@@ -29,6 +29,7 @@ from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
 from jaxlight._module import TrainModule
+from jaxlight._porting import check_module
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
     build_eval_step,
@@ -398,6 +399,7 @@ class Fit:
             raise ConfigurationError(
                 f"Fit.{stage} takes a jaxlight.TrainModule, got {type(module).__name__}."
             )
+        check_module(module)  # Lightning habits that cannot run, refused before tracing
         self._module = module
         self._stage = stage
         if self.strategy.mesh is None:
