@@ -15,8 +15,16 @@ class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 
 
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """An argument of the wrong kind (so `except TypeError` also catches it)."""
+
+
 class DataError(JaxlightError, ValueError):
     """A batch or iterable that does not fit what the step was built for."""
+
+
+class DataTypeError(DataError, TypeError):
+    """A batch whose dtype the model cannot take (so `except TypeError` also catches it)."""
 
 
 class ShardingError(JaxlightError, ValueError):
@@ -33,6 +41,14 @@ class CheckpointError(JaxlightError, ValueError):
 
 class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
+
+
+class PortingError(JaxlightError, TypeError):
+    """Lightning code jaxlight cannot run as written; the message names the jaxlight form."""
+
+
+class MissingDependency(JaxlightError, ModuleNotFoundError):
+    """An optional package a feature needs is not installed; the message names the extra."""
 
 
 class TrainingStopped(JaxlightError, RuntimeError):

@@ -205,7 +205,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     if len(names) != x.ndim:
-        raise ValueError(f"constrain: {len(names)} names {tuple(names)} for a {x.ndim}-d array.")
+        raise ShardingError(f"constrain: {len(names)} names {tuple(names)} for a {x.ndim}-d array "
+                            f"of shape {x.shape}; give one logical name (or None) per dimension.")
     spec = logical_to_spec(mesh, rules, names, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -71,17 +71,21 @@ class Plan:
     collective_totals: dict[str, dict[str, Any]]
     rules: dict[str, str] = dataclasses.field(default_factory=dict)
     unmatched: tuple[str, ...] = ()
+    #: How `strategies.Auto` chose the layout (`AutoChoice`), when it did.
+    auto: Any = None
 
     def to_dict(self) -> dict:
         """A JSON-able dict of the plan."""
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, auto=None))
+        out["auto"] = None if self.auto is None else self.auto.to_dict()
         out["collectives"] = [dict(dataclasses.asdict(c), buffer_bytes=c.buffer_bytes,
                                    traffic_bytes=c.traffic_bytes) for c in self.collectives]
         return out
 
     def table(self) -> str:
         mesh = self.strategy.get("mesh", {})
-        lines = [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
+        lines = [self.auto.table(), ""] if self.auto is not None else []
+        lines += [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
         lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
                      f"{'per device':>11}  placed by")
         for p in self.params:
@@ -165,6 +169,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
 
     fit._setup(module, "plan")
     abstract_batch = _abstract_global_batch(example_batch)
+    fit._choose_layout(abstract_batch)
     strategy = fit.strategy
     strategy.check_batch(abstract_batch)
     prior = fit._compiled.pop("train", None)
@@ -203,6 +208,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
         collective_totals=summarize(found),
         rules=rules,
         unmatched=tuple(p.path for p in params if p.rule == "none"),
+        auto=None if fit.auto is None else fit.auto.choice,
     )
     if verbose and jax.process_index() == 0:
         print(result.table())
