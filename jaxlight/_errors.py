@@ -7,6 +7,10 @@ class JaxlightError(Exception):
     """Base class of every error jaxlight raises on purpose."""
 
 
+class JaxlightWarning(UserWarning):
+    """Base class of every warning jaxlight gives on purpose (filter them by this class)."""
+
+
 class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 
@@ -42,6 +46,10 @@ class CheckpointError(JaxlightError, ValueError):
 
 class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
+
+
+class PortingError(JaxlightError, TypeError):
+    """Lightning code jaxlight cannot run as written; the message names the jaxlight form."""
 
 
 class MissingDependency(JaxlightError, ModuleNotFoundError):

@@ -8,8 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import jaxlight as jl
-from jaxlight._cli import main
+from jaxlight._cli import main, run
 
 QUIET = ["--enable-progress-bar", "false", "--enable-model-summary", "false", "--logger", "none"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,3 +44,55 @@ def test_devices_into_a_closed_pipe_ends_without_a_traceback():
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
     assert proc.returncode == 141
+
+
+# -- values that would run and do nothing (item 8) -----------------------------------------------
+
+
+def test_limit_train_batches_zero_is_refused(capsys):
+    assert main(["fit", "digits", "--max-steps", "2", "--limit-train-batches", "0", *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert "limit_train_batches=0 would train on no batch" in err
+    assert "--limit-train-batches" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("kw", [{"limit_train_batches": 0}, {"limit_val_batches": 0},
+                                {"limit_train_batches": -2}, {"limit_val_batches": 1.5},
+                                {"limit_train_batches": 0.0}, {"limit_train_batches": "3"}])
+def test_fit_refuses_batch_limits_that_select_nothing(kw):
+    [(name, value)] = kw.items()
+    with pytest.raises(jl.ConfigurationError, match=rf"{name}={value!r} would"):
+        jl.Fit("single", max_steps=1, **kw)
+
+
+def test_checkpoint_every_zero_steps_is_refused(capsys):
+    assert main(["fit", "digits", "--max-steps", "2", "--checkpoint-every-n-steps", "0",
+                 *QUIET]) == 2
+    assert "--checkpoint-every-n-steps 0 would save no checkpoint" in capsys.readouterr().err
+    with pytest.raises(jl.ConfigurationError, match=r"every_n_steps=0"):
+        jl.callbacks.ModelCheckpoint("ckpt", every_n_steps=0)
+
+
+# -- validate without a checkpoint (item 9) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["validate", "test"])
+def test_evaluating_without_a_checkpoint_is_refused(command, capsys):
+    assert main([command, "digits", *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert f"jaxlight {command} digits without --ckpt-path would evaluate a randomly " \
+           "initialized model" in err
+    assert "--checkpoint-every-n-steps N" in err and "--ckpt-path none" in err
+    # With checkpoints under the default root, the message names the flag that finds them.
+    os.makedirs("jaxlight_logs/checkpoints")
+    assert main([command, "digits", *QUIET]) == 2
+    assert "pass --ckpt-path last (the newest checkpoint under jaxlight_logs/checkpoints)" \
+        in capsys.readouterr().err
+
+
+def test_evaluating_the_initialization_on_purpose(capsys):
+    result = run("validate", "digits", ["--ckpt-path", "none", "--model.width", "16",
+                                        "--model.hidden", "16", *QUIET])
+    assert "val_loss" in result.metrics
+    assert "warning: --ckpt-path none: validate evaluates the model as configure_model " \
+           "initializes it" in capsys.readouterr().out
