@@ -388,3 +388,19 @@ def test_mesh_axes_and_aliases_work_as_names():
         fit._setup(Classify(), "fit")
     assert tuple(fit._shardings.params["linear1"]["kernel"].spec) == (None, "tp")
     assert strategy.describe()["rules"][0] == [r"\['linear1'\]\['kernel'\]", [None, "tp"]]
+
+
+def test_auto_considers_tensor_parallelism_from_path_rules():
+    from jaxlight._state import model_spec
+    from jaxlight._step import build_optimizer
+
+    module = Classify()
+    spec = model_spec(module, build_optimizer(module, []), 0)
+
+    def layouts(auto):
+        return {c.layout for c in auto.candidates(spec.abstract_state, spec.logical_axes, 8)}
+
+    without = layouts(strategies.Auto())
+    assert not any("tp" in layout for layout in without)
+    assert layouts(strategies.Auto(rules=NNX)) - without == {
+        "data=4,tp=2", "data=2,tp=4", "tp=8", "fsdp=4,tp=2", "fsdp=2,tp=4", "data=2,fsdp=2,tp=2"}
