@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxlight._errors import StepOutputError
 from jaxlight._state import TrainState
+from jaxlight._user_step import call_user_step
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -36,10 +37,18 @@ def split_loss_output(out: Any, where: str) -> tuple[jax.Array, dict]:
     """Normalizes `loss` or `(loss, metrics)`; refuses anything else with what it got."""
     metrics: dict = {}
     if isinstance(out, tuple | list):
-        if len(out) != 2 or not isinstance(out[1], dict):
+        if len(out) != 2:
             raise StepOutputError(
                 f"{where} returned a {type(out).__name__} of length {len(out)}; return a scalar "
                 "loss or a pair (loss, {'metric': scalar, ...})."
+            )
+        if not isinstance(out[1], dict):
+            second = out[1]
+            kind = "array" if _is_array(second) else type(second).__name__
+            raise StepOutputError(
+                f"{where} returned (loss, {kind}): the second element must be a dict of scalar "
+                f"metrics, got {_describe_value(second)}. Name each metric, for example "
+                "return loss, {'accuracy': acc}; or return the loss alone."
             )
         out, metrics = out
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
@@ -56,6 +65,22 @@ def split_loss_output(out: Any, where: str) -> tuple[jax.Array, dict]:
         raise StepOutputError(f"{where} returned a loss of dtype {out.dtype}; it must be floating.")
     check_scalar_metrics(metrics, where)
     return out, metrics
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _describe_value(x: Any) -> str:
+    """'the float 3.0', 'a list of 1 element', 'an array of shape (4,) and dtype float32'."""
+    if _is_array(x):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, bool | int | float | complex | str):
+        return f"the {type(x).__name__} {x!r}"
+    if isinstance(x, tuple | list | set):
+        n = len(x)
+        return f"a {type(x).__name__} of {n} element{'s' if n != 1 else ''}"
+    return f"a {type(x).__name__}"
 
 
 def check_scalar_metrics(metrics: Any, where: str) -> None:
@@ -79,8 +104,9 @@ def check_scalar_metrics(metrics: Any, where: str) -> None:
 def make_loss_fn(module, graphdef) -> LossFn:
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
+        where = f"{type(module).__name__}.training_step"
         loss, metrics = split_loss_output(
-            module.training_step(model, batch), f"{type(module).__name__}.training_step"
+            call_user_step(module.training_step, where, model, batch), where
         )
         _, _, new_rest = nnx.split(model, module.trainable, ...)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
@@ -183,7 +209,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy) -> tuple[Calla
     def per_example(params, rest, example):
         model = nnx.merge(eval_graphdef, params, rest)
         one = jax.tree.map(lambda x: x[None], example)
-        out = user_fn(model, one)
+        out = call_user_step(user_fn, where, model, one)
         check_scalar_metrics(out, where)
         return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
@@ -204,6 +230,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy) -> tuple[Calla
 def build_predict_step(module, eval_graphdef) -> Callable:
     def predict_step(state: TrainState, batch):
         model = nnx.merge(eval_graphdef, state.params, state.rest)
-        return module.predict_step(model, batch)
+        return call_user_step(module.predict_step, f"{type(module).__name__}.predict_step",
+                              model, batch)
 
     return predict_step

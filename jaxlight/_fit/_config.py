@@ -14,6 +14,23 @@ from typing import Any
 from jaxlight._errors import ConfigurationError
 
 
+def _check_batch_limit(name: str, value: Any, verb: str) -> None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
+    if value is None:
+        return
+    bad = (isinstance(value, bool) or not isinstance(value, int | float)
+           or (isinstance(value, int) and value < 1)
+           or (isinstance(value, float) and not 0.0 < value <= 1.0))
+    if bad:
+        skip = ("pass no validation data to skip validation" if "val" in name
+                else "set max_steps or max_epochs to train less")
+        raise ConfigurationError(
+            f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
+            f"int (batches per epoch), a float fraction of an epoch in (0, 1], or None for "
+            f"every batch; {skip}. (On the command line: --{name.replace('_', '-')}.)"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
     """Validated `Fit` settings (see `Fit`'s docstring for each field's meaning)."""
@@ -76,6 +93,8 @@ class FitConfig:
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        _check_batch_limit("limit_train_batches", limit_train_batches, "train on")
+        _check_batch_limit("limit_val_batches", limit_val_batches, "validate on")
         if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:
             raise ConfigurationError(
                 f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "

@@ -21,6 +21,7 @@ from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session
 from jaxlight._state import TrainState
+from jaxlight._user_step import tracing_for
 from jaxlight.data._convert import check_iterable, numpy_batches
 
 
@@ -62,7 +63,8 @@ class Evaluator:
         call = self.hooks
         call("on_validation_start")
         call("on_validation_epoch_start")
-        metrics = self.evaluate(val_data, "validation_step", "val", self.config.limit_val_batches)
+        metrics = self.evaluate(val_data, "validation_step", "val", self.config.limit_val_batches,
+                                f"validation at step {self.position.global_step}", "val_data")
         self.log.callback_metrics.update(metrics)
         self.log.log(metrics, self.position.global_step)
         call("on_validation_epoch_end")
@@ -79,8 +81,12 @@ class Evaluator:
         session.state = session.init_state()
         return session.state
 
-    def evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
-        """Exact means of `method`'s metrics over `data`, keys prefixed with `prefix`."""
+    def evaluate(self, data: Iterable, method: str, prefix: str, limit_arg,
+                 occasion: str = "", data_name: str = "the data") -> dict[str, float]:
+        """Exact means of `method`'s metrics over `data`, keys prefixed with `prefix`.
+
+        `occasion` and `data_name` name the batch in errors raised while tracing the step.
+        """
         session = self.session
         limit = batch_limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
@@ -97,8 +103,11 @@ class Evaluator:
             size = session.eval_size(method, local)
             batch, mask = pad_batch(batch, size, prefix)
             if compiled is None:
-                compiled, batch_sh, mask_sh, totals = session.compile_eval_step(method, batch,
-                                                                                state)
+                what = "validation" if prefix == "val" else prefix
+                with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
+                                 data_name, batch):
+                    compiled, batch_sh, mask_sh, totals = session.compile_eval_step(
+                        method, batch, state)
             device_batch = session.strategy.put_batch(batch, batch_sh)
             device_mask = session.strategy.put_batch(mask, mask_sh)
             totals = compiled(state, device_batch, device_mask, totals)
@@ -124,7 +133,8 @@ class Evaluator:
             size = session.eval_size("predict", local)
             batch, _ = pad_batch(batch, size, "predict")
             if compiled is None:
-                compiled, batch_sh = session.compile_predict_step(batch, state)
+                with tracing_for("predict batch 0", "the data passed to Fit.predict", batch):
+                    compiled, batch_sh = session.compile_predict_step(batch, state)
             out = compiled(state, session.strategy.put_batch(batch, batch_sh))
             if jax.process_count() > 1:
                 # Process p's rows sit at [p * size, p * size + its count) of the output.

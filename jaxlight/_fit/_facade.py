@@ -29,6 +29,7 @@ from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._module import TrainModule
+from jaxlight._porting import check_module
 from jaxlight._state import TrainState
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._feed import TrainFeed
@@ -97,7 +98,7 @@ class Fit:
         _distributed.initialize()
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
-        self.strategy = _strategies.resolve(strategy)
+        resolved = _strategies.resolve(strategy)
         self._config = FitConfig.create(
             max_steps=max_steps, max_epochs=max_epochs, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -112,8 +113,8 @@ class Fit:
         )
         self.callbacks: list[Callback] = assemble_callbacks(list(callbacks), self._config)
         #: The settings loggers record as the run's config.
-        self.config = self._config.summary(self.strategy.name)
-        self._session = Session(self.strategy, self.callbacks, self._config.seed)
+        self.config = self._config.summary(resolved.name)
+        self._session = Session(resolved, self.callbacks, self._config.seed)
         self._position = LoopState()
         self._call = Hooks(self, self.callbacks)
         self._log = MetricLog(self._call)
@@ -144,6 +145,17 @@ class Fit:
     prefetch_batches = property(lambda self: self._config.prefetch_batches)
 
     # -- read-only loop state for callbacks ------------------------------------------------------
+
+    @property
+    def strategy(self) -> _strategies.Strategy:
+        """The strategy in use (under `strategies.Auto`, the chosen one once it has chosen)."""
+        return self._session.strategy
+
+    @property
+    def auto(self):
+        """The `strategies.Auto` choosing this fit's layout (None: a fixed strategy). Once it
+        has chosen, `strategy` is the chosen one and `auto.choice` the candidate table."""
+        return self._session.auto
 
     @property
     def session(self) -> Session:
@@ -266,9 +278,10 @@ class Fit:
             raise ConfigurationError(
                 f"Fit.{stage} takes a jaxlight.TrainModule, got {type(module).__name__}."
             )
+        check_module(module)  # Lightning habits that cannot run, refused before tracing
         self._stage = stage
         self._call.module = module
-        self._session.setup(module)
+        self._session.setup(module, stage)
 
     def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
         """Compiles the training step for `example_batch` without running it; reports costs.
@@ -306,6 +319,7 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import resume_fit
 
+                self._session.choose_layout(None)  # restoring needs the layout before any batch
                 restored = resume_fit(self, module, ckpt_path)
             if restored is None:
                 self._position.move_to(0, 0, 0)
@@ -350,7 +364,8 @@ class Fit:
             start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
                           else ("on_test_start", "on_test_end"))
             self._call(start)
-            metrics = self._evaluator.evaluate(data, method, prefix, limit)
+            metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
+                                               f"the data passed to Fit.{stage}")
             self._log.callback_metrics.update(metrics)
             self.log_metrics(metrics, self._position.global_step)
             self._call(end)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxlight import _batch
 from jaxlight import distributed as _distributed
+from jaxlight import strategies as _strategies
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
@@ -54,7 +55,11 @@ class Session:
     """
 
     def __init__(self, strategy, callbacks, seed: int):
+        #: The strategy in use; under `strategies.Auto`, the chosen one once it has chosen.
         self.strategy = strategy
+        #: The `strategies.Auto` choosing the layout (None: a fixed strategy). Once it has
+        #: chosen, `strategy` is the chosen one and `auto.choice` the candidate table.
+        self.auto = strategy if isinstance(strategy, _strategies.Auto) else None
         self.callbacks = callbacks
         self.seed = seed
         #: The module set up last (None before the first `setup`).
@@ -75,10 +80,12 @@ class Session:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def setup(self, module: TrainModule) -> None:
+    def setup(self, module: TrainModule, stage: str = "fit") -> None:
         """Builds the mesh (once), then the spec, optimizer and shardings for `module`.
 
         A different module than the last one rebuilds them and forgets the compiled steps.
+        Under `strategies.Auto`, `fit` and `plan` (`stage`) may leave the layout to
+        `choose_layout` with their first batch.
         """
         self.module = module
         if self.strategy.mesh is None:
@@ -89,13 +96,36 @@ class Session:
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
-            self._shardings = self.strategy.state_shardings(
-                self._spec.abstract_state, self._spec.logical_axes
-            )
-            warn = getattr(self.strategy, "warn_unused_rules", None)
-            if warn is not None:
-                warn(self._spec.logical_axes)
             self._compiled = {}
+            self._shardings = None
+            if self.auto is not None:
+                self.strategy = self.auto  # a new model: choose again
+            # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
+            self.choose_layout(None, defer=stage in ("fit", "plan"))
+
+    def choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
+        """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
+        candidate train steps for `abstract_batch` (None: from state bytes alone)."""
+        if self._shardings is not None:
+            return
+        if self.auto is not None:
+            def make_step(strategy):
+                return build_train_step(self.module, self._spec.graphdef, self._tx,
+                                        self.callbacks, strategy, frozen=self._spec.frozen)
+
+            chosen = self.auto.choose(self._spec.abstract_state, self._spec.logical_axes,
+                                      abstract_batch, make_step, defer=defer)
+            if chosen is None:
+                return  # decided with the first batch
+            self.strategy = chosen
+            self.compile_counts["auto"] = self.auto.choice.compiles
+            self.compile_times["auto"] = self.auto.choice.seconds
+        self._shardings = self.strategy.state_shardings(
+            self._spec.abstract_state, self._spec.logical_axes
+        )
+        warn = getattr(self.strategy, "warn_unused_rules", None)
+        if warn is not None:
+            warn(self._spec.logical_axes)
 
     @property
     def spec(self):

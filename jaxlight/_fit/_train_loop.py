@@ -18,7 +18,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxlight import _batch
 from jaxlight._errors import DataError, TrainingStopped
@@ -27,17 +26,12 @@ from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
+from jaxlight._user_step import tracing_for
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher
 
 #: Steps dispatched to the device that the host has not waited for, at most (module docstring).
 MAX_IN_FLIGHT = 2
-
-
-def describe_batch(batch: Any) -> str:
-    parts = [f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))} {np.asarray(x).dtype}"
-             for p, x in jax.tree_util.tree_leaves_with_path(batch)]
-    return "{" + ", ".join(parts) + "}"
 
 
 def _len_or_none(data: Any) -> int | None:
@@ -80,7 +74,6 @@ class TrainLoop:
         self.log = log
         self.evaluator = evaluator
         self.feed = feed
-        self._reference_desc = ""
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -112,16 +105,11 @@ class TrainLoop:
             budget = left if budget is None else min(budget, left)
         return self.feed.epoch(pos.epoch, pos.batch_idx, budget)
 
-    def _check_batch(self, batch: Any, reference: tuple, index: int) -> None:
-        treedef, shapes = reference
-        if jax.tree.structure(batch) != treedef or [np.shape(x) for x in jax.tree.leaves(batch)] \
-                != shapes:
-            raise DataError(
-                f"batch {index} of epoch {self.position.epoch} has structure "
-                f"{describe_batch(batch)}, but the step was compiled for "
-                f"{self._reference_desc}. Every training batch must have the same structure and "
-                "shapes (drop a last partial batch, for example ArrayLoader(drop_remainder=True))."
-            )
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+        _batch.check_same_signature(
+            batch, reference, f"training batch {index} of epoch {self.position.epoch}",
+            "Every training batch must have the same structure and shapes (drop a last partial "
+            "batch, for example ArrayLoader(drop_remainder=True)).")
 
     # -- metrics -------------------------------------------------------------------------------
 
@@ -161,12 +149,15 @@ class TrainLoop:
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = abstract_global_batch(first)
+        first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
+        with tracing_for(first_name, "train_data", first):
+            session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)
-        reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
-        self._reference_desc = describe_batch(first)
+        reference = _batch.batch_signature(first, first_name)
         if session.state is None:
             session.state = session.init_state()
-        compiled, batch_sh = session.compile_train_step(abstract_batch)
+        with tracing_for(first_name, "train_data", first):
+            compiled, batch_sh = session.compile_train_step(abstract_batch)
         call("on_train_start")
 
         def put(batch):
