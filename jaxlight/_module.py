@@ -9,6 +9,8 @@ import optax
 from flax import nnx
 
 from jaxlight import _hparams
+from jaxlight._errors import PortingError
+from jaxlight._porting import GUIDE
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -111,6 +113,14 @@ class TrainModule:
     @model.setter
     def model(self, value: nnx.Module) -> None:
         object.__setattr__(self, "_model", value)
+
+    def __call__(self, *args, **kwargs):
+        # Lightning's self(x) runs forward; here the model is the step's argument. Setup finds
+        # self(x) in the step's source (jaxlight._porting); this catches it where no source is.
+        raise PortingError(
+            f"{type(self).__name__}(...) was called, Lightning's self(x); a TrainModule holds no "
+            f"model: call the model the step receives, model(x). See {GUIDE}."
+        )
 
     # -- what a user implements -------------------------------------------------------------
 
