@@ -14,6 +14,9 @@
 `"auto"` (Fit's default) is `Auto()`: SingleDevice on one device; DataParallel, without
 compiling anything, when the model's parameters, optimizer state and batch take at most 1% of a
 device's memory; otherwise the search described in `Auto` (docs/strategies.md).
+
+`strategies.rules` holds ready-made path rules for stock Flax NNX layers
+(`rules=strategies.rules.NNX`), so models without annotations shard by parameter name.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.strategies import rules
 from jaxlight.strategies._auto import DEVICE_TABLE, Auto, AutoChoice, DeviceSpec
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._ddp import DDP
@@ -52,6 +56,7 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "resolve",
+    "rules",
 ]
 
 

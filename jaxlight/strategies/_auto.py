@@ -48,6 +48,7 @@ from jaxlight._hlo import collectives
 from jaxlight._layout import axes_of
 from jaxlight.distributed._agreement import agree_max
 from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._paths import place
 from jaxlight.strategies._rules import DEFAULT_RULES, normalize_rules
 from jaxlight.strategies._spmd import FSDP, DataParallel, Hybrid, SingleDevice
 
@@ -419,12 +420,13 @@ class Auto(Strategy):
     def candidates(self, abstract_state, logical_axes, num_devices: int) -> list[Candidate]:
         """Every layout of `num_devices` the model's annotations allow, least sharded first."""
         rules = self.rules + DEFAULT_RULES
-        names = {n for t in jax.tree.leaves(logical_axes.params,
-                                            is_leaf=lambda x: isinstance(x, tuple))
-                 if isinstance(t, tuple) for n in t if n is not None}
+        # Logical names from annotations and from path rules (rules=strategies.rules.NNX).
+        names = {n for p in place(rules, abstract_state, logical_axes).arrays
+                 if p.collection == "params" and p.logical for n in p.logical if n is not None}
         first = {}
         for name, target in rules:
-            first.setdefault(name, axes_of(target))
+            if isinstance(name, str):
+                first.setdefault(name, axes_of(target))
         tp_ok = any("tp" in first.get(n, ()) for n in names)
         layers = _stacked_layers(abstract_state.params, logical_axes.params)
         out: list[Candidate] = []
