@@ -13,6 +13,7 @@ from jaxlight._errors import (
     ShardingError,
     StepOutputError,
     TrainingStopped,
+    UserStepError,
 )
 from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
@@ -35,6 +36,7 @@ __all__ = [
     "TrainModule",
     "TrainState",
     "TrainingStopped",
+    "UserStepError",
     "callbacks",
     "data",
     "distributed",

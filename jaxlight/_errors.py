@@ -35,6 +35,11 @@ class StepOutputError(JaxlightError, TypeError):
     """A user step function that returned something jaxlight cannot use."""
 
 
+class UserStepError(JaxlightError, RuntimeError):
+    """A user step function (`training_step`, `validation_step`, ...) raised while it was traced;
+    the message names the step, the data and the batch, and `__cause__` is the original error."""
+
+
 class CheckpointError(JaxlightError, ValueError):
     """A checkpoint that cannot be found, read or matched to the module."""
 

@@ -38,6 +38,7 @@ from jaxlight._step import (
     build_predict_step,
     build_train_step,
 )
+from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._convert import check_iterable, numpy_batches
 from jaxlight.data._feed import TrainFeed
@@ -622,13 +623,15 @@ class Fit:
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
-        self._choose_layout(abstract_batch)
+        first_name = f"training batch {self._batch_idx} of epoch {self._epoch}"
+        with tracing_for(first_name, "train_data", first):
+            self._choose_layout(abstract_batch)
         self.strategy.check_batch(abstract_batch)
-        reference = _batch.batch_signature(
-            first, f"training batch {self._batch_idx} of epoch {self._epoch}")
+        reference = _batch.batch_signature(first, first_name)
         if self._state is None:
             self._state = self._init_state()
-        compiled, batch_sh = self._compile_train_step(abstract_batch)
+        with tracing_for(first_name, "train_data", first):
+            compiled, batch_sh = self._compile_train_step(abstract_batch)
         self._call("on_train_start")
 
         def put(batch):
@@ -739,7 +742,8 @@ class Fit:
     def _run_validation(self, val_data: Iterable) -> dict[str, float]:
         self._call("on_validation_start")
         self._call("on_validation_epoch_start")
-        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
+        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches,
+                                 f"validation at step {self._global_step}", "val_data")
         self.callback_metrics.update(metrics)
         self.log_metrics(metrics, self._global_step)
         self._call("on_validation_epoch_end")
@@ -774,7 +778,8 @@ class Fit:
         self._state = self._init_state()
         return self._state
 
-    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
+    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg,
+                  occasion: str = "", data_name: str = "the data") -> dict[str, float]:
         limit = self._limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
             data.set_epoch(0)  # every evaluation reads the data from its start, in one order
@@ -790,7 +795,10 @@ class Fit:
             size = self._eval_size(method, local)
             batch, mask = self._pad(batch, size, prefix)
             if compiled is None:
-                compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
+                what = "validation" if prefix == "val" else prefix
+                with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
+                                 data_name, batch):
+                    compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
             device_batch = self.strategy.put_batch(batch, batch_sh)
             device_mask = self.strategy.put_batch(mask, mask_sh)
             totals = compiled(state, device_batch, device_mask, totals)
@@ -865,7 +873,8 @@ class Fit:
             start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
                           else ("on_test_start", "on_test_end"))
             self._call(start)
-            metrics = self._evaluate(data, method, prefix, limit)
+            metrics = self._evaluate(data, method, prefix, limit, f"Fit.{stage}",
+                                     f"the data passed to Fit.{stage}")
             self.callback_metrics.update(metrics)
             self.log_metrics(metrics, self._global_step)
             self._call(end)
@@ -902,7 +911,8 @@ class Fit:
                     _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
-                    with self._compiling("predict"):
+                    with self._compiling("predict"), tracing_for(
+                            "predict batch 0", "the data passed to Fit.predict", batch):
                         compiled = self.strategy.compile(
                             build_predict_step(module, self._spec.eval_graphdef),
                             (abstract_state, abstract_batch),
