@@ -132,13 +132,12 @@ def main() -> None:
         # Restore cost: resume the async run's last checkpoint for one more step.
         fit = jl.Fit(make_strategy(), max_steps=args.steps + 1, enable_progress_bar=False,
                      enable_model_summary=False, logger=False)
-        from jaxlight._checkpoint import resume_fit
+        from jaxlight._checkpoint import restore_training
 
-        fit._setup(Module(args.width, args.layers), "fit")
-        fit._train_data = jl.data.ArrayLoader(data, args.batch)
+        fit.session.setup(Module(args.width, args.layers))
         start = time.perf_counter()
-        resume_fit(fit, fit._module, os.path.join(root, "async"))
-        jax.block_until_ready(fit.state)
+        restored = restore_training(fit.session, os.path.join(root, "async"))
+        jax.block_until_ready(restored.state)
         report["restore_seconds"] = round(time.perf_counter() - start, 3)
         write_result("checkpoint", report, args.out)
     finally:

@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import setup_devices, write_result  # noqa: E402
@@ -28,6 +29,18 @@ from benchmarks._common import setup_devices, write_result  # noqa: E402
 def _du(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f))
                for root, _, files in os.walk(path) for f in files)
+
+
+class _WithSpec:
+    """`fit` as `CheckpointWriter.save` sees it, with the session's spec replaced: the
+    "with_base" variant saves with no frozen mask, so it writes `rest` whole, as before."""
+
+    def __init__(self, fit, spec):
+        self._fit = fit
+        self.session = types.SimpleNamespace(spec=spec)
+
+    def __getattr__(self, name):
+        return getattr(self._fit, name)
 
 
 def main() -> None:
@@ -71,19 +84,19 @@ def main() -> None:
     adapters = nbytes(nnx.state(module.model, nnx.LoRAParam))
     base = nbytes(nnx.state(module.model, nnx.Not(nnx.LoRAParam)))
     root = tempfile.mkdtemp(prefix="lora_ckpt_")
-    spec = fit._spec
+    spec = fit.session.spec
     report = {"strategy": args.strategy, "devices": args.devices, "model": model,
               "lora_rank": args.rank, "adapter_params_bytes": adapters, "base_params_bytes": base}
     try:
         for variant, frozen in (("adapters_only", spec.frozen), ("with_base", None)):
             # with_base: the save sees no frozen mask, so it writes `rest` whole, as before.
-            fit._spec = dataclasses.replace(spec, frozen=frozen)
+            saver = _WithSpec(fit, dataclasses.replace(spec, frozen=frozen))
             saves, restores, loads = [], [], []
             for i in range(args.repeats):
                 path = os.path.join(root, f"{variant}_{i}")
                 writer = CheckpointWriter(path, async_save=False)
                 start = time.perf_counter()
-                writer.save(fit, module)
+                writer.save(saver, module)
                 writer.wait()
                 saves.append(time.perf_counter() - start)
                 writer.close()
@@ -105,7 +118,6 @@ def main() -> None:
                 **({"load_checkpoint_seconds": min(loads)} if loads else {}),
             }
     finally:
-        fit._spec = spec
         shutil.rmtree(root, ignore_errors=True)
     report["bytes_ratio_with_base_over_adapters_only"] = (
         report["with_base"]["state_dir_bytes"] / report["adapters_only"]["state_dir_bytes"])

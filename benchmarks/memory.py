@@ -43,7 +43,8 @@ def main(argv=None):
         fit = quiet_fit(strategy_from_name(name))
         batch = token_batch(args.batch, args.length, 512)
         plan = fit.plan(module, batch, verbose=False)
-        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(fit._spec.abstract_state.params))
+        abstract_params = fit.session.spec.abstract_state.params
+        n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
         replicated_small = sum(p.bytes for p in plan.params if p.bytes_per_device == p.bytes)
         n = jax.device_count()
         state_per_device = plan.param_bytes_per_device + plan.opt_state_bytes_per_device

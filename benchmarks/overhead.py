@@ -89,8 +89,8 @@ def run_one(args) -> dict:
         params = nnx.to_pure_dict(params)
         tx = module.configure_optimizers()
         mesh = fit.strategy.mesh
-        param_sh = fit._shardings.params
-        opt_sh = fit._shardings.opt_state
+        param_sh = fit.session.shardings.params
+        opt_sh = fit.session.shardings.opt_state
         batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
             if args.devices > 1 else PartitionSpec()
         batch_sh = NamedSharding(mesh, batch_spec)

@@ -137,15 +137,15 @@ def memory(fit, stages) -> dict:
 
 def _time_steps(fit, batch, steps) -> list[float]:
     """Seconds per step of the compiled train step, one step in flight (exact timings)."""
-    compiled, _ = fit._compiled["train"]
-    state = fit._state
+    compiled = fit.compiled_train_step
+    state = fit.session.state
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
-    fit._state = state  # the previous state was donated
+    fit.session.state = state  # the previous state was donated
     return times
 
 
@@ -156,8 +156,8 @@ def schedule(args) -> dict:
     for m in args.microbatches:
         strategy = strategies.GPipe(p, m, devices=devices)
         fit, _, _, data = _fit(args, strategy, 1, args.timing_batch)
-        fits[m] = (fit, fit.strategy.put_batch(data[0], fit._compiled["train"][1]))
-        stats = schedule_stats(fit._compiled["train"][0].as_text())
+        fits[m] = (fit, fit.strategy.put_batch(data[0], fit.session.train_batch_shardings))
+        stats = schedule_stats(fit.compiled_train_step.as_text())
         b = args.timing_batch // m
         expected = 2 * (m + p - 1) * b * args.seq * args.embed * 4
         rows.append({
@@ -201,7 +201,7 @@ def schedule(args) -> dict:
 def permute_bytes_8_devices(args) -> dict:
     """GPipe(4, 8) on 8 devices (data 2): per-device permute bytes with b per data shard."""
     fit, _, _, _ = _fit(args, strategies.GPipe(4, 8), 1, args.batch)
-    stats = schedule_stats(fit._compiled["train"][0].as_text())
+    stats = schedule_stats(fit.compiled_train_step.as_text())
     p, m, dp = 4, 8, 2
     b = args.batch // (m * dp)
     expected = 2 * (m + p - 1) * b * args.seq * args.embed * 4
@@ -218,7 +218,7 @@ def remat(args) -> dict:
     out = {}
     for flag in (False, True):
         fit, _, _, _ = _fit(args, strategies.GPipe(4, 8, remat=flag), 1, args.batch)
-        mem = fit._compiled["train"][0].memory_analysis()
+        mem = fit.compiled_train_step.memory_analysis()
         out[f"remat={flag}"] = {"temp_bytes_per_device": int(mem.temp_size_in_bytes)}
     return out
 

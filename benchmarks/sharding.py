@@ -35,7 +35,7 @@ def replicated_bytes(fit) -> int:
     import jax
     import numpy as np
 
-    abstract, shardings = fit._spec.abstract_state, fit._shardings
+    abstract, shardings = fit.session.spec.abstract_state, fit.session.shardings
     total = 0
     for leaf, sharding in zip(jax.tree.leaves((abstract.params, abstract.opt_state)),
                               jax.tree.leaves((shardings.params, shardings.opt_state)),

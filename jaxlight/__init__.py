@@ -18,8 +18,7 @@ from jaxlight._errors import (
 from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState
-
-__version__ = "0.1.0"
+from jaxlight._version import __version__ as __version__
 
 __all__ = [
     "CheckpointError",

@@ -25,6 +25,9 @@ import os
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as cc
+
+from jaxlight._errors import ConfigurationError
 
 #: Environment variable that moves (a path) or disables (`0`, `off`, `false`, `no`) the cache.
 ENV = "JAXLIGHT_COMPILATION_CACHE"
@@ -77,8 +80,6 @@ def configure(setting: Any = None) -> str | None:
     Cheap when nothing changes. Refuses (ConfigurationError) a directory it cannot create.
     """
     global _configured
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     target = resolve(setting)
     current = jax.config.jax_compilation_cache_dir
     enabled = jax.config.jax_enable_compilation_cache
@@ -93,8 +94,6 @@ def configure(setting: Any = None) -> str | None:
     try:
         os.makedirs(target, mode=0o700, exist_ok=True)
     except OSError as e:
-        from jaxlight._errors import ConfigurationError
-
         raise ConfigurationError(
             f"cannot create the compilation cache directory {target!r} ({e.strerror}); pass "
             f"another directory with Fit(compilation_cache=PATH) or --compilation-cache PATH, "

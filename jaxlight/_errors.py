@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 
 class JaxlightError(Exception):
     """Base class of every error jaxlight raises on purpose."""
@@ -62,7 +64,5 @@ class TrainingStopped(JaxlightError, RuntimeError):
 
 def suggest(name: str, options) -> str:
     """Returns ' Did you mean X?' for the closest option, or ''."""
-    import difflib
-
     match = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
     return f" Did you mean {match[0]!r}?" if match else ""

@@ -33,6 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from jaxlight._errors import ConfigurationError
+from jaxlight.distributed import check_port_free
 
 __all__ = ["child_env", "free_port", "main"]
 
@@ -211,8 +212,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = [sys.executable, "-m", "jaxlight._cli", *command[1:]]
     port = args.port if args.port is not None else free_port()
     if args.node_rank == 0:
-        from jaxlight.distributed import check_port_free
-
         check_port_free(port, f"coordinator port {port} (--port)")
 
     lock = threading.Lock()

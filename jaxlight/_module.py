@@ -8,7 +8,7 @@ from typing import Any
 import optax
 from flax import nnx
 
-from jaxlight import _hparams
+from jaxlight import _checkpoint, _hparams
 from jaxlight._errors import PortingError
 from jaxlight._porting import GUIDE
 
@@ -91,8 +91,6 @@ class TrainModule:
             >>> module = Classifier.load_from_checkpoint("checkpoints/100")  # doctest: +SKIP
             >>> logits = module.model(x)  # doctest: +SKIP
         """
-        from jaxlight import _checkpoint
-
         step_dir = _checkpoint.resolve_checkpoint(None, path)
         if step_dir is None:
             raise _checkpoint.CheckpointError(f"{path!r}: no checkpoint has been saved there yet.")

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxlight._hlo import KINDS, Collective, collectives, summarize
+from jaxlight.strategies._ddp import DDP
 
 
 def _fmt_bytes(n: float) -> str:
@@ -114,8 +115,6 @@ class Plan:
 
 
 def _spec_text(strategy, sharding) -> str:
-    from jaxlight.strategies._ddp import DDP
-
     if isinstance(strategy, DDP):
         return "replicated (pmap)"
     spec = tuple(getattr(sharding, "spec", ()))

@@ -28,7 +28,11 @@ from typing import Any
 
 import jax
 
+from jaxlight import distributed
+from jaxlight._ckpt_paths import default_dirpath
+from jaxlight._ckpt_writer import CheckpointWriter
 from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._checkpoint import ModelCheckpoint
 
 #: The signals treated as a preemption notice.
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None))
@@ -50,9 +54,10 @@ class Preempted(SystemExit):
 
 def _sync_manager() -> Any:
     try:
-        from jax._src import distributed
+        # JAX's private module, looked up only when needed: it may move between JAX versions.
+        from jax._src import distributed as jax_distributed
 
-        return distributed.global_state.preemption_sync_manager
+        return jax_distributed.global_state.preemption_sync_manager
     except Exception:  # noqa: BLE001 - private API moved: use the fallback
         return None
 
@@ -101,8 +106,6 @@ class PreemptionHandler(Callback):
     def _triggered(self, fit) -> bool:
         if jax.process_count() == 1:
             return self.signum is not None
-        from jaxlight import distributed
-
         if self._use_sync_manager:
             if distributed.reached_preemption_sync_point(fit.global_step):
                 self.signum = self.signum or signal.SIGTERM
@@ -120,8 +123,6 @@ class PreemptionHandler(Callback):
     def on_train_batch_end(self, fit, module, outputs, batch, batch_idx: int) -> None:
         if not self._triggered(fit):
             return
-        from jaxlight._checkpoint import save_on_preemption
-
         path = save_on_preemption(fit, module)
         name = signal.Signals(self.signum).name
         message = (
@@ -134,3 +135,19 @@ class PreemptionHandler(Callback):
             print(message, file=sys.stderr, flush=True)
         fit.request_stop(f"preempted by {name}")
         raise Preempted(self.signum, message, path)
+
+
+def save_on_preemption(fit, module) -> str:
+    """Saves the current state (through the first ModelCheckpoint, or under
+    `<default_root_dir>/checkpoints`) and waits for the commit; returns the step directory."""
+    for cb in fit.callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            return cb.save_now(fit, module, wait=True, pin=True)
+    writer = CheckpointWriter(default_dirpath(fit), save_top_k=1, save_last=True,
+                              async_save=False)
+    try:
+        writer.save(fit, module)
+        writer.wait()
+    finally:
+        writer.close()
+    return writer.step_dir(fit.global_step)

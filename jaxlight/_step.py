@@ -24,9 +24,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlight import _frozen
 from jaxlight._errors import StepOutputError
 from jaxlight._state import TrainState
 from jaxlight._user_step import call_user_step
+from jaxlight.callbacks._base import Callback
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -124,8 +126,6 @@ def build_train_step(
     `tx` is the final optimizer (after `transform_optimizer`, see `build_optimizer`).
     `frozen` is `ModelSpec.frozen` (the untrained `nnx.Param` leaves of `rest`).
     """
-    from jaxlight import _frozen
-
     for cb in callbacks:
         cb.setup_step(strategy)
     loss_fn = make_loss_fn(module, graphdef)
@@ -167,8 +167,6 @@ def build_train_step(
 
 def build_params_transform(callbacks: Sequence) -> Callable | None:
     """The callbacks' `transform_params` chained in order, or None when none overrides it."""
-    from jaxlight.callbacks._base import Callback
-
     active = [cb for cb in callbacks
               if type(cb).transform_params is not Callback.transform_params]
     if not active:

@@ -20,12 +20,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from jaxlight._ckpt_format import normalized, ocp
 from jaxlight._errors import CheckpointError
 
 #: The checkpoint item holding the digests (`<step>/checksums/metadata`, plain JSON).
@@ -36,13 +39,6 @@ ALGORITHM = "jaxlight-mix32x2-v1"
 class DamagedCheckpoint(CheckpointError):
     """A checkpoint whose files cannot be read back as they were written (flipped bytes,
     truncated or missing files, an unreadable record)."""
-
-
-def _ocp():
-    # orbax pulls in tensorstore; import it only when checkpoints are used.
-    import orbax.checkpoint as ocp
-
-    return ocp
 
 
 # -- the digest ----------------------------------------------------------------------------------
@@ -93,10 +89,8 @@ def _digests(leaves: list) -> jax.Array:
 
 
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
-    from jaxlight._checkpoint import _normalized
-
     leaves = jax.tree_util.tree_flatten_with_path(
-        _normalized(tree), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+        normalized(tree), is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
     return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
 
 
@@ -105,8 +99,6 @@ def _to_host(x: jax.Array) -> np.ndarray:
         return np.asarray(x)
     if x.is_fully_replicated:  # a reduction's result: every process holds all of it
         return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x))
 
 
@@ -134,9 +126,9 @@ def start_digests(tree: Any) -> PendingDigests:
 
 
 def _handler_class():
-    ocp = _ocp()
+    orbax = ocp()
 
-    class ChecksumHandler(ocp.JsonCheckpointHandler):
+    class ChecksumHandler(orbax.JsonCheckpointHandler):
         """orbax's JSON item, but its value is a `PendingDigests`: the writer thread (where
         orbax runs `_save_fn`) waits for the device result and writes plain JSON."""
 
@@ -144,14 +136,14 @@ def _handler_class():
             record = x.record() if isinstance(x, PendingDigests) else x
             await super()._save_fn(record, directory)
 
-    @ocp.args.register_with_handler(ChecksumHandler, for_save=True)
+    @orbax.args.register_with_handler(ChecksumHandler, for_save=True)
     @dataclasses.dataclass
-    class ChecksumSave(ocp.args.CheckpointArgs):
+    class ChecksumSave(orbax.args.CheckpointArgs):
         item: Any
 
-    @ocp.args.register_with_handler(ChecksumHandler, for_restore=True)
+    @orbax.args.register_with_handler(ChecksumHandler, for_restore=True)
     @dataclasses.dataclass
-    class ChecksumRestore(ocp.args.CheckpointArgs):  # orbax wants one; jaxlight reads the file
+    class ChecksumRestore(orbax.args.CheckpointArgs):  # orbax wants one; jaxlight reads the file
         item: Any = None
 
     return ChecksumSave
@@ -234,8 +226,6 @@ def _move_aside(step_dir: str) -> str:
     if jax.process_index() == 0:
         os.rename(step_dir, target)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(f"jaxlight_move_aside_{_step_of(step_dir)}")
     moved_aside_count += 1
     return target
@@ -262,8 +252,6 @@ def with_fallback(step_dir: str, older: list[str], restore):
             moved = [_move_aside(bad) for bad, _ in damaged]
             first, reason = damaged[0]
             skipped = ", ".join(_step_of(bad) for bad, _ in damaged)
-            import warnings
-
             warnings.warn(
                 f"checkpoint step {_step_of(first)} ({first}) is damaged and was not loaded: "
                 f"{reason} Resuming from step {_step_of(path)} ({path}) instead. Damaged step "

@@ -104,7 +104,7 @@ def test_matches_hand_written_loop(strategy, data, reference):
 def test_data_parallel_batch_is_split_and_state_replicated(data):
     fit = _fit(strategies.DataParallel(), max_steps=2)
     fit.fit(Classifier(), _loader(data))
-    compiled, batch_sh = fit._compiled["train"]
+    batch_sh = fit.session.train_batch_shardings
     assert batch_sh["x"].spec[0] == "data"
     assert fit.strategy.mesh.shape == {"data": 8}
     for leaf in jax.tree.leaves(fit.state.params):

@@ -29,7 +29,7 @@ def plans():
 def test_plan_compiles_without_running(plans):
     fit, plan = plans["dp"]
     assert fit.state is None and fit.compile_counts == {"train": 1}
-    assert "train" not in fit._compiled  # a later fit compiles for its own batches
+    assert fit.compiled_train_step is None  # a later fit compiles for its own batches
     assert plan.param_bytes == (16 * 32 + 32 + 32 * 4 + 4) * 4
     assert plan.memory["argument"] > 0 and plan.memory["temp"] >= 0
     assert "all-reduce" in plan.table() and "per device" in plan.table()

@@ -162,3 +162,19 @@ def validation_interval(config: FitConfig, train_data: Any) -> int | None:
         per_epoch = min(per_epoch, limit) if limit else per_epoch
         return max(1, int(per_epoch * v))
     return int(v)
+
+
+def epoch_length(config: FitConfig, data: Any) -> int | None:
+    """Training batches per epoch (after limit_train_batches); None when unknown (no len())."""
+    try:
+        n = len(data)
+    except TypeError:
+        n = None
+    limit = config.limit_train_batches
+    if isinstance(limit, float):
+        limit = batch_limit(limit, data) if n is not None else None
+    elif limit is not None:
+        limit = int(limit)
+    if n is None:
+        return limit
+    return min(n, limit) if limit else n

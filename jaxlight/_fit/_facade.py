@@ -21,11 +21,14 @@ import jax
 from jaxlight import _cache, _plan
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
+from jaxlight._checkpoint import load_checkpoint, restore_training
+from jaxlight._ckpt_paths import CheckpointLocation
 from jaxlight._errors import ConfigurationError
-from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
+from jaxlight._fit._config import FitConfig, epoch_length, validation_interval
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog, assemble_callbacks
 from jaxlight._fit._loop_state import LoopState
+from jaxlight._fit._resume import adopt_checkpoint, checkpoint_locations
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._module import TrainModule
@@ -120,17 +123,11 @@ class Fit:
         self._log = MetricLog(self._call)
         self._evaluator = Evaluator(self._config, self._session, self._position, self._call,
                                     self._log)
-        self._stage: str | None = None
         self._train_data = None
         self._val_data = None
         self._feed: TrainFeed | None = None
 
     # -- settings (read-only) ------------------------------------------------------------------
-
-    @property
-    def settings(self) -> FitConfig:
-        """The validated settings (`FitConfig`, frozen)."""
-        return self._config
 
     max_steps = property(lambda self: self._config.max_steps)
     max_epochs = property(lambda self: self._config.max_epochs)
@@ -216,6 +213,12 @@ class Fit:
         return validation_interval(self._config, self._train_data)
 
     @property
+    def checkpoint_locations(self) -> list[CheckpointLocation]:
+        """Where this fit's checkpoints go: each ModelCheckpoint's directory, or
+        `<default_root_dir>/checkpoints` without one (what `ckpt_path="last"/"best"` search)."""
+        return checkpoint_locations(self)
+
+    @property
     def train_feed(self) -> TrainFeed | None:
         """The training data's reader during fit: its `state()` is what a checkpoint saves."""
         return self._feed
@@ -279,7 +282,6 @@ class Fit:
                 f"Fit.{stage} takes a jaxlight.TrainModule, got {type(module).__name__}."
             )
         check_module(module)  # Lightning habits that cannot run, refused before tracing
-        self._stage = stage
         self._call.module = module
         self._session.setup(module, stage)
 
@@ -315,14 +317,10 @@ class Fit:
         self._call("setup", "fit")
         try:
             self._session.state = None
-            restored = None
+            self._position.move_to(0, 0, 0)
             if ckpt_path is not None:
-                from jaxlight._checkpoint import resume_fit
-
                 self._session.choose_layout(None)  # restoring needs the layout before any batch
-                restored = resume_fit(self, module, ckpt_path)
-            if restored is None:
-                self._position.move_to(0, 0, 0)
+                self._resume(module, ckpt_path)
             self._call("on_fit_start")
             TrainLoop(self._config, self._session, self._position, self._call, self._log,
                       self._evaluator, self._feed).run(train_data, val_data)
@@ -349,10 +347,14 @@ class Fit:
         """Runs `test_step` over `data`; returns exact metrics over every example."""
         return self._eval_entry(module, data, ckpt_path, "test", "test_step", "test", None)
 
+    def _resume(self, module: TrainModule, ckpt_path) -> None:
+        restored = restore_training(self._session, ckpt_path, fit=self)
+        if restored is not None:  # None: ckpt_path="last" and nothing saved yet (from scratch)
+            adopt_checkpoint(restored, self, module, self._session, self._position, self._feed,
+                             epoch_length(self._config, self._train_data))
+
     def _load_for_eval(self, module: TrainModule, ckpt_path: str | None) -> None:
         if ckpt_path is not None:
-            from jaxlight._checkpoint import load_checkpoint
-
             load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
             self._session.state = None
 
@@ -392,33 +394,3 @@ class Fit:
             raise
         finally:
             self._call("teardown", "predict")
-
-    # -- transitional private names (removed once checkpoint/callbacks/tests use the above) ------
-
-    _module = property(lambda self: self._session.module)
-    _spec = property(lambda self: self._session.spec)
-    _shardings = property(lambda self: self._session.shardings)
-    _tx = property(lambda self: self._session.optimizer)
-    _compiled = property(lambda self: self._session._compiled)
-    _stop_reason = property(lambda self: self._position.stop_reason)
-    _preemption = property(lambda self: self._call.preemption)
-
-    def _limit(self, limit, data):
-        return batch_limit(limit, data)
-
-    def _val_every(self, train_data):
-        return validation_interval(self._config, train_data)
-
-    def _get_state(self):
-        return self._session.state
-
-    def _set_state(self, state):
-        self._session.state = state
-
-    _state = property(_get_state, _set_state)
-    _global_step = property(lambda self: self._position.global_step,
-                            lambda self, v: setattr(self._position, "global_step", v))
-    _epoch = property(lambda self: self._position.epoch,
-                      lambda self, v: setattr(self._position, "epoch", v))
-    _batch_idx = property(lambda self: self._position.batch_idx,
-                          lambda self, v: setattr(self._position, "batch_idx", v))

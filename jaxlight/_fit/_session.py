@@ -204,6 +204,12 @@ class Session:
         entry = self._compiled.get("train")
         return None if entry is None else entry[0]
 
+    @property
+    def train_batch_shardings(self) -> Any | None:
+        """The batch shardings the compiled training step takes, once built (None before)."""
+        entry = self._compiled.get("train")
+        return None if entry is None else entry[1]
+
     def compile_train_step(self, abstract_batch: Any, *, keep: bool = True):
         """The compiled training step and the batch shardings for `abstract_batch`.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxlight._errors import ConfigurationError
+from jaxlight._microbatch import accumulate_locally
 from jaxlight.callbacks._base import Callback
 
 
@@ -61,8 +62,6 @@ class GradientAccumulation(Callback):
 
     def transform_grad(self, grad_fn: Callable) -> Callable:
         if self._strategy is None:
-            from jaxlight._microbatch import accumulate_locally
-
             return accumulate_locally(grad_fn, self.k)
         return self._strategy.accumulate_gradients(
             grad_fn, self.k, sync_every_microbatch=self.sync_every_microbatch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any
 
@@ -119,8 +120,6 @@ class LambdaCallback(Callback):
                 raise ConfigurationTypeError(
                     f"LambdaCallback: {name!r} is not a hook name (hooks start 'on_').")
             if not callable(getattr(Callback, name, None)):
-                import difflib
-
                 close = difflib.get_close_matches(name, [n for n in dir(Callback)
                                                          if n.startswith("on_")], n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlight._ckpt_paths import default_dirpath
+from jaxlight._ckpt_writer import CheckpointWriter
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
 
@@ -111,8 +113,6 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint{{dirpath={self.dirpath!r}, monitor={self.monitor!r}}}"
 
     def resolved_dirpath(self, fit) -> str:
-        from jaxlight._checkpoint import default_dirpath
-
         return os.path.abspath(self.dirpath if self.dirpath is not None else default_dirpath(fit))
 
     # -- state saved in checkpoints -----------------------------------------------------------
@@ -136,8 +136,6 @@ class ModelCheckpoint(Callback):
         self._stage = stage
         if stage != "fit" or self._writer is not None:
             return
-        from jaxlight._checkpoint import CheckpointWriter
-
         self._writer = CheckpointWriter(
             self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
             save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save)
@@ -150,7 +148,7 @@ class ModelCheckpoint(Callback):
     def on_train_start(self, fit, module) -> None:
         self._deferred = self._epoch_pending = False
         if (self.monitor is not None and self.monitor.startswith("val_")
-                and getattr(fit, "_val_data", None) is None):
+                and fit.val_data is None):
             raise ConfigurationError(
                 f"ModelCheckpoint(monitor={self.monitor!r}) ranks by a validation metric, but "
                 "Fit.fit got no val_data. Pass val_data, or monitor a training metric such as "
@@ -268,10 +266,10 @@ class ModelCheckpoint(Callback):
 
 def _validation_due(fit) -> bool:
     """Whether the loop validates right after this training step (val_check_interval)."""
-    if getattr(fit, "_val_data", None) is None or fit.val_check_interval is None:
+    if fit.val_data is None or fit.val_check_interval is None:
         return False
     try:
-        every = fit._val_every(fit.train_data)
+        every = fit.val_every_n_steps
     except Exception:  # noqa: BLE001 - no len(): the loop could not validate by fraction either
         return False
     return bool(every) and fit.global_step % every == 0

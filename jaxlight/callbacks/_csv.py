@@ -6,6 +6,7 @@ import csv
 import os
 
 import jax
+import yaml
 
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._logdir import ensure_writable, hparams_record
@@ -60,8 +61,6 @@ class CSVLogger(Callback):
                         and d.split("_")[1].isdigit()]
             version = max(existing, default=-1) + 1
         log_dir = ensure_writable(os.path.join(root, f"version_{version}"), "CSVLogger")
-        import yaml
-
         with open(os.path.join(log_dir, "hparams.yaml"), "w") as f:
             yaml.safe_dump(hparams_record(fit, module), f, sort_keys=False)
         self.log_dir = log_dir

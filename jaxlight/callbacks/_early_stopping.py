@@ -76,7 +76,7 @@ class EarlyStopping(Callback):
         self._stage = stage
 
     def on_train_start(self, fit, module) -> None:
-        if self.monitor.startswith("val_") and getattr(fit, "_val_data", None) is None:
+        if self.monitor.startswith("val_") and fit.val_data is None:
             raise ConfigurationError(
                 f"EarlyStopping(monitor={self.monitor!r}) watches a validation metric, but "
                 "Fit.fit got no val_data. Pass val_data or monitor a training metric."

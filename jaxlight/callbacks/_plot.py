@@ -66,7 +66,7 @@ def plot_curves(rows: list[tuple[int, dict[str, float]]], path: str | os.PathLik
     panels = curve_names(keys)
     if not panels:
         return None
-    try:
+    try:  # optional dependency (jaxlight[plot]): without it no PNG is written
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

@@ -30,6 +30,7 @@ class TQDMProgressBar(Callback):
     def on_train_start(self, fit, module) -> None:
         if jax.process_index() != 0:
             return
+        # Import time: tqdm.auto probes for a notebook front end; only process 0 draws a bar.
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=fit.max_steps, initial=fit.global_step, desc="train",

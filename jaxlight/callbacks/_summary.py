@@ -60,12 +60,13 @@ class ModelSummary(Callback):
         self.text: str | None = None
 
     def on_fit_start(self, fit, module) -> None:
-        spec = fit._spec
-        shardings = fit._shardings.params if fit._shardings is not None else None
+        spec = fit.session.spec
+        shardings = fit.session.shardings.params if fit.session.shardings is not None else None
         self.text, self.totals = parameter_table(spec.abstract_state.params, shardings,
                                                  fit.strategy)
         if jax.process_index() == 0:
             if self.max_depth >= 0:
+                # Only for the optional compact overview (max_depth >= 0): saves import time.
                 from clu import parameter_overview
 
                 print(parameter_overview.get_parameter_overview(

@@ -60,6 +60,7 @@ class TensorBoardLogger(Callback):
             self.log_dir = ensure_writable(os.path.join(root, f"version_{version}"),
                                            "TensorBoardLogger")
         if self._writer is None:
+            # Optional dependency (jaxlight[tensorboard]): needed only when this logger writes.
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
             self._writer = EventFileWriter(self.log_dir, flush_secs=self.flush_secs)
@@ -68,6 +69,7 @@ class TensorBoardLogger(Callback):
                 self._hparams_written = True
 
     def _write_hparams(self, fit, module) -> None:
+        # Optional dependency (jaxlight[tensorboard]), as above.
         from tensorboard.compat.proto import event_pb2
         from tensorboard.plugins.hparams import summary_v2
 
@@ -81,6 +83,7 @@ class TensorBoardLogger(Callback):
     def on_log(self, fit, module, metrics, step) -> None:
         if self._writer is None:
             return
+        # Optional dependency (jaxlight[tensorboard]), as above.
         from tensorboard.compat.proto import event_pb2, summary_pb2
 
         values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))

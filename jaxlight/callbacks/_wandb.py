@@ -12,6 +12,7 @@ import jax
 
 from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._logdir import ensure_writable, hparams_record, plain, require
 from jaxlight.callbacks._plot import MetricRows, plot_curves
 
@@ -168,8 +169,6 @@ class WandbLogger(Callback):
         Returns (path, aliases, metadata). Final: the best and the last checkpoint; otherwise
         every committed step directory not logged yet.
         """
-        from jaxlight.callbacks._checkpoint import ModelCheckpoint
-
         found: dict[str, tuple[list[str], dict]] = {}
         for cb in fit.callbacks:
             if not isinstance(cb, ModelCheckpoint):

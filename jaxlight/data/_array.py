@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlight import distributed
 from jaxlight._errors import ConfigurationError, DataError
 from jaxlight.data._convert import is_hf_dataset, to_numpy
 
@@ -78,8 +79,6 @@ class ArrayLoader:
         if process_index is None or process_count is None:
             # A loader is often built before Fit: join a launched multi-process job first (a
             # started JAX backend could not join it any more).
-            from jaxlight import distributed
-
             distributed.initialize()
         self.process_index = jax.process_index() if process_index is None else process_index
         self.process_count = jax.process_count() if process_count is None else process_count

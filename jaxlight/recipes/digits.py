@@ -29,6 +29,7 @@ from flax import nnx
 
 from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.nn import Stacked
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
 __all__ = ["MLP", "Config", "DigitsClassifier", "build", "load_digits"]
@@ -100,8 +101,6 @@ class MLP(nnx.Module):
 
     def __init__(self, din: int, width: int, hidden: int, num_layers: int, dout: int, *,
                  rngs: nnx.Rngs):
-        from jaxlight.nn import Stacked
-
         self.inp = _dense(din, width, (None, "embed"), rngs=rngs)
         self.blocks = Stacked(lambda r: Block(width, hidden, rngs=r), num_layers, rngs=rngs)
         self.head = _dense(width, dout, ("embed", None), rngs=rngs)

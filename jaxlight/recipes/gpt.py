@@ -45,12 +45,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxlight import distributed
 from jaxlight._cache import cache_home
 from jaxlight._errors import ConfigurationError, DataError
 from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader, RecordSource, write_records
+from jaxlight.nn import TransformerConfig, TransformerLM
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
 __all__ = ["GPT", "Config", "build", "generate", "generate_bytes", "load_corpus",
@@ -130,8 +132,6 @@ class Config:
 
 def transformer_config(model: ModelConfig):
     """The `jaxlight.nn.TransformerConfig` of a recipe model config."""
-    from jaxlight.nn import TransformerConfig
-
     return TransformerConfig(
         vocab_size=VOCAB_SIZE, embed_dim=model.embed_dim, num_layers=model.num_layers,
         num_heads=model.num_heads, mlp_dim=model.mlp_dim, rope_theta=model.rope_theta,
@@ -148,8 +148,6 @@ def num_parameters(model: ModelConfig) -> int:
 @functools.lru_cache(maxsize=32)
 def _num_parameters(fields: tuple) -> int:
     # Cached: building the abstract model is host work that must not repeat per step.
-    from jaxlight.nn import TransformerLM
-
     config = transformer_config(ModelConfig(*fields))
     abstract = nnx.eval_shape(lambda: TransformerLM(config, rngs=nnx.Rngs(0)))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
@@ -177,8 +175,6 @@ class GPT(TrainModule):
         self.weight_decay, self.b2, self.decay_steps = weight_decay, b2, decay_steps
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
-        from jaxlight.nn import TransformerLM
-
         return TransformerLM(transformer_config(self.model_config), rngs=rngs)
 
     def configure_optimizers(self) -> optax.GradientTransformation:
@@ -405,8 +401,6 @@ def generate_bytes(model: nnx.Module, prompt: str | bytes, max_new_tokens: int =
     out = _decode(graphdef, state, jnp.asarray(context), jax.random.key(seed),
                   jnp.float32(temperature), window=window, max_new_tokens=max_new_tokens)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         out = multihost_utils.process_allgather(out, tiled=True)
     return bytes(np.asarray(out).astype(np.uint8).tolist())
 

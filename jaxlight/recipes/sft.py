@@ -41,10 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
+import jaxlight as jl
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.nn import Dense, TransformerLM
 from jaxlight.recipes import gpt
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
@@ -150,8 +153,6 @@ class LoRADense(nnx.Module):
 
 def add_lora(module: nnx.Module, rank: int, alpha: float, *, rngs: nnx.Rngs) -> int:
     """Wraps every `jaxlight.nn.Dense` inside `module` in a `LoRADense`; returns how many."""
-    from jaxlight.nn import Dense
-
     count = 0
 
     def visit(parent: nnx.Module) -> None:
@@ -256,8 +257,6 @@ class FineTuner(TrainModule):
         return out
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
-        from jaxlight.nn import TransformerLM
-
         lm = TransformerLM(gpt.transformer_config(self.model_config), rngs=rngs)
         if self.base_params is not None:
             state = nnx.state(lm, nnx.Param)
@@ -299,15 +298,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
         return np.asarray(x)
     if x.is_fully_replicated:
         return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def pretrained_params(config: Config) -> dict | None:
     """The base model's parameters: from `base.checkpoint`, else pretrained here, or None."""
-    import jaxlight as jl
-
     base_module = gpt.make_module(gpt.Config(model=config.model))
     if config.base.checkpoint:
         load = getattr(jl, "load_checkpoint", None)

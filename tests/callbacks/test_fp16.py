@@ -66,10 +66,11 @@ def test_16_mixed_dots_are_float16():
     fit = jl.Fit("single", max_steps=1, precision="16-mixed", enable_progress_bar=False,
                  logger=False)
     module = Classifier()
-    fit._setup(module, "fit")
-    step = build_train_step(module, fit._spec.graphdef, fit._tx, fit.callbacks, fit.strategy)
+    fit.session.setup(module)
+    step = build_train_step(module, fit.session.spec.graphdef, fit.session.optimizer,
+                            fit.callbacks, fit.strategy)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batches(1)[0])
-    text = jax.jit(step).lower(fit._spec.abstract_state, batch).as_text()
+    text = jax.jit(step).lower(fit.session.spec.abstract_state, batch).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert dots and all(line.count("f16>") == 3 for line in dots), dots
 

@@ -289,11 +289,13 @@ def _lowered_text(strategy, cbs) -> str:
 
     fit, _ = _fit(strategy, cbs)
     module = Net()
-    fit._setup(module, "fit")
-    step = build_train_step(module, fit._spec.graphdef, fit._tx, fit.callbacks, fit.strategy)
+    fit.session.setup(module)
+    spec = fit.session.spec
+    step = build_train_step(module, spec.graphdef, fit.session.optimizer, fit.callbacks,
+                            fit.strategy)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batches(1)[0])
     with fit.strategy.trace_context():
-        return jax.jit(step).lower(fit._spec.abstract_state, batch).as_text()
+        return jax.jit(step).lower(spec.abstract_state, batch).as_text()
 
 
 def test_bf16_mixed_dots_are_bf16_and_master_params_fp32():

@@ -88,7 +88,7 @@ def stop_on_one_process(out: str) -> dict:
                  enable_model_summary=False, logger=False,
                  callbacks=[jl.callbacks.LambdaCallback(on_train_batch_end=maybe_stop)])
     fit.fit(Module(), loader)
-    return {"global_step": fit.global_step, "reason": fit._stop_reason}
+    return {"global_step": fit.global_step, "reason": fit.stop_reason}
 
 
 def tp_everywhere(out: str) -> dict:

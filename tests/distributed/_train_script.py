@@ -89,10 +89,10 @@ def first_global_batch(fit, loader) -> np.ndarray:
     import jax
     from jax.experimental import multihost_utils
 
-    from jaxlight._fit import _abstract_global_batch
+    from jaxlight._fit import abstract_global_batch
 
     local = next(iter(loader))["x"]
-    sharding = fit.strategy.batch_shardings(_abstract_global_batch(local))
+    sharding = fit.strategy.batch_shardings(abstract_global_batch(local))
     arr = fit.strategy.put_batch(local, sharding)
     return np.asarray(multihost_utils.process_allgather(arr, tiled=True)
                       if jax.process_count() > 1 else arr)

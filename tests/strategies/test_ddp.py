@@ -63,7 +63,7 @@ def test_ddp_state_layout_and_round_trip(trained):
     canonical = fit.strategy.to_canonical(fit.state)
     assert canonical.params["l1"]["kernel"].shape == (16, 32)
     assert canonical.step.shape == ()
-    back = fit.strategy.from_canonical(canonical, fit._shardings)
+    back = fit.strategy.from_canonical(canonical, fit.session.shardings)
     np.testing.assert_array_equal(np.asarray(back.params["l1"]["kernel"]), np.asarray(kernel))
     assert fit.strategy.describe()["mesh"] == {"ddp": 8}
 

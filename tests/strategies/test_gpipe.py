@@ -76,7 +76,7 @@ def test_schedule_iterations_and_permute_bytes(runs):
     fit = runs["gpipe"]["fit"]
     p, m = 4, 8
     assert fit.strategy.describe()["pipeline"]["iterations"] == m + p - 1
-    stats = schedule_stats(fit._compiled["train"][0].as_text())
+    stats = schedule_stats(fit.compiled_train_step.as_text())
     # One permute in the forward and one in the backward loop body, each loop running
     # m + p − 1 iterations (the trip counts XLA recorded in the compiled HLO).
     assert stats["iterations"] == [m + p - 1] * 2

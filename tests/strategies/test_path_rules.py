@@ -302,7 +302,7 @@ def _setup_warnings(strategy, module) -> list[str]:
     fit = quiet_fit(strategy, max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit._setup(module, "fit")
+        fit.session.setup(module)
     return [str(w.message) for w in caught if issubclass(w.category, jl.JaxlightWarning)]
 
 
@@ -351,18 +351,19 @@ def test_annotations_win_unless_told_otherwise():
                                                   override_annotations=override), max_steps=1)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", jl.JaxlightWarning)  # the unused rule (False)
-            fit._setup(Classify(annotated=True), "fit")
-        assert tuple(fit._shardings.params["linear1"]["kernel"].spec) == expected
-        mu = fit._shardings.opt_state[0].mu["linear1"]["kernel"]
+            fit.session.setup(Classify(annotated=True))
+        assert tuple(fit.session.shardings.params["linear1"]["kernel"].spec) == expected
+        mu = fit.session.shardings.opt_state[0].mu["linear1"]["kernel"]
         assert tuple(mu.spec) == expected
 
 
 def test_explicitly_replicated_paths_skip_the_fsdp_fallback():
     rules = [(r"\['linear1'\]\['kernel'\]", (None, None))]
     fit = quiet_fit(strategies.FSDP(rules=rules, min_shard_size=16), max_steps=1)
-    fit._setup(Classify(), "fit")
-    assert fit._shardings.params["linear1"]["kernel"].is_fully_replicated
-    assert tuple(fit._shardings.params["linear2"]["kernel"].spec) == ("fsdp", None)  # fallback
+    fit.session.setup(Classify())
+    params = fit.session.shardings.params
+    assert params["linear1"]["kernel"].is_fully_replicated
+    assert tuple(params["linear2"]["kernel"].spec) == ("fsdp", None)  # fallback
 
 
 def test_bad_rules_are_refused():
@@ -388,8 +389,8 @@ def test_mesh_axes_and_aliases_work_as_names():
     fit = quiet_fit(strategy, max_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", jl.JaxlightWarning)  # 'mlp' names no parameter here
-        fit._setup(Classify(), "fit")
-    assert tuple(fit._shardings.params["linear1"]["kernel"].spec) == (None, "tp")
+        fit.session.setup(Classify())
+    assert tuple(fit.session.shardings.params["linear1"]["kernel"].spec) == (None, "tp")
     assert strategy.describe()["rules"][0] == [r"\['linear1'\]\['kernel'\]", [None, "tp"]]
 
 

@@ -87,7 +87,7 @@ def test_unused_rule_warns():
     fit = quiet_fit(strategies.FSDP(rules={"mpl": "fsdp"}))
     with pytest.warns(UserWarning, match=r"rule \('mpl' -> 'fsdp'\) names a logical axis no "
                                          r"parameter uses.*'mlp'"):
-        fit._setup(TinyLM(), "fit")
+        fit.session.setup(TinyLM())
 
 
 def test_used_and_activation_rules_do_not_warn():
@@ -95,22 +95,22 @@ def test_used_and_activation_rules_do_not_warn():
                                       rules={"mlp": "tp", "activation_mlp": None}))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        fit._setup(TinyLM(), "fit")
+        fit.session.setup(TinyLM())
 
 
 def test_user_rules_override_defaults():
     fsdp = strategies.FSDP(rules={"embed": None, "mlp": "fsdp"})
     fit = quiet_fit(fsdp)
-    fit._setup(TinyLM(), "fit")
-    specs = fit._shardings.params["blocks"]["layers"]["mlp"]
+    fit.session.setup(TinyLM())
+    specs = fit.session.shardings.params["blocks"]["layers"]["mlp"]
     assert tuple(specs["gate_up"]["kernel"].spec) == (None, None, None, "fsdp")
     assert tuple(specs["down"]["kernel"].spec) == (None, "fsdp", None)
 
 
 def test_fsdp_unannotated_model_shards_largest_divisible_dim():
     fit = quiet_fit(strategies.FSDP(min_shard_size=16))
-    fit._setup(Classifier(din=16, hidden=32), "fit")
-    params = fit._shardings.params
+    fit.session.setup(Classifier(din=16, hidden=32))
+    params = fit.session.shardings.params
     assert tuple(params["l1"]["kernel"].spec) == (None, "fsdp")  # (16, 32): 32 is largest
     assert tuple(params["l1"]["bias"].spec) == ("fsdp",)
     assert params["l2"]["bias"].is_fully_replicated  # 4 elements: replicated

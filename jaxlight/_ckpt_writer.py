@@ -1,0 +1,199 @@
+"""Saving checkpoints: an orbax `CheckpointManager` per directory with jaxlight's retention."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from jaxlight import _frozen, _verify
+from jaxlight._ckpt_format import (
+    META_ITEM,
+    STATE_ITEM,
+    build_meta,
+    is_finite,
+    ocp,
+    state_tree,
+    unwrap_keys,
+)
+from jaxlight._ckpt_paths import complete_steps
+from jaxlight._errors import CheckpointError
+
+
+@dataclasses.dataclass
+class Retention:
+    """Which checkpoints orbax keeps: the best `top_k` by a finite monitored value (or the latest
+    `top_k` without a monitor), the newest one when `keep_last`, and `pinned` steps.
+
+    An orbax `PreservationPolicy`: orbax deletes the others only after the newest save has
+    committed, so a failed or interrupted save never deletes anything.
+    """
+
+    monitor: str | None = None
+    mode: str = "min"
+    top_k: int = 1
+    keep_last: bool = True
+    pinned: set = dataclasses.field(default_factory=set)
+
+    def value(self, info) -> float | None:
+        metrics = getattr(info, "metrics", None) or {}
+        v = metrics.get(self.monitor) if self.monitor else None
+        return float(v) if is_finite(v) else None
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any = None) -> list[bool]:
+        del context
+        n = len(checkpoints)
+        keep = [info.step in self.pinned for info in checkpoints]
+        if not n:
+            return keep
+        if self.top_k < 0:  # keep all, scored or not (a save before the monitor was logged too)
+            return [True] * n
+        if self.keep_last:
+            keep[max(range(n), key=lambda i: checkpoints[i].step)] = True
+        if self.monitor is None:
+            ranked = sorted(range(n), key=lambda i: -checkpoints[i].step)
+        else:
+            scored = [i for i in range(n) if self.value(checkpoints[i]) is not None]
+            sign = 1.0 if self.mode == "min" else -1.0
+            # Best first; among equal values the newer checkpoint wins.
+            ranked = sorted(scored, key=lambda i: (sign * self.value(checkpoints[i]),
+                                                   -checkpoints[i].step))
+        chosen = ranked if self.top_k < 0 else ranked[: self.top_k]
+        for i in chosen:
+            keep[i] = True
+        return keep
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+class CheckpointWriter:
+    """An orbax `CheckpointManager` over one directory with jaxlight's retention policy.
+
+    Saves are asynchronous by default: `save` returns once this process's shards of the state
+    have been copied to host memory (orbax's synchronous device-to-host transfer), so the next
+    step may reuse (donate) the device buffers; the write and the commit (a rename) happen in a
+    background thread. At most one save is in flight: orbax waits for the previous one before
+    starting the next, so the host memory held by checkpointing is bounded by one copy of this
+    process's shards.
+    """
+
+    def __init__(self, dirpath: str, *, monitor: str | None = None, mode: str = "min",
+                 save_top_k: int = 1, save_last: bool = True, async_save: bool = True):
+        orbax = ocp()
+        self.dirpath = os.path.abspath(dirpath)
+        self.monitor = monitor
+        self.retention = Retention(monitor, mode, save_top_k, save_last)
+        options = orbax.CheckpointManagerOptions(
+            create=True,
+            cleanup_tmp_directories=True,  # unfinished saves of a killed run
+            enable_async_checkpointing=async_save,
+            preservation_policy=self.retention,
+            # best_fn only makes orbax write and reload the `metrics` item the retention reads.
+            best_fn=(lambda m: m.get(monitor)) if monitor else None,
+            best_mode=mode,
+        )
+        try:
+            self.manager = orbax.CheckpointManager(self.dirpath, options=options)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the directory
+            raise CheckpointError(
+                f"cannot open checkpoint directory {self.dirpath}: {exc}") from exc
+        self.last_saved_step: int | None = None
+        self._moved_aside_seen = _verify.moved_aside_count
+        self._warned_exists: set[int] = set()
+        self._failed = False
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.dirpath, str(step))
+
+    def save(self, fit, module, monitor_value: float | None = None, *,
+             pin: bool = False) -> bool:
+        """Starts saving the current state under `fit.global_step`; False if already saved."""
+        orbax = ocp()
+        step = int(fit.global_step)
+        if step == self.last_saved_step:
+            return False
+        if self._moved_aside_seen != _verify.moved_aside_count:
+            # A resume moved a damaged step aside: re-list, so that step is written again.
+            self._moved_aside_seen = _verify.moved_aside_count
+            self.manager.reload()
+        if step in self.manager.all_steps():
+            if step not in self._warned_exists:
+                self._warned_exists.add(step)
+                warnings.warn(
+                    f"checkpoint step {step} already exists in {self.dirpath} (from an earlier "
+                    "run); it is kept and not overwritten.", stacklevel=3)
+            return False
+        if fit.state is None:
+            return False
+        self.wait()  # orbax would wait too; waiting here reports a failed earlier save as such
+        tree = state_tree(fit.strategy.to_canonical(fit.state))
+        mask, frozen = fit.session.spec.frozen, None
+        if _frozen.has_frozen(mask):
+            # configure_model rebuilds them on restore; their fingerprints prove it did.
+            frozen = _frozen.records(_frozen.select(tree["rest"], mask, True))
+            tree["rest"] = _frozen.select(tree["rest"], mask, False)
+        tree, key_impls = unwrap_keys(tree)
+        # Dispatched now, read by orbax's writer thread: the loop does not wait for it.
+        digests = _verify.start_digests(tree)
+        record = None
+        if self.monitor is not None:
+            record = {"name": self.monitor, "value": monitor_value,
+                      "mode": self.retention.mode}
+        meta = build_meta(fit, module, key_impls, record, frozen)
+        meta["checksums"] = True  # a step without its checksums item is then known damaged
+        metrics = None
+        if self.monitor is not None:  # an empty record: saved before the metric existed
+            metrics = {} if monitor_value is None else {self.monitor: monitor_value}
+        if pin:
+            self.retention.pinned.add(step)
+        try:
+            self.manager.save(
+                step,
+                args=orbax.args.Composite(**{STATE_ITEM: orbax.args.StandardSave(tree),
+                                           META_ITEM: orbax.args.JsonSave(meta),
+                                           _verify.CHECKSUM_ITEM: _verify.save_args(digests)}),
+                metrics=metrics,
+                force=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.dirpath} failed: {exc}. Checkpoints "
+                f"saved before are untouched: {complete_steps(self.dirpath)}."
+            ) from exc
+        self.last_saved_step = step
+        return True
+
+    def wait(self) -> None:
+        """Blocks until the save in flight has committed; raises CheckpointError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            self._failed = True
+            raise CheckpointError(
+                f"an asynchronous checkpoint save to {self.dirpath} failed: "
+                f"{type(exc).__name__}: {exc}. Checkpoints saved before are untouched: "
+                f"steps {complete_steps(self.dirpath)}."
+            ) from exc
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases orbax's threads.
+
+        A failure already raised by `wait` or `save` is not raised again (close runs in
+        teardown, where it would hide the exception being handled).
+        """
+        reported = self._failed
+        try:
+            self.wait()
+        except CheckpointError:
+            if not reported:
+                raise
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - the failure was reported by wait()
+                if not self._failed:
+                    raise

@@ -1,0 +1,145 @@
+"""The architecture rules of docs/architecture.md, checked on the source (no JAX needed)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxlight"
+
+#: The fit core: the files docs/architecture.md calls the core.
+CORE = sorted([*(PACKAGE / "_fit").glob("*.py"), PACKAGE / "_checkpoint.py",
+               *PACKAGE.glob("_ckpt_*.py"), PACKAGE / "_plan.py", PACKAGE / "_step.py",
+               PACKAGE / "_state.py", PACKAGE / "_module.py", PACKAGE / "_preemption.py",
+               PACKAGE / "callbacks" / "_base.py"])
+MAX_CORE_LINES = 400
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> list[tuple[str, int, bool]]:
+    """(imported jaxlight module, line, inside a function) for every import in `path`."""
+    tree = ast.parse(path.read_text())
+    local = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+             for n in ast.walk(f)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        found += [(t, node.lineno, id(node) in local) for t in targets
+                  if t in modules and t != name]
+    return found
+
+
+def _cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_among_jaxlight_modules():
+    modules = _modules()
+    # Every import counts, function-local ones too: a circle hidden in a function is a circle.
+    graph = {m: [t for t, _, _ in _imports(m, p, modules)] for m, p in modules.items()}
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert _cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+
+
+def _says_why(lines: list[str], lineno: int) -> bool:
+    """A comment on the import's line, or above its block of imports (a `try:` line counts)."""
+    if "#" in lines[lineno - 1]:
+        return True
+    above = lineno - 2
+    while above >= 0 and lines[above].strip().startswith(("import ", "from ")):
+        if "#" in lines[above]:
+            return True
+        above -= 1
+    text = lines[above].strip() if above >= 0 else ""
+    return text.startswith("#") or (text.startswith("try:") and "#" in text)
+
+
+def test_no_function_local_import_of_jaxlight_and_every_local_import_says_why():
+    modules = _modules()
+    offenders = []
+    for name, path in modules.items():
+        lines = path.read_text().splitlines()
+        for target, line, local in _imports(name, path, modules):
+            if local:
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {target} locally")
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import | ast.ImportFrom) and not _says_why(lines,
+                                                                                  node.lineno):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: a local import "
+                                     "without a comment saying why")
+    assert offenders == []
+
+
+def test_core_files_stay_small():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in CORE}
+    assert len(sizes) >= 12, sizes  # the list above still names the core
+    assert {p: n for p, n in sizes.items() if n > MAX_CORE_LINES} == {}
+
+
+def test_nothing_outside_the_core_uses_private_fit_attributes():
+    pattern = re.compile(r"\bfit\._[a-zA-Z]")
+    hits = []
+    for folder in (PACKAGE, ROOT / "tests", ROOT / "benchmarks"):
+        for path in folder.rglob("*.py"):
+            if (PACKAGE / "_fit") in path.parents:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert hits == []
