@@ -1,10 +1,10 @@
 """Preemption: on SIGTERM or SIGUSR1, finish the step, checkpoint, wait for the commit, exit.
 
 Clusters announce an eviction with SIGTERM (Kubernetes, TPU VMs, most schedulers) or, with
-`sbatch --signal=USR1@90`, SLURM's SIGUSR1, some seconds before they kill the job. `Fit` adds a
-`PreemptionHandler` as its last callback; during `fit` it catches those signals, and after the
-training step in progress (every other callback's `on_train_batch_end` included) it saves a
-checkpoint through the first `ModelCheckpoint` (or under `<default_root_dir>/checkpoints`),
+`sbatch --signal=USR1@90`, SLURM's SIGUSR1, some seconds before they kill the job. The training
+loop owns a `PreemptionHandler` (it is not a callback): during `fit` it catches those signals,
+and after the training step in progress (every callback's `on_train_batch_end` included) it
+saves a checkpoint through the first `ModelCheckpoint` (or under `<default_root_dir>/checkpoints`),
 blocks until orbax has committed it, prints how to resume, and raises `Preempted`, a
 `SystemExit` with status 128 + the signal number (143 for SIGTERM, 138 for SIGUSR1), the status
 of a process ended by that signal.
@@ -31,7 +31,6 @@ import jax
 from jaxlight import distributed
 from jaxlight._ckpt_paths import default_dirpath
 from jaxlight._ckpt_writer import CheckpointWriter
-from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 
 #: The signals treated as a preemption notice.
@@ -62,8 +61,12 @@ def _sync_manager() -> Any:
         return None
 
 
-class PreemptionHandler(Callback):
-    """Turns SIGTERM/SIGUSR1 into checkpoint-and-exit after the current step (see module doc)."""
+class PreemptionHandler:
+    """Turns SIGTERM/SIGUSR1 into checkpoint-and-exit after the current step (see module doc).
+
+    `Fit.fit` calls `install()` after the callbacks' `setup`, `after_step(fit, module)` after
+    every step's `on_train_batch_end` hooks, and `restore()` after their `teardown`.
+    """
 
     def __init__(self):
         self.signum: int | None = None
@@ -85,10 +88,11 @@ class PreemptionHandler(Callback):
         self._on_signal(signum, frame)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def setup(self, fit, module, stage: str) -> None:
+    def install(self) -> None:
+        """Catches the preemption signals (main thread only: Python delivers them there)."""
         self.signum = None
-        if stage != "fit" or threading.current_thread() is not threading.main_thread():
-            return  # Python delivers signals to the main thread only
+        if threading.current_thread() is not threading.main_thread():
+            return
         self._use_sync_manager = jax.process_count() > 1 and _sync_manager() is not None
         for sig in SIGNALS:
             if self._use_sync_manager and sig == signal.SIGTERM:
@@ -96,7 +100,8 @@ class PreemptionHandler(Callback):
             handler = self._forward_to_jax if self._use_sync_manager else self._on_signal
             self._previous[sig] = signal.signal(sig, handler)
 
-    def teardown(self, fit, module, stage: str) -> None:
+    def restore(self) -> None:
+        """Puts back the signal handlers `install` replaced."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -120,7 +125,8 @@ class PreemptionHandler(Callback):
         self.signum = self.signum or int(agreed.split()[1])
         return True
 
-    def on_train_batch_end(self, fit, module, outputs, batch, batch_idx: int) -> None:
+    def after_step(self, fit, module) -> None:
+        """After a step's hooks: on a (agreed) preemption notice, save, wait, raise Preempted."""
         if not self._triggered(fit):
             return
         path = save_on_preemption(fit, module)

@@ -1,15 +1,19 @@
 """Step assembly: the pure functions a fit compiles, built once from the module and callbacks.
 
-A training step is `train_step(state, batch) -> (state, metrics)`, put together from pieces that
-step-transforming callbacks may wrap, innermost first (each callback first sees the strategy in
-`Callback.setup_step`; `Callback.transform_params` maps the parameters once, at state creation):
+This is the one place where step transforms (`jaxlight.callbacks.StepTransform`, which every
+`Callback` is) are composed. A training step is `train_step(state, batch) -> (state, metrics)`,
+put together from pieces that callbacks may wrap, innermost first, each piece applied in the
+order of `Fit.callbacks` (each callback first sees the strategy in `setup_step`;
+`transform_params` maps the parameters once, at state creation):
 
-    loss_fn(params, rest, batch) -> (loss, (metrics, rest))           Callback.transform_loss
-    grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)  Callback.transform_grad
+    loss_fn(params, rest, batch) -> (loss, (metrics, rest))           transform_loss
+    grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)  transform_grad
+    the gradient computation over the batch: strategy.gradient_fn     gradient_computation
+        (GradientAccumulation: strategy.accumulate_gradients)
     -- strategy.reduce_gradients / reduce_metrics (DDP's pmean; identity under SPMD) --
-    process(grads, metrics) -> (grads, metrics)                       Callback.process_gradients
-    tx (optax)                                                        Callback.transform_optimizer
-    train_step(state, batch) -> (state, metrics)                      Callback.transform_step
+    process(grads, metrics) -> (grads, metrics)                       process_gradients
+    tx (optax; state a transform keeps lives in its optax state)      transform_optimizer
+    train_step(state, batch) -> (state, metrics)                      transform_step
 
 Each callback contributes a small composable piece (optax style); none reaches into the loop.
 """
@@ -28,7 +32,6 @@ from jaxlight import _frozen
 from jaxlight._errors import StepOutputError
 from jaxlight._state import TrainState
 from jaxlight._user_step import call_user_step
-from jaxlight.callbacks._base import Callback
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -135,10 +138,12 @@ def build_train_step(
     grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
     for cb in callbacks:
         grad_fn = cb.transform_grad(grad_fn)
-    if not any(getattr(cb, "computes_gradients", False) for cb in callbacks):
-        # The strategy's own gradient layout (FSDP: gather once, reduce-scatter once), unless a
-        # callback (GradientAccumulation) already asked the strategy for it.
-        grad_fn = strategy.gradient_fn(grad_fn)
+    # The strategy's own gradient layout (FSDP: gather once, reduce-scatter once), unless a
+    # callback chooses another (GradientAccumulation: a microbatch scan the strategy lays out).
+    compute = strategy.gradient_fn
+    for cb in callbacks:
+        compute = cb.gradient_computation(compute, strategy)
+    grad_fn = compute(grad_fn)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)
@@ -165,15 +170,11 @@ def build_train_step(
     return step
 
 
-def build_params_transform(callbacks: Sequence) -> Callable | None:
-    """The callbacks' `transform_params` chained in order, or None when none overrides it."""
-    active = [cb for cb in callbacks
-              if type(cb).transform_params is not Callback.transform_params]
-    if not active:
-        return None
+def build_params_transform(callbacks: Sequence) -> Callable:
+    """The callbacks' `transform_params` chained in order (the identity for most)."""
 
     def transform(params):
-        for cb in active:
+        for cb in callbacks:
             params = cb.transform_params(params)
         return params
 

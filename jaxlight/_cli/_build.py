@@ -13,6 +13,7 @@ import optax
 from jaxlight import callbacks, strategies
 from jaxlight._errors import ConfigurationError, ShardingError, suggest
 from jaxlight._state import model_spec
+from jaxlight.callbacks._base import Logger
 from jaxlight.strategies._rules import MESH_FORMS
 from jaxlight.strategies._rules import parse_mesh_shape as _parse_mesh_shape
 
@@ -181,7 +182,7 @@ def build_loggers(text: str | None) -> list | None:
         name, args, kwargs = _parse_call(part, "--logger")
         cls_name = _LOGGERS.get(name.lower(), name)
         cls = getattr(callbacks, cls_name, None)
-        if cls is None or not getattr(cls, "is_logger", False):
+        if not (isinstance(cls, type) and issubclass(cls, Logger)):
             available = [k for k, v in _LOGGERS.items() if hasattr(callbacks, v) and k != "tb"]
             raise ConfigurationError(
                 f"unknown logger {name!r}; available loggers are {available} (or 'none')."

@@ -33,6 +33,7 @@ from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._module import TrainModule
 from jaxlight._porting import check_module
+from jaxlight._preemption import PreemptionHandler
 from jaxlight._state import TrainState
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._feed import TrainFeed
@@ -120,6 +121,8 @@ class Fit:
         self._session = Session(resolved, self.callbacks, self._config.seed)
         self._position = LoopState()
         self._call = Hooks(self, self.callbacks)
+        #: SIGTERM/SIGUSR1 during fit: checkpoint after the step, then exit (not a callback).
+        self._preemption = PreemptionHandler()
         self._log = MetricLog(self._call)
         self._evaluator = Evaluator(self._config, self._session, self._position, self._call,
                                     self._log)
@@ -315,6 +318,7 @@ class Fit:
         self._val_data = val_data
         self._position.start(multi_process=jax.process_count() > 1)
         self._call("setup", "fit")
+        self._preemption.install()
         try:
             self._session.state = None
             self._position.move_to(0, 0, 0)
@@ -323,15 +327,19 @@ class Fit:
                 self._resume(module, ckpt_path)
             self._call("on_fit_start")
             TrainLoop(self._config, self._session, self._position, self._call, self._log,
-                      self._evaluator, self._feed).run(train_data, val_data)
+                      self._evaluator, self._feed,
+                      lambda: self._preemption.after_step(self, module)).run(train_data, val_data)
             self._call("on_fit_end")
         except BaseException as exc:
             self._call("on_exception", exc)
             raise
         finally:
-            if self._session.state is not None:
-                module.model = self._session.model(self._session.state)
-            self._call("teardown", "fit")
+            try:
+                if self._session.state is not None:
+                    module.model = self._session.model(self._session.state)
+                self._call("teardown", "fit")
+            finally:
+                self._preemption.restore()
         return module
 
     # -- evaluation and prediction -------------------------------------------------------------
@@ -339,13 +347,22 @@ class Fit:
     def validate(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
                  ) -> dict[str, float]:
         """Runs `validation_step` over `data`; returns exact metrics over every example."""
-        return self._eval_entry(module, data, ckpt_path, "validate", "validation_step", "val",
-                                self._config.limit_val_batches)
+        return self._stage(module, "validate", ckpt_path, "on_validation_start",
+                           "on_validation_end", lambda: self._metrics(
+                               data, "validation_step", "val", self._config.limit_val_batches,
+                               "validate"))
 
     def test(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
              ) -> dict[str, float]:
         """Runs `test_step` over `data`; returns exact metrics over every example."""
-        return self._eval_entry(module, data, ckpt_path, "test", "test_step", "test", None)
+        return self._stage(module, "test", ckpt_path, "on_test_start", "on_test_end",
+                           lambda: self._metrics(data, "test_step", "test", None, "test"))
+
+    def predict(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
+                ) -> list[Any]:
+        """Runs `predict_step` over `data`; returns one NumPy pytree per batch (padding cut)."""
+        return self._stage(module, "predict", ckpt_path, "on_predict_start", "on_predict_end",
+                           lambda: self._evaluator.predict(data))
 
     def _resume(self, module: TrainModule, ckpt_path) -> None:
         restored = restore_training(self._session, ckpt_path, fit=self)
@@ -353,44 +370,27 @@ class Fit:
             adopt_checkpoint(restored, self, module, self._session, self._position, self._feed,
                              epoch_length(self._config, self._train_data))
 
-    def _load_for_eval(self, module: TrainModule, ckpt_path: str | None) -> None:
-        if ckpt_path is not None:
-            load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
-            self._session.state = None
+    def _metrics(self, data, method: str, prefix: str, limit, stage: str) -> dict[str, float]:
+        metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
+                                           f"the data passed to Fit.{stage}")
+        self._log.callback_metrics.update(metrics)
+        self.log_metrics(metrics, self._position.global_step)
+        return metrics
 
-    def _eval_entry(self, module, data, ckpt_path, stage, method, prefix, limit):
+    def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run):
+        """validate/test/predict: set-up, the checkpoint, start hook, `run()`, end hook."""
         self._setup(module, stage)
         self._call("setup", stage)
         try:
-            self._load_for_eval(module, ckpt_path)
-            start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
-                          else ("on_test_start", "on_test_end"))
+            if ckpt_path is not None:
+                load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
+                self._session.state = None
             self._call(start)
-            metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
-                                               f"the data passed to Fit.{stage}")
-            self._log.callback_metrics.update(metrics)
-            self.log_metrics(metrics, self._position.global_step)
+            out = run()
             self._call(end)
-            return metrics
+            return out
         except BaseException as exc:
             self._call("on_exception", exc)
             raise
         finally:
             self._call("teardown", stage)
-
-    def predict(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
-                ) -> list[Any]:
-        """Runs `predict_step` over `data`; returns one NumPy pytree per batch (padding cut)."""
-        self._setup(module, "predict")
-        self._call("setup", "predict")
-        try:
-            self._load_for_eval(module, ckpt_path)
-            self._call("on_predict_start")
-            outputs = self._evaluator.predict(data)
-            self._call("on_predict_end")
-            return outputs
-        except BaseException as exc:
-            self._call("on_exception", exc)
-            raise
-        finally:
-            self._call("teardown", "predict")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from jaxlight import callbacks as cbs
 from jaxlight._errors import ConfigurationError
-from jaxlight._preemption import PreemptionHandler
-from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._base import Callback, Logger
 
 
 def assemble_callbacks(user, config) -> list[Callback]:
@@ -51,7 +50,7 @@ def assemble_callbacks(user, config) -> list[Callback]:
         defaults.append(cbs.ModelSummary())
     if config.enable_progress_bar and not present("TQDMProgressBar"):
         defaults.append(cbs.TQDMProgressBar())
-    if config.logger and not any(getattr(cb, "is_logger", False) for cb in user):
+    if config.logger and not any(isinstance(cb, Logger) for cb in user):
         defaults.append(cbs.CSVLogger())
     return shortcuts + user + defaults
 
@@ -62,15 +61,11 @@ class Hooks:
     def __init__(self, fit, callbacks: list[Callback]):
         self._fit = fit
         self.callbacks = callbacks
-        #: SIGTERM/SIGUSR1 during fit: checkpoint after the step, then exit (not in `callbacks`).
-        self.preemption = PreemptionHandler()
         self.module = None
 
     def __call__(self, hook: str, *args) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self._fit, self.module, *args)
-        # Internal, last: a preemption checkpoint follows every callback's step hooks.
-        getattr(self.preemption, hook)(self._fit, self.module, *args)
 
 
 class MetricLog:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -66,7 +66,8 @@ class TrainLoop:
     """Runs epochs of training steps with hooks, logging, validation and stop agreement."""
 
     def __init__(self, config: FitConfig, session: Session, position: LoopState, hooks: Hooks,
-                 log: MetricLog, evaluator: Evaluator, feed: TrainFeed):
+                 log: MetricLog, evaluator: Evaluator, feed: TrainFeed,
+                 after_step: Callable[[], None]):
         self.config = config
         self.session = session
         self.position = position
@@ -74,6 +75,8 @@ class TrainLoop:
         self.log = log
         self.evaluator = evaluator
         self.feed = feed
+        #: Runs after every step's `on_train_batch_end` hooks (the preemption check).
+        self.after_step = after_step
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -197,6 +200,7 @@ class TrainLoop:
                     in_flight.append(_Pending(pos.global_step, metrics, log))
                     call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
                          pos.batch_idx - 1)
+                    self.after_step()
                     if val_every and pos.global_step % val_every == 0 and val_data is not None:
                         self._retire_all(in_flight)
                         self.evaluator.run_validation(val_data)

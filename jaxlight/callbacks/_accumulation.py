@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._microbatch import accumulate_locally
 from jaxlight.callbacks._base import Callback
 
 
@@ -43,9 +42,6 @@ class GradientAccumulation(Callback):
         ...              enable_progress_bar=False, logger=False)
     """
 
-    #: The gradient function it returns is the strategy's own layout (see `_step.py`).
-    computes_gradients = True
-
     def __init__(self, k: int, *, sync_every_microbatch: bool = False):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigurationError(
@@ -54,17 +50,14 @@ class GradientAccumulation(Callback):
             )
         self.k = k
         self.sync_every_microbatch = bool(sync_every_microbatch)
-        self._strategy = None
 
-    def setup_step(self, strategy) -> None:
-        # The strategy decides how the microbatch scan is laid out over its devices.
-        self._strategy = strategy
-
-    def transform_grad(self, grad_fn: Callable) -> Callable:
-        if self._strategy is None:
-            return accumulate_locally(grad_fn, self.k)
-        return self._strategy.accumulate_gradients(
-            grad_fn, self.k, sync_every_microbatch=self.sync_every_microbatch)
+    def gradient_computation(self, compute: Callable, strategy) -> Callable:
+        # The strategy decides how the microbatch scan is laid out over its devices; its
+        # gradient collective is part of that layout, so `compute` (its default) is replaced.
+        del compute
+        k, sync = self.k, self.sync_every_microbatch
+        return lambda grad_fn: strategy.accumulate_gradients(grad_fn, k,
+                                                             sync_every_microbatch=sync)
 
     def __repr__(self) -> str:
         extra = ", sync_every_microbatch=True" if self.sync_every_microbatch else ""

@@ -1,4 +1,4 @@
-"""Callback: host-side hooks with Lightning's names, plus optional step-transforming pieces."""
+"""Callback = host hooks (`HostHooks`) + step pieces (`StepTransform`), kept apart."""
 
 from __future__ import annotations
 
@@ -9,17 +9,81 @@ from typing import Any
 from jaxlight._errors import ConfigurationTypeError
 
 
-class Callback:
-    """Base class of all callbacks. Override only the hooks you need.
+class StepTransform:
+    """The pieces a callback may contribute to the compiled training step (identity by default).
 
-    Host hooks receive the `Fit` (read-only: to stop training call `fit.request_stop(reason)`)
-    and the `TrainModule`. Training metrics reach the host through `on_log` at log intervals,
-    already as Python floats and one step late, so that no hook forces the loop to wait for the
-    device. `on_train_batch_end`'s `outputs` holds the step's metrics as device arrays: reading
-    them (`float(...)`) waits for that step.
+    `jaxlight/_step.py` composes them, and nothing else does, in this order (innermost first):
+    `transform_params` at state creation; `transform_loss`, `transform_grad`,
+    `gradient_computation`, then the strategy's reduction, `process_gradients`,
+    `transform_optimizer` and `transform_step` (the module docstring of `_step.py` shows the
+    whole step). Each callback's pieces apply in the order of `Fit.callbacks`. They run once,
+    before the step is compiled, and never reach into the loop (optax style).
 
-    Step-transforming callbacks override the `transform_*` / `process_gradients` methods; they
-    are applied once, before the step is compiled.
+    A transform that keeps state on device keeps it where the step keeps all state: in the
+    optimizer state through its own optax transformation (`NonFiniteGuard`), so checkpoints
+    carry it and every strategy shards it like the rest.
+    """
+
+    def setup_step(self, strategy) -> None:
+        """Called with the strategy just before the step is assembled from the pieces below.
+
+        For pieces whose layout depends on the strategy; keep what you need, do not change the
+        strategy (`gradient_computation` receives it too).
+        """
+
+    def transform_params(self, params: Any) -> Any:
+        """Maps the trainable parameters as initialized to how the train state stores them.
+
+        Runs once inside state creation, before the optimizer state is made from the result
+        (and abstractly, on ShapeDtypeStructs, to fix the state's shapes and dtypes), so use
+        only jax.numpy operations and keep the tree structure and shapes; `MixedPrecision(
+        "bf16-true")` casts floating parameters to bfloat16 here.
+        """
+        return params
+
+    def transform_loss(self, loss_fn: Callable) -> Callable:
+        """Wraps `loss_fn(params, rest, batch) -> (loss, (metrics, rest))`."""
+        return loss_fn
+
+    def transform_grad(self, grad_fn: Callable) -> Callable:
+        """Wraps `grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.
+
+        Runs before the cross-replica gradient reduction (per replica under DDP).
+        """
+        return grad_fn
+
+    def gradient_computation(self, compute: Callable, strategy) -> Callable:
+        """Chooses how the step computes gradients over its batch under `strategy`.
+
+        `compute(grad_fn) -> grad_fn` is the choice so far: the strategy's own layout
+        (`strategy.gradient_fn`: FSDP gathers once and reduce-scatters once) unless an earlier
+        callback replaced it. `GradientAccumulation` returns a microbatch scan laid out by the
+        strategy (`strategy.accumulate_gradients`). Return `compute` to keep it.
+        """
+        del strategy
+        return compute
+
+    def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
+        """Sees the global gradients after reduction; may change them and add metrics."""
+        return grads, metrics
+
+    def transform_optimizer(self, tx):
+        """Chains onto or wraps the optax transformation."""
+        return tx
+
+    def transform_step(self, step_fn: Callable) -> Callable:
+        """Wraps the whole `train_step(state, batch) -> (state, metrics)`."""
+        return step_fn
+
+
+class HostHooks:
+    """The host-side hooks, with Lightning's names; each receives `(fit, module, ...)`.
+
+    `fit` is read-only for a hook (to stop training call `fit.request_stop(reason)`). Training
+    metrics reach the host through `on_log` at log intervals, already as Python floats and one
+    step late, so that no hook forces the loop to wait for the device. `on_train_batch_end`'s
+    `outputs` holds the step's metrics as device arrays: reading them (`float(...)`) waits for
+    that step.
     """
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -53,6 +117,14 @@ class Callback:
     def on_save_checkpoint(self, fit, module, checkpoint: dict) -> None: ...
     def on_load_checkpoint(self, fit, module, checkpoint: dict) -> None: ...
 
+
+class Callback(HostHooks, StepTransform):
+    """Base class of all callbacks: host hooks (`HostHooks`) and step pieces (`StepTransform`).
+
+    Override only what you need. A callback's `state_dict()` goes into checkpoints and comes
+    back through `load_state_dict()`.
+    """
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state saved in checkpoints (best score, patience counter, ...)."""
         return {}
@@ -64,46 +136,13 @@ class Callback:
         """Key of this callback's state in a checkpoint; unique per type by default."""
         return type(self).__qualname__
 
-    # -- step-transforming pieces (identity by default) --------------------------------------
-    def setup_step(self, strategy) -> None:
-        """Called with the strategy just before the step is assembled from the pieces below.
 
-        For pieces whose layout depends on the strategy (`GradientAccumulation` asks it how to
-        scan microbatches); keep what you need, do not change the strategy.
-        """
+class Logger(Callback):
+    """Base class of the loggers (CSV, TensorBoard, Weights & Biases): `Fit(logger=True)` adds a
+    `CSVLogger` only when the callbacks hold no `Logger`."""
 
-    def transform_params(self, params: Any) -> Any:
-        """Maps the trainable parameters as initialized to how the train state stores them.
-
-        Runs once inside state creation, before the optimizer state is made from the result
-        (and abstractly, on ShapeDtypeStructs, to fix the state's shapes and dtypes), so use
-        only jax.numpy operations and keep the tree structure and shapes; `MixedPrecision(
-        "bf16-true")` casts floating parameters to bfloat16 here.
-        """
-        return params
-
-    def transform_loss(self, loss_fn: Callable) -> Callable:
-        """Wraps `loss_fn(params, rest, batch) -> (loss, (metrics, rest))`."""
-        return loss_fn
-
-    def transform_grad(self, grad_fn: Callable) -> Callable:
-        """Wraps `grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.
-
-        Runs before the cross-replica gradient reduction (per replica under DDP).
-        """
-        return grad_fn
-
-    def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
-        """Sees the global gradients after reduction; may change them and add metrics."""
-        return grads, metrics
-
-    def transform_optimizer(self, tx):
-        """Chains onto or wraps the optax transformation."""
-        return tx
-
-    def transform_step(self, step_fn: Callable) -> Callable:
-        """Wraps the whole `train_step(state, batch) -> (state, metrics)`."""
-        return step_fn
+    #: Kept for code that asked `getattr(cb, "is_logger", False)`; jaxlight checks the type.
+    is_logger = True
 
 
 class LambdaCallback(Callback):

@@ -8,12 +8,12 @@ import os
 import jax
 import yaml
 
-from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._base import Logger
 from jaxlight.callbacks._logdir import ensure_writable, hparams_record
 from jaxlight.callbacks._plot import plot_curves
 
 
-class CSVLogger(Callback):
+class CSVLogger(Logger):
     """Writes `metrics.csv` (one row per logged step), `hparams.yaml` and `curves.png`.
 
     Metrics logged at the same step (training metrics, then validation metrics or a monitor's
@@ -35,8 +35,6 @@ class CSVLogger(Callback):
     Example:
         >>> logger = CSVLogger("logs", name="mlp")   # logs/mlp/version_0/metrics.csv
     """
-
-    is_logger = True
 
     def __init__(self, save_dir: str | None = None, name: str = "csv", version: int | None = None,
                  plot: bool = True):

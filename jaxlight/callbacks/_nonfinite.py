@@ -12,9 +12,6 @@ import optax
 from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Callback
 
-#: Private metric carrying this step's verdict from `process_gradients` to `transform_step`.
-_FINITE = "__nonfinite_guard_finite__"
-
 
 class NonFiniteState(NamedTuple):
     """The guard's counters, kept on device in the optimizer state (so checkpoints carry them).
@@ -30,26 +27,55 @@ class NonFiniteState(NamedTuple):
     tripped_step: jax.Array
 
 
-def _counters() -> optax.GradientTransformation:
-    """An optax piece that only holds `NonFiniteState`; the guard's step wrapper updates it."""
+class GuardedState(NamedTuple):
+    """The optax state of `skip_nonfinite(inner)`: its counters and `inner`'s own state."""
+
+    counters: NonFiniteState
+    inner: Any
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every value of every leaf is finite (one boolean, on device)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner`, except that it skips non-finite gradients, counting them (optax style).
+
+    A step whose gradients hold NaN or Inf, or any step once `tripped_step` is set, applies a
+    zero update and keeps `inner`'s state as it was; `NonFiniteState` counts such steps. The
+    step wrapper of `NonFiniteGuard` sets `tripped_step` (it knows the step number) and keeps
+    the parameters and other variables bit for bit on a skipped step.
+    """
 
     def init(params):
-        del params
         zero = jnp.zeros((), jnp.int32)
-        return NonFiniteState(zero, zero, jnp.full((), -1, jnp.int32))
+        return GuardedState(NonFiniteState(zero, zero, jnp.full((), -1, jnp.int32)),
+                            inner.init(params))
 
-    def update(updates, state, params=None):
-        del params
-        return updates, state
+    def update(grads, state, params=None):
+        finite = all_finite(grads)
+        counters = state.counters
+        apply = jnp.logical_and(finite, counters.tripped_step < 0)
+        updates, inner_state = inner.update(grads, state.inner, params)
+        inner_state = jax.tree.map(lambda new, old: jax.lax.select(apply, new, old),
+                                   inner_state, state.inner)
+        updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+        counters = NonFiniteState(
+            consecutive=jnp.where(finite, 0, counters.consecutive + 1).astype(jnp.int32),
+            skipped=(counters.skipped + jnp.logical_not(apply)).astype(jnp.int32),
+            tripped_step=counters.tripped_step,
+        )
+        return updates, GuardedState(counters, inner_state)
 
     return optax.GradientTransformation(init, update)
 
 
 def _is_state(x) -> bool:
-    return isinstance(x, NonFiniteState)
+    return isinstance(x, GuardedState)
 
 
-def _find(opt_state) -> NonFiniteState:
+def _find(opt_state) -> GuardedState:
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
     if len(found) != 1:
         raise ConfigurationError(
@@ -59,7 +85,7 @@ def _find(opt_state) -> NonFiniteState:
     return found[0]
 
 
-def _replace(opt_state, new: NonFiniteState):
+def _replace(opt_state, new: GuardedState):
     return jax.tree.map(lambda x: new if _is_state(x) else x, opt_state, is_leaf=_is_state)
 
 
@@ -69,9 +95,10 @@ class NonFiniteGuard(Callback):
     On device, with no host synchronization: the step's global gradients (after the
     cross-replica reduction and any clipping) are tested with `isfinite`; a non-finite step
     keeps the previous parameters, optimizer state and other variables bit for bit (a select,
-    not an update by zero). Counters live in the optimizer state (`NonFiniteState`) and reach the
-    host as metrics: `nonfinite_skipped` (steps skipped so far), `nonfinite_consecutive` and
-    `nonfinite_tripped_step`.
+    not an update by zero). The counters (`NonFiniteState`) live in the optimizer state of the
+    guard's own optax transformation (`skip_nonfinite`, which wraps the optimizer and skips the
+    update), so checkpoints carry them; they reach the host as metrics: `nonfinite_skipped`
+    (steps skipped so far), `nonfinite_consecutive` and `nonfinite_tripped_step`.
 
     When `max_consecutive` non-finite steps occur in a row, the device records that step and
     freezes the state from then on (every later step is skipped too). The host sees it at the
@@ -98,40 +125,36 @@ class NonFiniteGuard(Callback):
         self.max_consecutive = max_consecutive
 
     def transform_optimizer(self, tx):
-        return optax.chain(tx, _counters())
-
-    def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        return grads, {**metrics, _FINITE: finite}
+        return skip_nonfinite(tx)
 
     def transform_step(self, step_fn: Callable) -> Callable:
         limit = self.max_consecutive
 
         def guarded_step(state, batch):
             new_state, metrics = step_fn(state, batch)
-            metrics = dict(metrics)
-            finite = metrics.pop(_FINITE)
-            old = _find(state.opt_state)
-            frozen = old.tripped_step >= 0
-            apply = jnp.logical_and(finite, jnp.logical_not(frozen))
-            consecutive = jnp.where(finite, 0, old.consecutive + 1).astype(jnp.int32)
-            skipped = (old.skipped + jnp.logical_not(apply)).astype(jnp.int32)
+            old, new = _find(state.opt_state), _find(new_state.opt_state)
+            # The optimizer skipped this step exactly when it counted one more skip.
+            applied = new.counters.skipped == old.counters.skipped
+            frozen = old.counters.tripped_step >= 0
             tripped = jnp.where(
-                frozen, old.tripped_step, jnp.where(consecutive >= limit, new_state.step, -1)
+                frozen, old.counters.tripped_step,
+                jnp.where(new.counters.consecutive >= limit, new_state.step, -1),
             ).astype(jnp.int32)
+            counters = new.counters._replace(tripped_step=tripped)
 
-            def keep(new, prev):
-                return jax.lax.select(apply, new, prev)
+            def keep(new_value, prev):
+                return jax.lax.select(applied, new_value, prev)
 
             params = jax.tree.map(keep, new_state.params, state.params)
             opt_state = jax.tree.map(keep, new_state.opt_state, state.opt_state)
-            opt_state = _replace(opt_state, NonFiniteState(consecutive, skipped, tripped))
+            opt_state = _replace(opt_state, new._replace(counters=counters))
             rest = jax.tree.map(keep, new_state.rest, state.rest)
-            metrics.update(
-                nonfinite_skipped=skipped.astype(jnp.float32),
-                nonfinite_consecutive=consecutive.astype(jnp.float32),
-                nonfinite_tripped_step=tripped.astype(jnp.float32),
-            )
+            metrics = {
+                **metrics,
+                "nonfinite_skipped": counters.skipped.astype(jnp.float32),
+                "nonfinite_consecutive": counters.consecutive.astype(jnp.float32),
+                "nonfinite_tripped_step": tripped.astype(jnp.float32),
+            }
             return new_state.replace(params=params, opt_state=opt_state, rest=rest), metrics
 
         return guarded_step

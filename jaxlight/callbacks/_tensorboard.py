@@ -7,12 +7,12 @@ import time
 
 import jax
 
-from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._base import Logger
 from jaxlight.callbacks._logdir import ensure_writable, flatten, hparams_record, require
 from jaxlight.callbacks._plot import MetricRows, plot_curves
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(Logger):
     """Writes every logged metric as a TensorBoard scalar, and the run's hyperparameters.
 
     Uses TensorBoard's own event-file writer and protocol buffers (the `tensorboard` extra), not
@@ -31,8 +31,6 @@ class TensorBoardLogger(Callback):
     Example:
         >>> logger = TensorBoardLogger("logs")   # logs/tensorboard/version_0/events.out...
     """
-
-    is_logger = True
 
     def __init__(self, save_dir: str | None = None, name: str = "tensorboard",
                  version: int | None = None, flush_secs: float = 10.0, plot: bool = True):

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import jax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._base import Logger
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._logdir import ensure_writable, hparams_record, plain, require
 from jaxlight.callbacks._plot import MetricRows, plot_curves
@@ -30,7 +30,7 @@ def has_wandb_credentials() -> bool:
         return False
 
 
-class WandbLogger(Callback):
+class WandbLogger(Logger):
     """Logs a fit to Weights & Biases: configuration, every logged metric, summary, checkpoints.
 
     The run's config holds the module's constructor arguments, the Fit configuration and the
@@ -57,8 +57,6 @@ class WandbLogger(Callback):
     Example:
         >>> logger = WandbLogger(project="demo", mode="offline")  # doctest: +SKIP
     """
-
-    is_logger = True
 
     def __init__(self, project: str | None = None, name: str | None = None,
                  config: dict[str, Any] | None = None, mode: str | None = None,
