@@ -255,7 +255,8 @@ def test_tensor_parallel_collectives_match_the_annotated_model(runs, model):
 
     trained = sorted((x.shape, tuple(x.sharding.spec)) for x in jax.tree.leaves(stock.state.params))
     planned = sorted((x.shape, tuple(s.spec)) for x, s in zip(
-        jax.tree.leaves(twin._spec.abstract_state.params), jax.tree.leaves(twin._shardings.params),
+        jax.tree.leaves(twin.session.spec.abstract_state.params),
+        jax.tree.leaves(twin.session.shardings.params),
         strict=True))
     assert trained == planned
     totals = summarize(collectives(stock.compiled_train_step.as_text()))
