@@ -186,6 +186,7 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
         meta["hparams_unrestorable"] = lossy
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
+    module.on_save_checkpoint(meta)  # after the callbacks, as Lightning
     return jsonable(meta)
 
 

@@ -10,18 +10,22 @@ from flax import nnx
 
 from jaxlight import _checkpoint, _hparams
 from jaxlight._errors import PortingError
+from jaxlight._module_hooks import ModuleHooks
 from jaxlight._porting import GUIDE
 
 Batch = Any
 Metrics = dict[str, Any]
 
 
-class TrainModule:
+class TrainModule(ModuleHooks):
     """The user's side of training, with PyTorch Lightning's names.
 
     Subclass it, build the model in `configure_model`, the optimizer in `configure_optimizers`,
     and write `training_step`. Step methods are pure: they are traced once and compiled, so they
     must not read host state that changes between steps.
+
+    Hooks with Lightning's names (`on_train_epoch_end(self)`, `setup(self, stage)`, ...; see
+    `jaxlight._module_hooks`) run when defined here, after the callbacks' hooks of that name.
 
     Constructor arguments are recorded as hyperparameters (`module.hparams`, attribute access
     like `module.hparams.lr`) without any call from the subclass; `self.save_hyperparameters()`
@@ -51,6 +55,7 @@ class TrainModule:
         self = super().__new__(cls)
         object.__setattr__(self, "_hparams", _hparams.init_arguments(cls, args, kwargs))
         object.__setattr__(self, "_model", None)
+        object.__setattr__(self, "_model_source", None)
         return self
 
     def __init__(self):
@@ -100,7 +105,18 @@ class TrainModule:
 
     @property
     def model(self) -> nnx.Module:
-        """The trained `nnx.Module`, available after `Fit.fit` (or `validate` with a checkpoint)."""
+        """The `nnx.Module`: the current one while a fit, validate, test or predict runs (in
+        every callback and module hook), the trained one afterwards.
+
+        During a stage it is built from the train state on first access after each step
+        (cached until the next): its arrays are the state's, in the strategy's layout, valid
+        until the next step (which donates them), so call it there, e.g. `module.model(x)`,
+        and copy what you keep. Assigning to its variables does not change training.
+        """
+        source = self._model_source
+        live = source() if source is not None else None
+        if live is not None:
+            return live
         if self._model is None:
             raise AttributeError(
                 f"{type(self).__name__}.model is not built yet: call Fit(...).fit(module, data) "
@@ -111,6 +127,16 @@ class TrainModule:
     @model.setter
     def model(self, value: nnx.Module) -> None:
         object.__setattr__(self, "_model", value)
+
+    def attach_model_source(self, source) -> None:
+        """Used by `Fit` while a stage runs: `model` reads the current model from `source()`
+        (None when there is no state yet); `attach_model_source(None)` detaches it."""
+        object.__setattr__(self, "_model_source", source)
+
+    @property
+    def assigned_model(self) -> nnx.Module | None:
+        """The model last assigned to `module.model` (None if none), ignoring the live one."""
+        return self._model
 
     def __call__(self, *args, **kwargs):
         # Lightning's self(x) runs forward; here the model is the step's argument. Setup finds

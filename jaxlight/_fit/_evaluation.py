@@ -76,8 +76,8 @@ class Evaluator:
         session = self.session
         if session.state is not None:
             return session.state
-        if session.module._model is not None:
-            return session.state_from_model(session.module.model)
+        if session.module.assigned_model is not None:
+            return session.state_from_model(session.module.assigned_model)
         session.state = session.init_state()
         return session.state
 

@@ -1,13 +1,8 @@
 """Fit: the facade users call — fit / validate / test / predict / plan, and read-only loop state.
 
-`Fit` wires named parts together and holds no loop logic itself:
-
-- `FitConfig` (`_config.py`): the validated, frozen settings;
-- `Session` (`_session.py`): spec, shardings, optimizer, train state and compiled steps;
-- `LoopState` (`_loop_state.py`): step, epoch, batch index, stop request;
-- `TrainLoop` (`_train_loop.py`): the training loop;
-- `Evaluator` (`_evaluation.py`): validation, test and prediction loops;
-- `Hooks` / `MetricLog` (`_hooks.py`): callback dispatch and the `on_log` queue.
+`Fit` wires named parts together and holds no loop logic itself: `FitConfig` (settings),
+`Session` (spec, shardings, optimizer, state, compiled steps), `LoopState` (position, stop),
+`TrainLoop`, `Evaluator`, `Hooks`/`MetricLog` (dispatch, `on_log`); docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -317,11 +312,12 @@ class Fit:
         self._feed = TrainFeed(train_data)
         self._val_data = val_data
         self._position.start(multi_process=jax.process_count() > 1)
+        self._session.state = None
+        self._position.move_to(0, 0, 0)
+        module.attach_model_source(lambda: self._session.live_model(fresh=True))
         self._call("setup", "fit")
         self._preemption.install()
         try:
-            self._session.state = None
-            self._position.move_to(0, 0, 0)
             if ckpt_path is not None:
                 self._session.choose_layout(None)  # restoring needs the layout before any batch
                 self._resume(module, ckpt_path)
@@ -340,6 +336,7 @@ class Fit:
                 self._call("teardown", "fit")
             finally:
                 self._preemption.restore()
+                module.attach_model_source(None)
         return module
 
     # -- evaluation and prediction -------------------------------------------------------------
@@ -367,8 +364,8 @@ class Fit:
     def _resume(self, module: TrainModule, ckpt_path) -> None:
         restored = restore_training(self._session, ckpt_path, fit=self)
         if restored is not None:  # None: ckpt_path="last" and nothing saved yet (from scratch)
-            adopt_checkpoint(restored, self, module, self._session, self._position, self._feed,
-                             epoch_length(self._config, self._train_data))
+            adopt_checkpoint(restored, self, self._session, self._position, self._feed,
+                             epoch_length(self._config, self._train_data), self._call)
 
     def _metrics(self, data, method: str, prefix: str, limit, stage: str) -> dict[str, float]:
         metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
@@ -380,6 +377,7 @@ class Fit:
     def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run):
         """validate/test/predict: set-up, the checkpoint, start hook, `run()`, end hook."""
         self._setup(module, stage)
+        module.attach_model_source(lambda: self._session.live_model(fresh=False))
         self._call("setup", stage)
         try:
             if ckpt_path is not None:
@@ -393,4 +391,7 @@ class Fit:
             self._call("on_exception", exc)
             raise
         finally:
-            self._call("teardown", stage)
+            try:
+                self._call("teardown", stage)
+            finally:
+                module.attach_model_source(None)

@@ -55,8 +55,20 @@ def assemble_callbacks(user, config) -> list[Callback]:
     return shortcuts + user + defaults
 
 
+#: Hooks the module runs before the callbacks (Lightning restores the model first).
+MODULE_FIRST = frozenset({"on_load_checkpoint"})
+#: Hooks where the monitoring callbacks run after the module (they see what its hook logged).
+MONITORS_LAST = frozenset({"on_train_epoch_end"})
+
+
+def _monitors(cb: Callback) -> bool:
+    return isinstance(cb, cbs.ModelCheckpoint | cbs.EarlyStopping)
+
+
 class Hooks:
-    """Calls a hook on every callback, in list order, with `(fit, module, *args)`."""
+    """Calls a hook on every callback, in list order, with `(fit, module, *args)`, and the
+    module's own hook of that name (`jaxlight._module_hooks`) with `(*args)`, in Lightning's
+    order: callbacks first, then the module, except for `MODULE_FIRST` and `MONITORS_LAST`."""
 
     def __init__(self, fit, callbacks: list[Callback]):
         self._fit = fit
@@ -64,8 +76,18 @@ class Hooks:
         self.module = None
 
     def __call__(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self._fit, self.module, *args)
+        module = self.module
+        if hook in MODULE_FIRST:
+            getattr(module, hook)(*args)
+        first = [cb for cb in self.callbacks if not (hook in MONITORS_LAST and _monitors(cb))]
+        for cb in first:
+            getattr(cb, hook)(self._fit, module, *args)
+        if hook not in MODULE_FIRST:
+            getattr(module, hook)(*args)
+        if hook in MONITORS_LAST:
+            for cb in self.callbacks:
+                if _monitors(cb):
+                    getattr(cb, hook)(self._fit, module, *args)
 
 
 class MetricLog:

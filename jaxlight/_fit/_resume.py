@@ -21,11 +21,12 @@ def checkpoint_locations(fit) -> list[CheckpointLocation]:
     return found or [CheckpointLocation(default_dirpath(fit), default=True)]
 
 
-def adopt_checkpoint(restored: Restored, fit, module, session: Session, position: LoopState,
-                     feed: TrainFeed, epoch_length: int | None) -> None:
+def adopt_checkpoint(restored: Restored, fit, session: Session, position: LoopState,
+                     feed: TrainFeed, epoch_length: int | None, hooks) -> None:
     """Takes over a checkpoint's state, loop position, loader position and callbacks' states.
 
-    `epoch_length` is the training batches per epoch (None when the data has no len()).
+    `epoch_length` is the training batches per epoch (None when the data has no len());
+    `hooks` runs `on_load_checkpoint` on the module and the callbacks.
     """
     session.state = restored.state
     meta = restored.meta
@@ -40,8 +41,7 @@ def adopt_checkpoint(restored: Restored, fit, module, session: Session, position
     for cb in fit.callbacks:
         if cb.state_key in states:
             cb.load_state_dict(states[cb.state_key])
-    for cb in fit.callbacks:
-        cb.on_load_checkpoint(fit, module, meta)
+    hooks("on_load_checkpoint", meta)  # the module's hook first, then the callbacks
     if jax.process_index() == 0:
         print(f"jaxlight: resumed from {restored.step_dir} (step {step}, epoch {epoch}, "
               f"batch {batch_idx}).", flush=True)

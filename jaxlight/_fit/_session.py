@@ -77,6 +77,7 @@ class Session:
         self._params_transform = None
         self._compiled: dict[str, Any] = {}
         self._eval_batch_size: dict[str, int] = {}
+        self._current: tuple[TrainState, nnx.Module] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -185,6 +186,21 @@ class Session:
         """The `nnx.Module` holding `state`'s parameters (in their device layout)."""
         canonical = self.strategy.to_canonical(state)
         return nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
+
+    def live_model(self, fresh: bool) -> nnx.Module | None:
+        """`module.model` while a stage runs: the current state's model, built on first access
+        per state. Before the state exists, the state the stage would create anyway is created
+        now (`fresh`, a fit: always; evaluation: unless the module has an assigned model, which
+        `module.model` then returns); None before the layout is known (`strategies.Auto`)."""
+        if (self.state is None and self._shardings is not None
+                and (fresh or self.module.assigned_model is None)):
+            self.state = self.init_state()
+        state = self.state
+        if state is None:
+            return None
+        if self._current is None or self._current[0] is not state:
+            self._current = (state, self.model(state))
+        return self._current[1]
 
     def eval_size(self, kind: str, local: int) -> int:
         """The padded local batch size of an evaluation kind, fixed by its first batch."""
