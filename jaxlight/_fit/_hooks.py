@@ -77,13 +77,15 @@ class Hooks:
 
     def __call__(self, hook: str, *args) -> None:
         module = self.module
+        # Before any stage (fit.log_metrics called early) there is no module to call.
+        module_hook = getattr(module, hook) if module is not None else (lambda *a: None)
         if hook in MODULE_FIRST:
-            getattr(module, hook)(*args)
+            module_hook(*args)
         first = [cb for cb in self.callbacks if not (hook in MONITORS_LAST and _monitors(cb))]
         for cb in first:
             getattr(cb, hook)(self._fit, module, *args)
         if hook not in MODULE_FIRST:
-            getattr(module, hook)(*args)
+            module_hook(*args)
         if hook in MONITORS_LAST:
             for cb in self.callbacks:
                 if _monitors(cb):
