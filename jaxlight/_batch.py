@@ -1,15 +1,81 @@
-"""Multi-process batch checks: every process feeds an equal, contiguous share of the global
-batch, with the same shapes and dtypes, and the mesh places each share on its own process."""
+"""Batch checks: every batch matches the one the step was compiled for (structure, shapes,
+dtypes); every process feeds an equal, contiguous share of the global batch, with the same
+shapes and dtypes, and the mesh places each share on its own process."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxlight._errors import DataError, ShardingError
 from jaxlight.distributed._agreement import _nproc, all_gather_json
+
+
+class BatchSignature(NamedTuple):
+    """What a compiled step fixes about its batch: tree structure and each leaf's shape and
+    dtype (as JAX canonicalizes it: float64 becomes float32 unless x64 is enabled, so such a
+    change is not a change for the compiled step)."""
+
+    treedef: Any
+    leaves: tuple[tuple[str, tuple[int, ...], np.dtype], ...]
+    origin: str  # where the reference batch came from, for messages
+
+    def describe(self) -> str:
+        return "{" + ", ".join(f"{p}: {s} {d}" for p, s, d in self.leaves) + "}"
+
+
+def _dtype(x: Any) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        dtype = np.asarray(x).dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def batch_signature(batch: Any, origin: str) -> BatchSignature:
+    """The signature of `batch`; `origin` says where it came from ('batch 0 of epoch 0')."""
+    leaves = tuple((jax.tree_util.keystr(p) or "batch", tuple(np.shape(x)), _dtype(x))
+                   for p, x in jax.tree_util.tree_leaves_with_path(batch))
+    return BatchSignature(jax.tree.structure(batch), leaves, origin)
+
+
+def check_same_signature(batch: Any, reference: BatchSignature, where: str, advice: str) -> None:
+    """Refuses a batch whose structure, shapes or dtypes differ from `reference`.
+
+    Without this, a changed shape recompiles (or fails deep in XLA) and a changed dtype fails as
+    JAX's 'Argument types differ ... different enable_x64 mode' TypeError, naming neither the
+    batch nor what to do.
+
+    Args:
+        batch: the host batch about to be transferred.
+        reference: the signature the step was compiled for.
+        where: this batch's place in the data, for example 'training batch 3 of epoch 1'.
+        advice: what to do about a shape or structure change (the dtype advice is fixed).
+    """
+    got = batch_signature(batch, where)
+    if got == reference._replace(origin=where):
+        return
+    if got.treedef == reference.treedef:
+        for (path, shape, dtype), (_, ref_shape, ref_dtype) in zip(got.leaves, reference.leaves,
+                                                                   strict=True):
+            if shape != ref_shape:
+                raise DataError(
+                    f"{where} has leaf {path} of shape {shape}, but the step was compiled for "
+                    f"shape {ref_shape} (from {reference.origin}). Whole batch: "
+                    f"{got.describe()}; compiled for {reference.describe()}. {advice}"
+                )
+            if dtype != ref_dtype:
+                raise DataError(
+                    f"{where} has leaf {path} of dtype {dtype}, but the step was compiled for "
+                    f"dtype {ref_dtype} (from {reference.origin}). Every batch must keep its "
+                    f"dtypes: cast in the data pipeline (for example x.astype(np.{ref_dtype})) "
+                    "so that every batch yields the same dtype for each leaf."
+                )
+    raise DataError(
+        f"{where} has structure {got.describe()}, but the step was compiled for "
+        f"{reference.describe()} (from {reference.origin}). {advice}"
+    )
 
 
 def check_batch_agreement(batch: Any, what: str = "training batch",

@@ -46,12 +46,6 @@ from jaxlight.data._prefetch import Prefetcher
 MAX_IN_FLIGHT = 2
 
 
-def _describe_batch(batch: Any) -> str:
-    parts = [f"{jax.tree_util.keystr(p)}: {tuple(np.shape(x))} {np.asarray(x).dtype}"
-             for p, x in jax.tree_util.tree_leaves_with_path(batch)]
-    return "{" + ", ".join(parts) + "}"
-
-
 def _len_or_none(data: Any) -> int | None:
     try:
         return len(data)
@@ -559,16 +553,11 @@ class Fit:
             return max(1, int(per_epoch * v))
         return int(v)
 
-    def _check_batch(self, batch: Any, reference: tuple, index: int) -> None:
-        treedef, shapes = reference
-        if jax.tree.structure(batch) != treedef or [np.shape(x) for x in jax.tree.leaves(batch)] \
-                != shapes:
-            raise DataError(
-                f"batch {index} of epoch {self._epoch} has structure "
-                f"{_describe_batch(batch)}, but the step was compiled for "
-                f"{self._reference_desc}. Every training batch must have the same structure and "
-                "shapes (drop a last partial batch, for example ArrayLoader(drop_remainder=True))."
-            )
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+        _batch.check_same_signature(
+            batch, reference, f"training batch {index} of epoch {self._epoch}",
+            "Every training batch must have the same structure and shapes (drop a last partial "
+            "batch, for example ArrayLoader(drop_remainder=True)).")
 
     def _run_training(self, train_data: Iterable, val_data: Iterable | None) -> None:
         limit = self._limit(self.limit_train_batches, train_data)
@@ -585,8 +574,8 @@ class Fit:
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
         self.strategy.check_batch(abstract_batch)
-        reference = (jax.tree.structure(first), [np.shape(x) for x in jax.tree.leaves(first)])
-        self._reference_desc = _describe_batch(first)
+        reference = _batch.batch_signature(
+            first, f"training batch {self._batch_idx} of epoch {self._epoch}")
         if self._state is None:
             self._state = self._init_state()
         compiled, batch_sh = self._compile_train_step(abstract_batch)

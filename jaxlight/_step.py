@@ -38,10 +38,18 @@ def split_loss_output(out: Any, where: str) -> tuple[jax.Array, dict]:
     """Normalizes `loss` or `(loss, metrics)`; refuses anything else with what it got."""
     metrics: dict = {}
     if isinstance(out, tuple | list):
-        if len(out) != 2 or not isinstance(out[1], dict):
+        if len(out) != 2:
             raise StepOutputError(
                 f"{where} returned a {type(out).__name__} of length {len(out)}; return a scalar "
                 "loss or a pair (loss, {'metric': scalar, ...})."
+            )
+        if not isinstance(out[1], dict):
+            second = out[1]
+            kind = "array" if _is_array(second) else type(second).__name__
+            raise StepOutputError(
+                f"{where} returned (loss, {kind}): the second element must be a dict of scalar "
+                f"metrics, got {_describe_value(second)}. Name each metric, for example "
+                "return loss, {'accuracy': acc}; or return the loss alone."
             )
         out, metrics = out
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
@@ -58,6 +66,22 @@ def split_loss_output(out: Any, where: str) -> tuple[jax.Array, dict]:
         raise StepOutputError(f"{where} returned a loss of dtype {out.dtype}; it must be floating.")
     check_scalar_metrics(metrics, where)
     return out, metrics
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _describe_value(x: Any) -> str:
+    """'the float 3.0', 'a list of 1 element', 'an array of shape (4,) and dtype float32'."""
+    if _is_array(x):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, bool | int | float | complex | str):
+        return f"the {type(x).__name__} {x!r}"
+    if isinstance(x, tuple | list | set):
+        n = len(x)
+        return f"a {type(x).__name__} of {n} element{'s' if n != 1 else ''}"
+    return f"a {type(x).__name__}"
 
 
 def check_scalar_metrics(metrics: Any, where: str) -> None:
