@@ -20,7 +20,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,10 +27,11 @@ from jaxlight import _batch
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
+from jaxlight._evaluation import Evaluator
+from jaxlight._metrics import EpochAccumulator, LogSpec
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
-    build_eval_step,
     build_optimizer,
     build_params_transform,
     build_predict_step,
@@ -219,6 +219,8 @@ class Fit:
         self._spec = None
         self._shardings = None
         self._eval_batch_size: dict[str, int] = {}
+        self._evaluator: Evaluator | None = None
+        self._log_spec = LogSpec()
         self._train_data = None
         self._feed: TrainFeed | None = None
 
@@ -317,6 +319,14 @@ class Fit:
         return self._feed
 
     @property
+    def progress_bar_metrics(self) -> set[str]:
+        """Names the module logged with `self.log(..., prog_bar=True)` (the bar shows them)."""
+        names = set(self._log_spec.prog_bar)
+        if self._evaluator is not None:
+            names |= self._evaluator.prog_bar
+        return names
+
+    @property
     def compiled_train_step(self) -> Any | None:
         """The compiled training step (`jax.stages.Compiled` for SPMD strategies), once built.
 
@@ -392,6 +402,8 @@ class Fit:
             if warn is not None:
                 warn(self._spec.logical_axes)
             self._compiled = {}
+            self._evaluator = None
+            self._log_spec = LogSpec()
 
     def _count_compile(self, kind: str) -> None:
         self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
@@ -443,7 +455,8 @@ class Fit:
         if "train" in self._compiled:
             return self._compiled["train"]
         step = build_train_step(self._module, self._spec.graphdef, self._tx, self.callbacks,
-                                self.strategy, frozen=self._spec.frozen)
+                                self.strategy, frozen=self._spec.frozen,
+                                log_spec=self._log_spec)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
         _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self._compiling("train"):
@@ -579,6 +592,7 @@ class Fit:
         if self._state is None:
             self._state = self._init_state()
         compiled, batch_sh = self._compile_train_step(abstract_batch)
+        epoch_metrics = EpochAccumulator(self._log_spec)
         self._call("on_train_start")
 
         def put(batch):
@@ -604,6 +618,7 @@ class Fit:
                     got_any = True
                     self._call("on_train_batch_start", batch, self._batch_idx)
                     self._state, metrics = compiled(self._state, device_batch)
+                    epoch_metrics.add(metrics)  # on_epoch values: summed on device, no read
                     self._feed.consumed(position)
                     self._global_step += 1
                     self._batch_idx += 1
@@ -634,6 +649,10 @@ class Fit:
                 pending = self._retire(pending, final=True)
             if self._hit_max_steps() and not self._epoch_exhausted(train_data, limit):
                 break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
+            epoch_values = epoch_metrics.compute()
+            if epoch_values:
+                self.callback_metrics.update(epoch_values)
+                self.log_metrics(epoch_values, self._global_step)
             self._call("on_train_epoch_end")
             # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
             # end-of-epoch validation, as Lightning does: the epoch did not end.
@@ -675,7 +694,7 @@ class Fit:
         """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
-            host = jax.device_get(pending.metrics)
+            host = self._log_spec.step_values(jax.device_get(pending.metrics))
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
             metrics["epoch"] = float(self._epoch)
@@ -726,71 +745,15 @@ class Fit:
 
     def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
         limit = self._limit(limit_arg, data)
-        if hasattr(data, "set_epoch"):
-            data.set_epoch(0)  # every evaluation reads the data from its start, in one order
         state = self._eval_state()
-        totals = None
-        compiled = None
-        pending = None
-        check_iterable(data, prefix)
-        for idx, batch in enumerate(numpy_batches(data)):
-            if limit is not None and idx >= limit:
-                break
-            local = int(np.shape(jax.tree.leaves(batch)[0])[0])
-            size = self._eval_size(method, local)
-            batch, mask = self._pad(batch, size, prefix)
-            if compiled is None:
-                compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
-            device_batch = self.strategy.put_batch(batch, batch_sh)
-            device_mask = self.strategy.put_batch(mask, mask_sh)
-            totals = compiled(state, device_batch, device_mask, totals)
-            if pending is not None:
-                jax.block_until_ready(pending)
-            pending = totals
-            self._call("on_validation_batch_end", batch, idx) if prefix == "val" else None
-        if totals is None:
-            raise DataError(f"the {prefix} data yielded no batch; pass a non-empty iterable.")
-        host = jax.device_get(totals)
-        count = float(host.pop("__count__"))
-        return {(k if k.startswith(prefix) else f"{prefix}_{k}"): float(v) / count
-                for k, v in host.items()}
-
-    def _compile_eval(self, method: str, batch: Any, state: TrainState):
-        key = f"eval:{method}:{state.opt_state is None}"
-        if key not in self._compiled:
-            self._compiled[key] = self._compile_eval_uncached(method, batch, state)
-        return self._compiled[key]
-
-    def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
-        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
-        abstract_batch = _abstract_global_batch(batch)
-        self.strategy.check_batch(abstract_batch, what=f"{method} batch")
-        abstract_mask = _abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
-                                                        bool))
-        batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
-        mask_sh = self.strategy.batch_shardings(abstract_mask)
-        key = f"eval:{method}"
-        eval_step, batch_sums = build_eval_step(self._module, self._spec.eval_graphdef, method,
-                                                self.strategy)
-        state_sh = self._state_shardings(state)
-        abstract_state = self._canonical_abstract(state)
-        with self.strategy.trace_context():
-            abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
-                                             abstract_mask)
-        rep = self.strategy.replicated()
-        with self._compiling(key):
-            compiled = self.strategy.compile(
-                eval_step,
-                (abstract_state, abstract_batch, abstract_mask, abstract_totals),
-                in_shardings=(state_sh, batch_sh, mask_sh, rep),
-                out_shardings=rep,  # a few scalars, not donated: the loop can wait on them
-            )
-        zeros = jax.device_put(
-            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_totals),
-            self.strategy.replicated_like(abstract_totals),
-        )
-        return compiled, batch_sh, mask_sh, zeros
+        if self._evaluator is None:
+            self._evaluator = Evaluator(
+                self._module, self.strategy, self._spec.eval_graphdef,
+                state_shardings=self._state_shardings, abstract_state=self._canonical_abstract,
+                compiling=self._compiling)
+        on_batch_end = ((lambda batch, idx: self._call("on_validation_batch_end", batch, idx))
+                        if prefix == "val" else None)
+        return self._evaluator.run(data, state, method, prefix, limit, on_batch_end)
 
     def validate(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
                  ) -> dict[str, float]:

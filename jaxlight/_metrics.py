@@ -367,7 +367,14 @@ def accumulate(totals: dict, batch: dict, first: jax.Array, where: str) -> dict:
     merges = {}
     for name, new in batch["merge"].items():
         old = totals["merge"][name]
-        merged = old.merge(new)
+        try:
+            merged = old.merge(new)
+        except Exception as err:  # the metric's own refusal (clu's CollectingMetric raises)
+            raise StepOutputError(
+                f"{where} metric {name!r} ({type(new).__name__}) cannot be merged inside the "
+                f"compiled evaluation step ({type(err).__name__}: {err}). Use a fixed-size "
+                "metric (counts, a histogram, a confusion matrix) that merges by arithmetic."
+            ) from err
         if jax.tree.structure(merged) != jax.tree.structure(new) or any(
                 np.shape(a) != np.shape(b)
                 for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(new), strict=True)):

@@ -28,6 +28,7 @@ from jaxlight import _metrics
 from jaxlight._errors import StepOutputError
 from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
+from jaxlight.nn._pipeline import any_batch_size
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -222,7 +223,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
     def batch_totals(state: TrainState, batch) -> dict:
         model = nnx.merge(eval_graphdef, state.params, state.rest)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
-        with _metrics.collecting("eval", where) as logs:
+        with _metrics.collecting("eval", where) as logs, any_batch_size():
             out = user_fn(model, batch)
         totals = _metrics.eval_outputs(out, logs, spec, rows, where)
         return _metrics.gather_replicas(totals, strategy) if sharded else totals
