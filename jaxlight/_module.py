@@ -196,14 +196,19 @@ class TrainModule:
         )
 
     def validation_step(self, model: nnx.Module, batch: Batch) -> Metrics:
-        """Returns a dict of scalar metrics averaged over the batch."""
+        """Evaluates one whole batch (as the loader yields it, never padded).
+
+        Returns a dict of scalar batch means (each weighted by the batch's examples over the
+        evaluation) and clu metrics (merged over every batch), a clu `Collection`, or nothing
+        after `self.log(...)`. Keys are prefixed `val_` (`test_` under `Fit.test`).
+        """
         raise NotImplementedError(
             f"{type(self).__name__} has no validation_step(self, model, batch) -> dict; "
             "implement it to pass validation data to Fit."
         )
 
     def test_step(self, model: nnx.Module, batch: Batch) -> Metrics:
-        """Returns a dict of scalar metrics; defaults to `validation_step`."""
+        """Like `validation_step` (its default), for `Fit.test`."""
         return self.validation_step(model, batch)
 
     def predict_step(self, model: nnx.Module, batch: Batch):
