@@ -8,9 +8,12 @@ from jaxlight._errors import (
     DataError,
     DistributedError,
     JaxlightError,
+    JaxlightWarning,
+    PortingError,
     ShardingError,
     StepOutputError,
     TrainingStopped,
+    UserStepError,
 )
 from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
@@ -25,12 +28,15 @@ __all__ = [
     "DistributedError",
     "Fit",
     "JaxlightError",
+    "JaxlightWarning",
+    "PortingError",
     "ShardingError",
     "StepOutput",
     "StepOutputError",
     "TrainModule",
     "TrainState",
     "TrainingStopped",
+    "UserStepError",
     "callbacks",
     "data",
     "distributed",

@@ -38,10 +38,15 @@ _OFF = {"0", "off", "false", "no", "none", ""}
 _configured: str | None = None
 
 
+def cache_home() -> str:
+    """jaxlight's cache folder: `$XDG_CACHE_HOME/jaxlight`, else `~/.cache/jaxlight`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxlight")
+
+
 def default_dir() -> str:
     """`$XDG_CACHE_HOME/jaxlight/xla`, else `~/.cache/jaxlight/xla`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxlight", "xla")
+    return os.path.join(cache_home(), "xla")
 
 
 def resolve(setting: Any = None) -> str | bool | None:

@@ -7,12 +7,24 @@ class JaxlightError(Exception):
     """Base class of every error jaxlight raises on purpose."""
 
 
+class JaxlightWarning(UserWarning):
+    """Base class of every warning jaxlight gives on purpose (filter them by this class)."""
+
+
 class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 
 
+class ConfigurationTypeError(ConfigurationError, TypeError):
+    """An argument of the wrong kind (so `except TypeError` also catches it)."""
+
+
 class DataError(JaxlightError, ValueError):
     """A batch or iterable that does not fit what the step was built for."""
+
+
+class DataTypeError(DataError, TypeError):
+    """A batch whose dtype the model cannot take (so `except TypeError` also catches it)."""
 
 
 class ShardingError(JaxlightError, ValueError):
@@ -23,12 +35,25 @@ class StepOutputError(JaxlightError, TypeError):
     """A user step function that returned something jaxlight cannot use."""
 
 
+class UserStepError(JaxlightError, RuntimeError):
+    """A user step function (`training_step`, `validation_step`, ...) raised while it was traced;
+    the message names the step, the data and the batch, and `__cause__` is the original error."""
+
+
 class CheckpointError(JaxlightError, ValueError):
     """A checkpoint that cannot be found, read or matched to the module."""
 
 
 class DistributedError(JaxlightError, RuntimeError):
     """Processes of a multi-process job that could not connect, disagree, or lost a peer."""
+
+
+class PortingError(JaxlightError, TypeError):
+    """Lightning code jaxlight cannot run as written; the message names the jaxlight form."""
+
+
+class MissingDependency(JaxlightError, ModuleNotFoundError):
+    """An optional package a feature needs is not installed; the message names the extra."""
 
 
 class TrainingStopped(JaxlightError, RuntimeError):

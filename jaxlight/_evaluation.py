@@ -28,6 +28,7 @@ from jaxlight import _batch, _metrics
 from jaxlight import distributed as _distributed
 from jaxlight._errors import DataError, StepOutputError
 from jaxlight._step import build_eval_step
+from jaxlight._user_step import tracing_for
 from jaxlight.data._convert import check_iterable, numpy_batches
 
 _END = -1  # a process whose data ran out, in the per-batch row-count exchange
@@ -77,8 +78,13 @@ class Evaluator:
         return set().union(*(s.prog_bar for s in self._specs.values()))
 
     def run(self, data: Iterable, state, method: str, prefix: str, limit: int | None = None,
-            on_batch_end: Callable[[Any, int], None] | None = None) -> dict[str, float]:
-        """Evaluates `method` over `data` (at most `limit` batches); the exact metrics."""
+            on_batch_end: Callable[[Any, int], None] | None = None, *, occasion: str = "",
+            data_name: str = "the data") -> dict[str, float]:
+        """Evaluates `method` over `data` (at most `limit` batches); the exact metrics.
+
+        `occasion` ("sanity check", "Fit.validate") and `data_name` name the batch in errors
+        raised while the step is traced for it.
+        """
         if hasattr(data, "set_epoch"):
             data.set_epoch(0)  # every evaluation reads the data from its start, in one order
         check_iterable(data, prefix)
@@ -105,7 +111,10 @@ class Evaluator:
                     )
             if batch is None:
                 break
-            compiled, put, zeros = self._step_for(method, spec, batch, state, counts)
+            what = "validation" if prefix == "val" else prefix
+            with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
+                             data_name, batch):
+                compiled, put, zeros = self._step_for(method, spec, batch, state, counts)
             if totals is None:
                 totals = zeros
             elif _shapes(totals) != _shapes(zeros):

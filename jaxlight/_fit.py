@@ -30,6 +30,7 @@ from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
 from jaxlight._evaluation import Evaluator
 from jaxlight._metrics import EpochAccumulator, LogSpec
 from jaxlight._module import TrainModule
+from jaxlight._porting import check_module
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
     build_optimizer,
@@ -37,6 +38,7 @@ from jaxlight._step import (
     build_predict_step,
     build_train_step,
 )
+from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._convert import check_iterable, numpy_batches
 from jaxlight.data._feed import TrainFeed
@@ -83,6 +85,24 @@ class StepOutput:
 
     def __getitem__(self, key):
         return self.metrics[key]
+
+
+
+def _check_batch_limit(name: str, value: Any, verb: str) -> None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
+    if value is None:
+        return
+    bad = (isinstance(value, bool) or not isinstance(value, int | float)
+           or (isinstance(value, int) and value < 1)
+           or (isinstance(value, float) and not 0.0 < value <= 1.0))
+    if bad:
+        skip = ("pass no validation data to skip validation" if "val" in name
+                else "set max_steps or max_epochs to train less")
+        raise ConfigurationError(
+            f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
+            f"int (batches per epoch), a float fraction of an epoch in (0, 1], or None for "
+            f"every batch; {skip}. (On the command line: --{name.replace('_', '-')}.)"
+        )
 
 
 class Fit:
@@ -151,6 +171,9 @@ class Fit:
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         self.strategy = _strategies.resolve(strategy)
+        #: The `strategies.Auto` choosing this fit's layout (None: a fixed strategy). Once it
+        #: has chosen, `strategy` is the chosen one and `auto.choice` the candidate table.
+        self.auto = self.strategy if isinstance(self.strategy, _strategies.Auto) else None
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_steps, max_epochs = n, 1
@@ -165,6 +188,8 @@ class Fit:
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        _check_batch_limit("limit_train_batches", limit_train_batches, "train on")
+        _check_batch_limit("limit_val_batches", limit_val_batches, "validate on")
         if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:
             raise ConfigurationError(
                 f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "
@@ -385,6 +410,7 @@ class Fit:
             raise ConfigurationError(
                 f"Fit.{stage} takes a jaxlight.TrainModule, got {type(module).__name__}."
             )
+        check_module(module)  # Lightning habits that cannot run, refused before tracing
         self._module = module
         self._stage = stage
         if self.strategy.mesh is None:
@@ -395,15 +421,38 @@ class Fit:
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
-            self._shardings = self.strategy.state_shardings(
-                self._spec.abstract_state, self._spec.logical_axes
-            )
-            warn = getattr(self.strategy, "warn_unused_rules", None)
-            if warn is not None:
-                warn(self._spec.logical_axes)
             self._compiled = {}
             self._evaluator = None
             self._log_spec = LogSpec()
+            self._shardings = None
+            if self.auto is not None:
+                self.strategy = self.auto  # a new model: choose again
+            # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
+            self._choose_layout(None, defer=stage in ("fit", "plan"))
+
+    def _choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
+        """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
+        candidate train steps for `abstract_batch` (None: from state bytes alone)."""
+        if self._shardings is not None:
+            return
+        if self.auto is not None:
+            def make_step(strategy):
+                return build_train_step(self._module, self._spec.graphdef, self._tx,
+                                        self.callbacks, strategy, frozen=self._spec.frozen)
+
+            chosen = self.auto.choose(self._spec.abstract_state, self._spec.logical_axes,
+                                      abstract_batch, make_step, defer=defer)
+            if chosen is None:
+                return  # decided with the first batch
+            self.strategy = chosen
+            self.compile_counts["auto"] = self.auto.choice.compiles
+            self.compile_times["auto"] = self.auto.choice.seconds
+        self._shardings = self.strategy.state_shardings(
+            self._spec.abstract_state, self._spec.logical_axes
+        )
+        warn = getattr(self.strategy, "warn_unused_rules", None)
+        if warn is not None:
+            warn(self._spec.logical_axes)
 
     def _count_compile(self, kind: str) -> None:
         self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
@@ -509,6 +558,7 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import resume_fit
 
+                self._choose_layout(None)  # restoring needs the layout before any batch
                 restored = resume_fit(self, module, ckpt_path)
             if restored is None:
                 self._global_step, self._epoch, self._batch_idx = 0, 0, 0
@@ -586,12 +636,15 @@ class Fit:
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
+        first_name = f"training batch {self._batch_idx} of epoch {self._epoch}"
+        with tracing_for(first_name, "train_data", first):
+            self._choose_layout(abstract_batch)
         self.strategy.check_batch(abstract_batch)
-        reference = _batch.batch_signature(
-            first, f"training batch {self._batch_idx} of epoch {self._epoch}")
+        reference = _batch.batch_signature(first, first_name)
         if self._state is None:
             self._state = self._init_state()
-        compiled, batch_sh = self._compile_train_step(abstract_batch)
+        with tracing_for(first_name, "train_data", first):
+            compiled, batch_sh = self._compile_train_step(abstract_batch)
         epoch_metrics = EpochAccumulator(self._log_spec)
         self._call("on_train_start")
 
@@ -708,7 +761,8 @@ class Fit:
     def _run_validation(self, val_data: Iterable) -> dict[str, float]:
         self._call("on_validation_start")
         self._call("on_validation_epoch_start")
-        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
+        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches,
+                                 f"validation at step {self._global_step}", "val_data")
         self.callback_metrics.update(metrics)
         self.log_metrics(metrics, self._global_step)
         self._call("on_validation_epoch_end")
@@ -743,7 +797,8 @@ class Fit:
         self._state = self._init_state()
         return self._state
 
-    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
+    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg,
+                  occasion: str = "", data_name: str = "the data") -> dict[str, float]:
         limit = self._limit(limit_arg, data)
         state = self._eval_state()
         if self._evaluator is None:
@@ -753,7 +808,8 @@ class Fit:
                 compiling=self._compiling)
         on_batch_end = ((lambda batch, idx: self._call("on_validation_batch_end", batch, idx))
                         if prefix == "val" else None)
-        return self._evaluator.run(data, state, method, prefix, limit, on_batch_end)
+        return self._evaluator.run(data, state, method, prefix, limit, on_batch_end,
+                                   occasion=occasion, data_name=data_name)
 
     def validate(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
                  ) -> dict[str, float]:
@@ -778,7 +834,8 @@ class Fit:
             start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
                           else ("on_test_start", "on_test_end"))
             self._call(start)
-            metrics = self._evaluate(data, method, prefix, limit)
+            metrics = self._evaluate(data, method, prefix, limit, f"Fit.{stage}",
+                                     f"the data passed to Fit.{stage}")
             self.callback_metrics.update(metrics)
             self.log_metrics(metrics, self._global_step)
             self._call(end)
@@ -815,7 +872,8 @@ class Fit:
                     _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
-                    with self._compiling("predict"):
+                    with self._compiling("predict"), tracing_for(
+                            "predict batch 0", "the data passed to Fit.predict", batch):
                         compiled = self.strategy.compile(
                             build_predict_step(module, self._spec.eval_graphdef),
                             (abstract_state, abstract_batch),

@@ -24,7 +24,10 @@ same microbatches as a run on one.
 Loss and metrics are averaged over microbatches (and replicas); with equal microbatch sizes this
 is the full-batch mean, and so is the gradient. Non-gradient variables (`rest`: batch statistics,
 RNG counters) are threaded through the microbatches in order; per replica, floating ones are then
-averaged over replicas, so batch statistics are per-replica statistics as in DDP.
+averaged over replicas, so batch statistics are per-replica statistics as in DDP. Random draws
+inside the per-replica scan are each replica's rows of the single-device draw
+(`jaxlight._replica_rng`): dropout masks differ across replicas and microbatches exactly as on one
+device.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxlight._layout import activation_sharding, axes_of, require_divisible
+from jaxlight._replica_rng import replica_draws
 
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
 
@@ -244,11 +248,14 @@ def accumulate_per_replica(
             out.append(jax.lax.psum(g, others) if others else g)
         return jax.tree.unflatten(jax.tree.structure(grad_sum), out)
 
+    # Each replica draws its own rows of the single-device run's random draws (dropout).
+    drawn = replica_draws(grad_fn, axes)
+
     def per_replica(params, rest, batch):
         shards = params
         params = gather(params)  # FSDP: the one all-gather of the step, before the loop
         with activation_sharding(mesh, inner_rules):
-            loss, metrics, rest, grad_sum = scan_microbatches(grad_fn, params, rest, batch, k)
+            loss, metrics, rest, grad_sum = scan_microbatches(drawn, params, rest, batch, k)
         # The one gradient collective of the step, in fp32, after the loop.
         grad_sum = reduce(grad_sum)
         params = shards

@@ -9,7 +9,8 @@ import optax
 from flax import nnx
 
 from jaxlight import _hparams, _metrics
-from jaxlight._errors import ConfigurationError
+from jaxlight._errors import ConfigurationError, PortingError
+from jaxlight._porting import GUIDE
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -172,6 +173,14 @@ class TrainModule:
             self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
                      on_epoch=on_epoch, reduce_fx=reduce_fx, sync_dist=sync_dist,
                      batch_size=batch_size, **ignored)
+
+    def __call__(self, *args, **kwargs):
+        # Lightning's self(x) runs forward; here the model is the step's argument. Setup finds
+        # self(x) in the step's source (jaxlight._porting); this catches it where no source is.
+        raise PortingError(
+            f"{type(self).__name__}(...) was called, Lightning's self(x); a TrainModule holds no "
+            f"model: call the model the step receives, model(x). See {GUIDE}."
+        )
 
     # -- what a user implements -------------------------------------------------------------
 

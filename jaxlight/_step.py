@@ -28,6 +28,7 @@ from jaxlight import _metrics
 from jaxlight._errors import StepOutputError
 from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
+from jaxlight._user_step import call_user_step
 from jaxlight.nn._pipeline import any_batch_size
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
@@ -111,7 +112,7 @@ def make_loss_fn(module, graphdef, log_spec: _metrics.LogSpec | None = None) -> 
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
         with _metrics.collecting("train", where) as logs:
-            out = module.training_step(model, batch)
+            out = call_user_step(module.training_step, where, model, batch)
         loss, metrics = split_loss_output(out, where)
         metrics = _metrics.merge_training_logs(metrics, logs, log_spec, where)
         _, _, new_rest = nnx.split(model, module.trainable, ...)
@@ -224,7 +225,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
         model = nnx.merge(eval_graphdef, state.params, state.rest)
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         with _metrics.collecting("eval", where) as logs, any_batch_size():
-            out = user_fn(model, batch)
+            out = call_user_step(user_fn, where, model, batch)
         totals = _metrics.eval_outputs(out, logs, spec, rows, where)
         return _metrics.gather_replicas(totals, strategy) if sharded else totals
 
@@ -244,6 +245,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
 def build_predict_step(module, eval_graphdef) -> Callable:
     def predict_step(state: TrainState, batch):
         model = nnx.merge(eval_graphdef, state.params, state.rest)
-        return module.predict_step(model, batch)
+        return call_user_step(module.predict_step, f"{type(module).__name__}.predict_step",
+                              model, batch)
 
     return predict_step

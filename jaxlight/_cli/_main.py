@@ -3,19 +3,30 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Sequence
+
+import jax
 
 from jaxlight import recipes
 from jaxlight._cli._devices import _devices_command, _prescan_devices, simulate_cpu_devices
 from jaxlight._cli._options import COMMANDS
 from jaxlight._cli._run import run
-from jaxlight._errors import ConfigurationError, JaxlightError, suggest
+from jaxlight._errors import (
+    ConfigurationError,
+    DistributedError,
+    JaxlightError,
+    TrainingStopped,
+    suggest,
+)
 from jaxlight._launch import main as launch_main
 
 
 def _top_help() -> str:
-    lines = ["usage: jaxlight <command> [recipe] [options]", "", "commands:"]
+    lines = ["usage: jaxlight <command> [recipe] [options]   (jaxlight --version)", "",
+             "commands:"]
     lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
     lines += ["", "recipes (jaxlight fit <recipe> --help lists every option and its default):"]
     for name in recipes.names():
@@ -27,41 +38,66 @@ def _top_help() -> str:
     return "\n".join(lines)
 
 
+def _version() -> str:
+    return f"jaxlight {sys.modules['jaxlight'].__version__} (jax {jax.__version__})"
+
+
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null once its reader is gone (`jaxlight devices | head`), so that
+    neither later prints nor the interpreter's final flush raise BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The `jaxlight` console script. Returns the exit status (2: bad input, 1: failed run)."""
+    """The `jaxlight` console script. Returns the exit status: 2 for bad input (every
+    `JaxlightError` except the two below, printed as `jaxlight: error: ...`), 1 for a run that
+    failed (`DistributedError`, `TrainingStopped`), 141 when stdout's reader went away."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if not argv or argv[0] in ("-h", "--help", "help"):
-            print(_top_help())
-            return 0 if argv else 2
-        command, rest = argv[0], argv[1:]
-        if command == "launch":
-            return launch_main(rest) or 0
-        if command not in COMMANDS:
-            raise ConfigurationError(
-                f"unknown command {command!r}; valid commands are {list(COMMANDS)}."
-                f"{suggest(command, COMMANDS)}"
-            )
-        n = _prescan_devices(rest)
-        if n is not None:
-            simulate_cpu_devices(n)
-        if command == "devices":
-            _devices_command(rest)
-            return 0
-        if not rest or rest[0].startswith("-"):
-            if rest and rest[0] in ("-h", "--help"):
-                print(_top_help())
-                return 0
-            raise ConfigurationError(
-                f"jaxlight {command} needs a recipe: jaxlight {command} <recipe> [options]; "
-                f"recipes are {recipes.names()}."
-            )
-        run(command, rest[0], rest[1:])
-        return 0
-    except ConfigurationError as err:
-        print(f"jaxlight: error: {err}", file=sys.stderr)
-        return 2
-    except JaxlightError as err:
+        status = _dispatch(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE  # what a Unix tool killed by SIGPIPE reports
+    except (DistributedError, TrainingStopped) as err:
         print(f"jaxlight: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    except JaxlightError as err:
+        print(f"jaxlight: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_top_help())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version", "version"):
+        print(_version())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "launch":
+        return launch_main(rest) or 0
+    if command not in COMMANDS:
+        raise ConfigurationError(
+            f"unknown command {command!r}; valid commands are {list(COMMANDS)} (or --version, "
+            f"--help).{suggest(command, [*COMMANDS, '--version'])}"
+        )
+    n = _prescan_devices(rest)
+    if n is not None:
+        simulate_cpu_devices(n)
+    if command == "devices":
+        _devices_command(rest)
+        return 0
+    if not rest or rest[0].startswith("-"):
+        if rest and rest[0] in ("-h", "--help"):
+            print(_top_help())
+            return 0
+        raise ConfigurationError(
+            f"jaxlight {command} needs a recipe: jaxlight {command} <recipe> [options]; "
+            f"recipes are {recipes.names()}."
+        )
+    run(command, rest[0], rest[1:])
+    return 0

@@ -54,6 +54,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         printable = {**options, **as_dict(config)}
         print(yaml.safe_dump(printable, sort_keys=False), end="")
         return None
+    _check_options(command, recipe.name, options, flags)
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
     _initialize_distributed()
     if options["devices"] is not None:
@@ -62,7 +63,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     strategy = build_strategy(options["strategy"], options["mesh_shape"])
     callbacks = build_callbacks(options["callbacks"])
     loggers = build_loggers(options["logger"]) if not options["fast_dev_run"] else None
-    if options["checkpoint_every_n_steps"]:
+    if options["checkpoint_every_n_steps"] is not None:
         if not hasattr(cbs, "ModelCheckpoint"):
             raise ConfigurationError("--checkpoint-every-n-steps needs callbacks.ModelCheckpoint, "
                                      "which this jaxlight does not have.")
@@ -103,7 +104,8 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             _report("after training", after, say)
     else:
         if options["ckpt_path"] is None:
-            say(f"note: no --ckpt-path: {command} runs the freshly initialized model")
+            say(f"warning: --ckpt-path none: {command} evaluates the model as configure_model "
+                "initializes it, not a trained one")
         split = data.val if command == "validate" else (data.test or data.val)
         if split is None:
             raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
@@ -113,6 +115,32 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         _report(f"{command} metrics", result, say)
     return RunResult(fit, module, data, config, options, metrics)
 
+
+
+def _check_options(command: str, recipe_name: str, options: dict[str, Any],
+                   flags: dict[str, Any]) -> None:
+    """Refuses option values that would run but do nothing useful, before anything starts."""
+    every = options["checkpoint_every_n_steps"]
+    if every is not None and every < 1:
+        raise ConfigurationError(
+            f"--checkpoint-every-n-steps {every} would save no checkpoint: give a positive "
+            "number of steps, or leave the option out for no periodic checkpoints."
+        )
+    # `--ckpt-path none` asks for the initialization on purpose (a baseline, or sft's base).
+    raw = flags.get("ckpt_path")
+    untrained_on_purpose = isinstance(raw, str) and raw.lower() in ("none", "null")
+    if command != "fit" and options["ckpt_path"] is None and not untrained_on_purpose:
+        root = options["default_root_dir"]
+        found = os.path.isdir(os.path.join(root, "checkpoints"))
+        hint = (f"--ckpt-path last (the newest checkpoint under {root}/checkpoints)" if found
+                else f"--ckpt-path PATH, a checkpoint step directory (such as "
+                f"{root}/checkpoints/100), a checkpoints directory, 'last' or 'best', as "
+                f"written by `jaxlight fit {recipe_name} --checkpoint-every-n-steps N`")
+        raise ConfigurationError(
+            f"jaxlight {command} {recipe_name} without --ckpt-path would evaluate a randomly "
+            f"initialized model, not a trained one; pass {hint}. (To evaluate the "
+            "initialization on purpose, pass --ckpt-path none.)"
+        )
 
 
 def _printer():

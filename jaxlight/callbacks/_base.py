@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jaxlight._errors import ConfigurationTypeError
+
 
 class Callback:
     """Base class of all callbacks. Override only the hooks you need.
@@ -114,12 +116,13 @@ class LambdaCallback(Callback):
     def __init__(self, **hooks: Callable):
         for name, fn in hooks.items():
             if not name.startswith("on_") and name not in ("setup", "teardown"):
-                raise TypeError(f"LambdaCallback: {name!r} is not a hook name (hooks start 'on_').")
+                raise ConfigurationTypeError(
+                    f"LambdaCallback: {name!r} is not a hook name (hooks start 'on_').")
             if not callable(getattr(Callback, name, None)):
                 import difflib
 
                 close = difflib.get_close_matches(name, [n for n in dir(Callback)
                                                          if n.startswith("on_")], n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise TypeError(f"LambdaCallback: unknown hook {name!r}.{hint}")
+                raise ConfigurationTypeError(f"LambdaCallback: unknown hook {name!r}.{hint}")
             setattr(self, name, fn)

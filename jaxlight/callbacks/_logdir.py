@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from jaxlight._errors import ConfigurationError
+from jaxlight._errors import ConfigurationError, MissingDependency
 
 
 def ensure_writable(path: str | os.PathLike, who: str) -> str:
@@ -39,7 +39,7 @@ def require(module: str, extra: str, who: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             f"{who} needs the {module!r} package, which is not installed: "
             f"pip install 'jaxlight[{extra}]' (or pip install {module}).",
             name=module,

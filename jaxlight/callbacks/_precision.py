@@ -7,8 +7,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.callbacks import _loss_scale
 from jaxlight.callbacks._base import Callback
 
 #: Valid policies, and what they mean.
@@ -16,10 +18,15 @@ POLICIES = {
     "32-true": "float32 everywhere (the default)",
     "bf16-mixed": "float32 master parameters and optimizer state; bfloat16 forward and backward",
     "bf16-true": "bfloat16 parameters, optimizer state, forward and backward",
+    "16-mixed": "float32 master parameters and optimizer state; float16 forward and backward "
+                "with dynamic loss scaling (for GPUs without bfloat16)",
 }
 
 #: Lightning's shorter spellings.
-ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed"}
+ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
+
+_COMPUTE = {"32-true": jnp.float32, "bf16-mixed": jnp.bfloat16, "bf16-true": jnp.bfloat16,
+            "16-mixed": jnp.float16}
 
 
 def _cast_floats(tree: Any, dtype) -> Any:
@@ -54,6 +61,16 @@ class MixedPrecision(Callback):
       be bfloat16 on accelerators). DDP reduces the float32 gradients.
     - `"bf16-true"`: parameters are stored in bfloat16 (`transform_params`), so the optimizer
       state is too; half the memory of "bf16-mixed", at the cost of bfloat16 updates.
+    - `"16-mixed"`: as "bf16-mixed" with float16 compute, for GPUs without bfloat16. float16's
+      narrow range needs dynamic loss scaling (`jaxlight.callbacks._loss_scale`, torch's
+      `GradScaler` rules): the loss is multiplied by a scale before the backward pass and the
+      gradients divided by it after, before clipping or anything else reads them; a step whose
+      gradients overflow (Inf/NaN) is skipped (parameters and optimizer state kept bit for bit)
+      and the scale multiplied by `backoff_factor`; after `growth_interval` finite steps in a
+      row it is multiplied by `growth_factor`. The scale lives in the optimizer state, so
+      checkpoints carry it; the metrics `loss_scale` (the scale this step used) and
+      `overflow_skipped` (steps skipped so far) report it. With `NonFiniteGuard`, overflow
+      steps count as non-finite steps.
     - `"32-true"`: nothing changes.
 
     Non-trainable variables (`rest`: batch statistics, frozen weights) keep their stored dtype
@@ -61,7 +78,10 @@ class MixedPrecision(Callback):
     parameters under "bf16-mixed"). Integer inputs (token ids, labels) are never cast.
 
     Args:
-        precision: one of `"32-true"`, `"bf16-mixed"`, `"bf16-true"` (also `"32"`, `32`, `"bf16"`).
+        precision: one of `"32-true"`, `"bf16-mixed"`, `"bf16-true"`, `"16-mixed"` (also
+            `"32"`, `32`, `"bf16"`, `"16"`, `16`).
+        init_scale, growth_interval, growth_factor, backoff_factor: "16-mixed"'s loss scaling
+            (torch's `GradScaler` defaults).
 
     Example:
         >>> from jaxlight import callbacks
@@ -69,17 +89,55 @@ class MixedPrecision(Callback):
         'bf16-mixed'
     """
 
-    def __init__(self, precision: str | int = "bf16-mixed"):
+    def __init__(self, precision: str | int = "bf16-mixed", *, init_scale: float = 2.0 ** 16,
+                 growth_interval: int = 2000, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5):
         resolved = ALIASES.get(precision, precision)
         if resolved not in POLICIES:
             valid = ", ".join(f"{name!r} ({what})" for name, what in POLICIES.items())
+            hint = (" float16 with float16 parameters ('16-true') is not supported: use "
+                    "'16-mixed'." if resolved in ("16-true", "fp16") else "")
             raise ConfigurationError(
-                f"unknown precision {precision!r}; valid values are {valid}. float16 is not "
-                f"supported (bfloat16 needs no loss scaling).{suggest(precision, POLICIES)}"
+                f"unknown precision {precision!r}; valid values are {valid}.{hint}"
+                f"{suggest(precision, POLICIES)}"
+            )
+        if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1):
+            raise ConfigurationError(
+                f"MixedPrecision loss scaling needs init_scale > 0, growth_factor > 1 and "
+                f"0 < backoff_factor < 1; got init_scale={init_scale}, growth_factor="
+                f"{growth_factor}, backoff_factor={backoff_factor}."
+            )
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+                or growth_interval < 1:
+            raise ConfigurationError(
+                f"MixedPrecision(growth_interval) must be a positive integer (finite steps "
+                f"before the loss scale grows), got {growth_interval!r}."
             )
         self.precision = resolved
-        self.compute_dtype = jnp.float32 if resolved == "32-true" else jnp.bfloat16
+        self.compute_dtype = _COMPUTE[resolved]
         self.param_dtype = jnp.bfloat16 if resolved == "bf16-true" else jnp.float32
+        self.init_scale = float(init_scale)
+        self.growth_interval = growth_interval
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        # The loss scale of the step being traced (a tracer), set by transform_step's wrapper
+        # around the step and read by the loss and gradient wrappers traced inside it.
+        self._trace_scale = None
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.precision == "16-mixed"
+
+    def _scale(self):
+        if self._trace_scale is None:
+            raise RuntimeError("MixedPrecision('16-mixed'): the loss was traced outside the "
+                               "training step, so no loss scale is known.")
+        return self._trace_scale
+
+    def transform_optimizer(self, tx):
+        if not self.loss_scaling:
+            return tx
+        return optax.chain(tx, _loss_scale.holder(self.init_scale))
 
     def transform_params(self, params: Any) -> Any:
         if self.precision != "bf16-true":
@@ -95,9 +153,30 @@ class MixedPrecision(Callback):
             loss, (metrics, new_rest) = loss_fn(
                 _cast_floats(params, compute), rest, _cast_floats(batch, compute)
             )
-            return loss.astype(jnp.float32), (metrics, _cast_like(new_rest, rest))
+            loss = loss.astype(jnp.float32)
+            if scaling:
+                loss = loss * self._scale()
+            return loss, (metrics, _cast_like(new_rest, rest))
 
+        scaling = self.loss_scaling
         return loss_in_compute_dtype
+
+    def transform_grad(self, grad_fn: Callable) -> Callable:
+        if not self.loss_scaling:
+            return grad_fn
+
+        def unscaled(params, rest, batch):
+            (loss, aux), grads = grad_fn(params, rest, batch)
+            inv = 1.0 / self._scale()
+            grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), grads)
+            return (loss * inv, aux), grads
+
+        return unscaled
+
+    def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
+        if not self.loss_scaling:
+            return grads, metrics
+        return grads, {**metrics, _loss_scale.FINITE: _loss_scale.all_finite(grads)}
 
     def transform_step(self, step_fn: Callable) -> Callable:
         if self.precision == "32-true":
@@ -109,7 +188,34 @@ class MixedPrecision(Callback):
             new_state, metrics = step_fn(state, batch)
             return _cast_like(new_state, state), metrics
 
-        return dtype_stable_step
+        if not self.loss_scaling:
+            return dtype_stable_step
+
+        def loss_scaled_step(state, batch):
+            old = _loss_scale.find(state.opt_state)
+            self._trace_scale = old.scale
+            try:
+                new_state, metrics = dtype_stable_step(state, batch)
+            finally:
+                self._trace_scale = None
+            metrics = dict(metrics)
+            finite = metrics.pop(_loss_scale.FINITE)
+
+            def keep(new, prev):
+                return jax.lax.select(finite, new, prev)
+
+            # An overflowing step changes nothing but the scale (a select, bit for bit); the
+            # model's other variables (batch statistics) advance as in torch's GradScaler.
+            params = jax.tree.map(keep, new_state.params, state.params)
+            opt_state = jax.tree.map(keep, new_state.opt_state, state.opt_state)
+            scaler = _loss_scale.next_state(old, finite, self.growth_interval,
+                                            self.growth_factor, self.backoff_factor)
+            opt_state = _loss_scale.replace(opt_state, scaler)
+            metrics.update(loss_scale=old.scale,
+                           overflow_skipped=scaler.skipped.astype(jnp.float32))
+            return new_state.replace(params=params, opt_state=opt_state), metrics
+
+        return loss_scaled_step
 
     def __repr__(self) -> str:
         return f"MixedPrecision({self.precision!r})"

@@ -25,7 +25,8 @@ instead of a hang.
 
 The package has three parts: `_environment` (what a launcher left in the environment:
 `detect`, `DistributedConfig`), `_connect` (joining the job: `initialize`) and `_agreement`
-(small host-side exchanges between processes: `all_gather_json`, `agree_stop`, version checks).
+(small host-side exchanges between processes: `all_gather_json`, `agree_stop`, version and
+device checks).
 
 Example:
     >>> import jaxlight as jl
@@ -39,8 +40,10 @@ from jaxlight.distributed._agreement import (
     agree_max,
     agree_stop,
     all_gather_json,
+    check_devices,
     check_same_across_processes,
     check_versions,
+    local_devices_report,
     package_versions,
     reached_preemption_sync_point,
 )
@@ -72,12 +75,14 @@ __all__ = [
     "agree_max",
     "agree_stop",
     "all_gather_json",
+    "check_devices",
     "check_port_free",
     "check_same_across_processes",
     "check_versions",
     "detect",
     "initialize",
     "is_initialized",
+    "local_devices_report",
     "package_versions",
     "process_count",
     "process_index",

@@ -1,5 +1,5 @@
 """Agreement between the processes of a job: small host-side exchanges through JAX's
-coordination service (no device computation), stop decisions and version checks."""
+coordination service (no device computation), stop decisions, version and device checks."""
 
 from __future__ import annotations
 
@@ -113,6 +113,48 @@ def check_versions(versions: Mapping[str, str] | None = None) -> None:
         f"the processes run different versions of {', '.join(differing)} ({rows}). Install "
         "the same versions everywhere (one environment or container image for all nodes): "
         "mixed versions can compile different programs and hang in a collective."
+    )
+
+
+def local_devices_report() -> dict[str, Any]:
+    """This process's devices as the job compares them: platform, kinds and count."""
+    devices = jax.local_devices()
+    kinds: dict[str, int] = {}
+    for d in devices:
+        kinds[d.device_kind] = kinds.get(d.device_kind, 0) + 1
+    return {"platform": devices[0].platform, "kinds": kinds, "count": len(devices)}
+
+
+def _describe_report(report: Mapping[str, Any]) -> str:
+    kinds = ", ".join(f"{n} x {kind}" for kind, n in sorted(report["kinds"].items()))
+    n = report["count"]
+    return f"{n} {report['platform']} device{'s' if n != 1 else ''} ({kinds})"
+
+
+def check_devices(report: Mapping[str, Any] | None = None) -> None:
+    """Refuses a job whose processes hold different device kinds or counts (every process
+    raises, with the list). Starts JAX's backend.
+
+    A mesh spans every process's devices as one grid: one kind and one count per process is
+    what its shardings, the data split per process and compiled programs assume.
+    `report` replaces this process's `local_devices_report()` (for tests of the check itself).
+    """
+    if _nproc()[0] == 1:
+        return  # nothing to compare, and one process need not start its backend here
+    mine = dict(local_devices_report() if report is None else report)
+    values = all_gather_json("devices", mine)
+    if all(v == values[0] for v in values):
+        return
+    groups: dict[str, list[int]] = {}
+    for i, v in enumerate(values):
+        groups.setdefault(_describe_report(v), []).append(i)
+    listed = "; ".join(f"process{'es' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: "
+                       f"{text}" for text, ids in groups.items())
+    raise DistributedError(
+        f"the processes of this job hold different devices, so the devices are not "
+        f"homogeneous ({listed}). jaxlight needs the same device kind and the same number of "
+        "devices on every process: start one process per node with the same accelerators "
+        "visible (CUDA_VISIBLE_DEVICES, --devices or XLA_FLAGS alike everywhere)."
     )
 
 

@@ -226,7 +226,8 @@ def initialize(
             default `$JAXLIGHT_TIMEOUT` or 300.
         heartbeat_timeout: seconds after which a silent process counts as dead and ends the
             others; default `$JAXLIGHT_HEARTBEAT_TIMEOUT`, else min(timeout, 100).
-        check_versions: compare package versions across processes after connecting.
+        check_versions: compare package versions, device kinds and device counts across
+            processes after connecting.
 
     Returns:
         The `DistributedConfig` this process runs with (`num_processes == 1` when alone).
@@ -234,8 +235,8 @@ def initialize(
     Raises:
         ConfigurationError: inconsistent numbers, a busy port, or a JAX backend that already
             started before this call.
-        DistributedError: processes that did not all arrive in time, or that run different
-            versions.
+        DistributedError: processes that did not all arrive in time, that run different
+            versions, or that hold different device kinds or counts.
 
     Example:
         >>> import jaxlight as jl
@@ -338,5 +339,6 @@ def initialize(
                 time.perf_counter() - started)
     if check_versions:
         _agreement.check_versions()
+        _agreement.check_devices()  # starts the backend, now that the job is joined
     return config
 

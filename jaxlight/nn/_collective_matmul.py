@@ -87,7 +87,8 @@ def blocks_matmul(blocks: Sequence[jax.Array], w: jax.Array, *, axis_name: str,
     n = len(blocks)
     block = blocks[0].shape[blocks[0].ndim - n_in]
     if w.shape[0] != block * n:
-        raise ValueError(f"allgather_matmul: x block {block} × {n} devices != w rows {w.shape[0]}")
+        raise ShardingError(f"allgather_matmul: x block {block} × {n} devices != w rows "
+                            f"{w.shape[0]}.")
     me = lax.axis_index(axis_name)
     acc = None
     for k, chunk in enumerate(blocks):
@@ -164,7 +165,8 @@ def matmul_reducescatter(x: jax.Array, w: jax.Array, *, axis_name: str, axis_siz
     n = axis_size
     cols = w.shape[n_in]
     if cols % n:
-        raise ValueError(f"matmul_reducescatter: {cols} output columns do not split over {n}")
+        raise ShardingError(f"matmul_reducescatter: {cols} output columns do not split over {n} "
+                            "devices; use a column count that is a multiple of it.")
     block = cols // n
     me = lax.axis_index(axis_name)
     send_up = [(i, (i + 1) % n) for i in range(n)]

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxlight._errors import ConfigurationError, DataError, DataTypeError
 from jaxlight._layout import constrain
 from jaxlight.nn._collective_matmul import active_collective_matmul
 
@@ -43,7 +44,8 @@ def annotated_param(value: jax.Array, axes: Sequence[str | None]) -> nnx.Param:
     """An `nnx.Param` carrying logical axis names (one per dimension), never eagerly sharded."""
     axes = tuple(axes)
     if len(axes) != value.ndim:
-        raise ValueError(f"{len(axes)} logical axes {axes} for a parameter of shape {value.shape}")
+        raise ConfigurationError(f"{len(axes)} logical axes {axes} for a parameter of shape "
+                                 f"{value.shape}: give one name (or None) per dimension.")
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
@@ -88,7 +90,7 @@ class Dense(nnx.Module):
         self.in_features, self.out_features = _tuple(in_features), _tuple(out_features)
         n_in, n_out = len(self.in_features), len(self.out_features)
         if len(axes) != n_in + n_out:
-            raise ValueError(
+            raise ConfigurationError(
                 f"Dense{self.in_features}->{self.out_features} needs {n_in + n_out} logical axes, "
                 f"got {tuple(axes)}"
             )
@@ -105,7 +107,7 @@ class Dense(nnx.Module):
         kernel = self.kernel[...]
         n_in = len(self.in_features)
         if x.shape[x.ndim - n_in:] != self.in_features:
-            raise ValueError(
+            raise DataError(
                 f"Dense expects trailing dimensions {self.in_features}, got input {x.shape}"
             )
         if self.dtype is not None:
@@ -162,7 +164,8 @@ class Embed(nnx.Module):
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Looks up `ids` (integers of any shape); returns `ids.shape + (features,)`."""
         if not jnp.issubdtype(ids.dtype, jnp.integer):
-            raise TypeError(f"Embed takes integer token ids, got dtype {ids.dtype}")
+            raise DataTypeError(f"Embed takes integer token ids, got dtype {ids.dtype}; cast the "
+                                "batch's ids to int32.")
         # Lay the table out by its vocabulary sharding only (FSDP's gather of the width happens
         # here, once): a gather from a table sharded on both axes makes XLA replicate it.
         table = constrain(self.embedding[...], (self.axes[0], None))
@@ -213,7 +216,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> j
     """
     head_dim = x.shape[-1]
     if head_dim % 2:
-        raise ValueError(f"rotary embedding needs an even head dimension, got {head_dim}")
+        raise ConfigurationError(f"rotary embedding needs an even head dimension, got {head_dim}; "
+                                 "choose an even head_dim.")
     half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions.astype(jnp.float32)[..., None] * freq  # (..., length, half)
@@ -236,7 +240,7 @@ ATTENTION_IMPLEMENTATIONS = {
 
 def _check_attention_name(choice: str) -> None:
     if choice not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(
+        raise ConfigurationError(
             f"attention={choice!r} is not an attention implementation; use one of "
             f"{', '.join(repr(k) for k in ATTENTION_IMPLEMENTATIONS)}.")
 
@@ -271,9 +275,10 @@ def attention_implementation(choice: str, backend: str, dtype: Any, head_dim: in
                             f"width that is a multiple of 8, at most 128; got "
                             f"{jnp.dtype(dtype).name} and {head_dim}")
         if problems:
-            raise ValueError(f"attention='cudnn' cannot run here: {'; '.join(problems)}. Use "
-                             "attention='auto' (cuDNN where it applies, XLA elsewhere) or 'xla'"
-                             " (for float32 on a GPU, train with precision='bf16-mixed').")
+            raise ConfigurationError(
+                f"attention='cudnn' cannot run here: {'; '.join(problems)}. Use "
+                "attention='auto' (cuDNN where it applies, XLA elsewhere) or 'xla'"
+                " (for float32 on a GPU, train with precision='bf16-mixed').")
         return "cudnn"
     if choice == "auto" and backend in ("gpu", "cuda") and fits_cudnn:
         return "cudnn"

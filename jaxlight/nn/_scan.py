@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxlight._errors import ConfigurationError
+
 #: The logical name of the stacked-layers axis (the rules table maps it: None on most
 #: strategies, the pipeline axis under GPipe).
 LAYERS = "layers"
@@ -41,7 +43,7 @@ def remat_policy(remat: Any) -> tuple[bool, Callable | None]:
     if callable(remat):
         return True, remat
     choices = ", ".join(repr(k) for k in REMAT_POLICIES)
-    raise ValueError(
+    raise ConfigurationError(
         f"remat={remat!r} is not a rematerialization setting; use True/False, one of "
         f"{choices}, or a jax.checkpoint_policies policy."
     )

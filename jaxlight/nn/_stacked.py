@@ -7,6 +7,7 @@ from typing import Any
 
 from flax import nnx
 
+from jaxlight._errors import ConfigurationError
 from jaxlight.nn._pipeline import active_pipeline, run_pipeline
 from jaxlight.nn._scan import LAYERS, REMAT_POLICIES, remat_policy, scan_layers
 
@@ -49,7 +50,7 @@ class Stacked(nnx.Module):
         remat: bool | str | Callable = False,
     ):
         if not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"Stacked needs num_layers >= 1, got {num_layers!r}.")
+            raise ConfigurationError(f"Stacked needs an int num_layers >= 1, got {num_layers!r}.")
         remat_policy(remat)  # reject a bad setting here, not at the first trace
         self.num_layers = num_layers
         self.remat = remat

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlight._errors import ConfigurationError, DataError
 from jaxlight._layout import constrain
 from jaxlight.nn._layers import (
     MLP,
@@ -69,11 +70,15 @@ class TransformerConfig:
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TransformerConfig.{name} must be a positive int, got {value!r}")
+                raise ConfigurationError(
+                    f"TransformerConfig.{name} must be a positive int, got {value!r}.")
         if self.head_dim is None and self.embed_dim % self.num_heads:
-            raise ValueError(
+            divisors = [d for d in range(1, self.embed_dim + 1) if self.embed_dim % d == 0]
+            near = sorted(divisors, key=lambda d: (abs(d - self.num_heads), d))[:2]
+            raise ConfigurationError(
                 f"TransformerConfig: embed_dim {self.embed_dim} is not divisible by num_heads "
-                f"{self.num_heads}; change one of them or set head_dim."
+                f"{self.num_heads}; use a num_heads that divides {self.embed_dim} (nearest: "
+                f"{' or '.join(map(str, sorted(near)))}), change embed_dim, or set head_dim."
             )
 
     @property
@@ -140,8 +145,8 @@ class TransformerLM(nnx.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Logits for `tokens` `(batch, length)`; positions default to `0..length-1`."""
         if tokens.ndim != 2:
-            raise ValueError(f"TransformerLM takes tokens of shape (batch, length), got "
-                             f"{tokens.shape}")
+            raise DataError(f"TransformerLM takes tokens of shape (batch, length), got "
+                            f"{tokens.shape}.")
         if positions is None:
             positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = self.embed(tokens)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import hashlib
 import math
 import os
 import zlib
@@ -45,8 +46,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxlight import distributed
+from jaxlight._cache import cache_home
+from jaxlight._errors import ConfigurationError, DataError
 from jaxlight._module import TrainModule
-from jaxlight.data import ArrayLoader
+from jaxlight.data import ArrayLoader, RecordSource, write_records
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
 __all__ = ["GPT", "Config", "build", "generate", "generate_bytes", "load_corpus",
@@ -86,6 +90,15 @@ class DataConfig:
     max_train_bytes: int | None = option(None, "truncate the training bytes (quick runs)")
     val_every: int = option(20, "hold out 1 file in val_every for validation (about 5%)")
     val_windows: int = option(256, "validation windows, evenly spaced over the held-out bytes")
+    loader: Literal["grain", "memory"] = option(
+        "grain", "'grain': training windows written once as ArrayRecord files and read back "
+                 "through a grain pipeline (shuffled, sharded per process, resumable); 'memory': "
+                 "one in-memory array behind an ArrayLoader")
+    records_dir: str | None = option(
+        None, "where the grain loader's record files live; None: $XDG_CACHE_HOME/jaxlight/gpt/"
+              "<digest of the corpus files and settings> (written on first use, then reused)")
+    workers: int = option(0, "grain worker processes reading batches (0: read in the training "
+                             "process, in grain's background threads)")
 
 
 @dataclasses.dataclass
@@ -218,8 +231,6 @@ def corpus_files(config: DataConfig) -> tuple[list[str], list[str]]:
     files = sorted(f for f in glob.glob(pattern, recursive=config.recursive)
                    if "site-packages" not in f)
     if not files:
-        from jaxlight._errors import DataError
-
         raise DataError(f"gpt recipe: no *.py files in {root!r}; set --data.corpus to a "
                         "directory of Python sources.")
     train, val = [], []
@@ -244,21 +255,100 @@ def _read(files: list[str], limit: int | None = None) -> np.ndarray:
     return out[:limit] if limit is not None else out
 
 
+def train_windows(config: DataConfig) -> np.ndarray:
+    """uint8[n, seq_len+1]: the training bytes cut into non-overlapping windows (every byte is a
+    target once per pass)."""
+    width = config.seq_len + 1
+    train = _read(corpus_files(config)[0], config.max_train_bytes)
+    n = len(train) // width
+    return np.ascontiguousarray(train[: n * width].reshape(n, width))
+
+
+def val_windows(config: DataConfig) -> np.ndarray:
+    """uint8[m, seq_len+1]: `val_windows` windows evenly spaced over the held-out bytes."""
+    width = config.seq_len + 1
+    val = _read(corpus_files(config)[1])
+    m = len(val) // width
+    windows = val[: m * width].reshape(m, width)
+    if config.val_windows and m > config.val_windows:
+        windows = windows[np.linspace(0, m - 1, config.val_windows).astype(np.int64)]
+    return np.ascontiguousarray(windows)
+
+
 def load_corpus(config: DataConfig) -> dict[str, np.ndarray]:
     """`{"train": uint8[n, seq_len+1], "val": uint8[m, seq_len+1]}` windows of source bytes."""
-    train_files, val_files = corpus_files(config)
-    width = config.seq_len + 1
-    train = _read(train_files, config.max_train_bytes)
-    # Non-overlapping windows: every byte is a target once per epoch.
-    n = len(train) // width
-    train_windows = train[: n * width].reshape(n, width)
-    val = _read(val_files)
-    m = len(val) // width
-    val_windows = val[: m * width].reshape(m, width)
-    if config.val_windows and m > config.val_windows:
-        pick = np.linspace(0, m - 1, config.val_windows).astype(np.int64)
-        val_windows = val_windows[pick]
-    return {"train": np.ascontiguousarray(train_windows), "val": np.ascontiguousarray(val_windows)}
+    return {"train": train_windows(config), "val": val_windows(config)}
+
+
+def records_path(config: DataConfig) -> str:
+    """The ArrayRecord file holding the training windows of `config` (see `DataConfig.loader`).
+
+    Its default directory is named by a digest of what decides its contents (the training files'
+    paths, sizes and modification times, `seq_len`, `max_train_bytes`), so a changed corpus or
+    setting gets new records and an unchanged one reuses them.
+    """
+    if config.records_dir is not None:
+        return os.path.join(os.path.abspath(config.records_dir), "train.array_record")
+    train_files, _ = corpus_files(config)
+    digest = hashlib.sha256(repr((
+        RECORDS_VERSION, config.seq_len, config.max_train_bytes,
+        [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in train_files],
+    )).encode()).hexdigest()[:16]
+    return os.path.join(cache_home(), "gpt", digest, "train.array_record")
+
+
+#: Bumped when the record layout changes, so old cached records are not read.
+RECORDS_VERSION = 1
+
+
+def write_train_records(config: DataConfig) -> RecordSource:
+    """The training windows as records on disk (written once; every process writes its own copy
+    atomically, so processes on one disk or on many never read a half-written file)."""
+    path = records_path(config)
+    if not os.path.exists(path + ".json"):  # the layout, renamed last, marks a whole set
+        windows = train_windows(config)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        write_records(tmp, {"tokens": windows})
+        os.replace(tmp, path)
+        os.replace(tmp + ".json", path + ".json")
+    return RecordSource(path)
+
+
+def _grain():
+    try:
+        import grain  # an extra of jaxlight (`jaxlight[grain]`); this recipe's loader needs it
+    except ImportError as e:
+        raise ConfigurationError(
+            "gpt recipe: --data.loader grain needs grain (and its ArrayRecord files): pip install "
+            "'jaxlight[grain]', or pass --data.loader memory.") from e
+    return grain
+
+
+def train_pipeline(config: DataConfig, source: RecordSource):
+    """The grain pipeline of the training windows: this process's share, shuffled, reshuffled every
+    pass, batched, endless (the run is bounded by `max_steps`).
+
+    Indices are shuffled and batched first and each batch's records are read from disk in one call
+    (`RecordSource.read_batch`), which keeps up with small models where one read per record would
+    not. The pipeline's iterator state (an index) goes into jaxlight's checkpoints, so a resumed run
+    continues with the next batch.
+    """
+    grain = _grain()
+    processes = distributed.process_count()
+    if config.batch_size % processes:
+        raise ConfigurationError(
+            f"gpt recipe: --data.batch-size {config.batch_size} does not split over {processes} "
+            f"processes; use a multiple of {processes}.")
+    shard = grain.sharding.ShardByJaxProcess(drop_remainder=True)
+    pipeline = (grain.MapDataset.range(len(source))[shard.shard_index::shard.shard_count]
+                .shuffle(seed=0).repeat(None)
+                .batch(config.batch_size // processes, drop_remainder=True)
+                .map(source.read_batch))
+    if config.workers:
+        pipeline = pipeline.to_iter_dataset().mp_prefetch(
+            grain.MultiprocessingOptions(num_workers=config.workers))
+    return pipeline
 
 
 # -- sampling --------------------------------------------------------------------------------------
@@ -336,14 +426,28 @@ def make_module(config: Config, max_steps: int | None = None) -> GPT:
 def build(config: Config | None = None, max_steps: int | None = None) -> tuple[GPT, RecipeData]:
     """The language model and its loaders (train shuffled per epoch, validation in order)."""
     config = config or Config()
-    corpus = load_corpus(config.data)
-    batch = config.data.batch_size
-    val_batch = min(batch, len(corpus["val"]))
+    d = config.data
+    batch = d.batch_size
+    if d.loader == "grain":
+        if max_steps is None:
+            raise ConfigurationError(
+                "gpt recipe: the grain loader streams the training windows endlessly (reshuffled "
+                "every pass), so the run needs --max-steps; or pass --data.loader memory to count "
+                "epochs with --max-epochs.")
+        _grain()  # before writing records: ArrayRecord comes with grain
+        source = write_train_records(d)
+        train, train_bytes = train_pipeline(d, source), len(source) * (d.seq_len + 1)
+        val = val_windows(d)
+    else:
+        corpus = load_corpus(d)
+        train = ArrayLoader({"tokens": corpus["train"]}, batch, shuffle=True, seed=0)
+        train_bytes, val = corpus["train"].size, corpus["val"]
+    # The validation windows (256 by default) stay in memory: a small, ordered set.
     data = RecipeData(
-        train=ArrayLoader({"tokens": corpus["train"]}, batch, shuffle=True, seed=0),
-        val=ArrayLoader({"tokens": corpus["val"]}, val_batch, shuffle=False,
+        train=train,
+        val=ArrayLoader({"tokens": val}, min(batch, len(val)), shuffle=False,
                         drop_remainder=False),
-        extras={"train_bytes": corpus["train"].size, "val_bytes": corpus["val"].size},
+        extras={"train_bytes": train_bytes, "val_bytes": val.size},
     )
     return make_module(config, max_steps), data
 

@@ -21,6 +21,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxlight._errors import ConfigurationError
+from jaxlight._microbatch import accumulate_locally
+from jaxlight._replica_rng import replica_draws
 from jaxlight.strategies._base import Strategy
 
 #: The pmap axis name (`lax.pmean(x, AXIS)` inside the step).
@@ -233,6 +235,23 @@ class DDP(Strategy):
 
     # -- inside the traced step --------------------------------------------------------------
 
+    def gradient_fn(self, grad_fn: Callable) -> Callable:
+        """`grad_fn` per replica, each drawing its own rows of the single-device random draws
+        (`jaxlight._replica_rng`): without it every replica would draw the same dropout mask."""
+        drawn = replica_draws(grad_fn, AXIS)
+
+        def per_replica_grad_fn(params, rest, batch):
+            # Outside the pmap (abstract tracing) no axis is bound and the draw is the plain one.
+            return (drawn if _PER_REPLICA.get() else grad_fn)(params, rest, batch)
+
+        return per_replica_grad_fn
+
+    def accumulate_gradients(self, grad_fn: Callable, k: int, *,
+                             sync_every_microbatch: bool = False) -> Callable:
+        """A scan over this replica's k microbatches; `reduce_gradients` follows it once."""
+        del sync_every_microbatch  # the reduction follows the scan either way
+        return accumulate_locally(self.gradient_fn(grad_fn), k, dp=self.data_parallel_size)
+
     def reduce_gradients(self, grads: Any) -> Any:
         """The mean of every replica's gradients (`lax.pmean` over the devices)."""
         return jax.lax.pmean(grads, AXIS) if _PER_REPLICA.get() else grads
@@ -240,7 +259,7 @@ class DDP(Strategy):
     def reduce_metrics(self, metrics: Any, op: str = "mean") -> Any:
         """The mean (or, for `op="sum"`, the sum) of every replica's metrics."""
         if op not in ("mean", "sum"):
-            raise ValueError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}")
+            raise ConfigurationError(f"reduce_metrics op must be 'mean' or 'sum', got {op!r}.")
         if not _PER_REPLICA.get():
             return metrics
         return jax.lax.pmean(metrics, AXIS) if op == "mean" else jax.lax.psum(metrics, AXIS)

@@ -38,6 +38,17 @@ def versions(out: str) -> dict:
     return _error(lambda: distributed.check_versions(mine))
 
 
+def devices(out: str) -> dict:
+    """Process 1 reports two devices of another kind: every process refuses the job."""
+    from jaxlight import distributed
+
+    distributed.initialize()  # checks the real devices (alike) first
+    mine = distributed.local_devices_report()
+    if RANK == 1:
+        mine = {"platform": "gpu", "kinds": {"NVIDIA H100 80GB HBM3": 2}, "count": 2}
+    return _error(lambda: distributed.check_devices(mine))
+
+
 def batch_size(out: str) -> dict:
     """Process 1 feeds 8 examples per batch, process 0 feeds 16: refused before compiling."""
     import jaxlight as jl
@@ -116,8 +127,8 @@ def die(out: str) -> dict:
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (versions, batch_size, data_length, stop_on_one_process,
-                                     tp_everywhere, mesh_size, die)}
+SCENARIOS = {f.__name__: f for f in (versions, devices, batch_size, data_length,
+                                     stop_on_one_process, tp_everywhere, mesh_size, die)}
 
 
 def main(argv: list[str]) -> None:

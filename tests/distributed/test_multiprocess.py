@@ -148,8 +148,8 @@ def test_one_process_checkpoint_resumes_in_two_processes(multi, reference):
 
 
 def test_bad_input_across_processes(tmp_path):
-    names = ["versions", "batch_size", "data_length", "stop_on_one_process", "tp_everywhere",
-             "mesh_size"]
+    names = ["versions", "devices", "batch_size", "data_length", "stop_on_one_process",
+             "tp_everywhere", "mesh_size"]
     results = run_processes(SCENARIOS, [str(tmp_path), *names], timeout=240)
     assert all(r.returncode == 0 for r in results), _failed(results)
     seen = {(n, r): json.loads((tmp_path / f"{n}_rank{r}.json").read_text())
@@ -158,6 +158,10 @@ def test_bad_input_across_processes(tmp_path):
         assert seen["versions", rank]["error"] == "DistributedError"
         assert re.search(r"different versions of jaxlight \(process 0: jaxlight \S+; process 1: "
                          r"jaxlight 0\.0\.0-other\)", seen["versions", rank]["message"])
+        assert seen["devices", rank]["error"] == "DistributedError"
+        assert re.search(r"devices are not homogeneous \(process 0: 4 cpu devices \(4 x cpu\); "
+                         r"process 1: 2 gpu devices \(2 x NVIDIA H100 80GB HBM3\)\)",
+                         seen["devices", rank]["message"])
         assert seen["batch_size", rank]["error"] == "DataError"
         assert re.search(r"per-process training batch differs .*process 0: \['x'\] \(16, 16\) "
                          r"float32.*process 1: \['x'\] \(8, 16\)",
@@ -177,6 +181,19 @@ def test_bad_input_across_processes(tmp_path):
         assert re.search(r"mesh_shape \{'data': 2, 'tp': 2\} has 4 devices but 8 are available "
                          r"\(cpu; 2 processes x 4 local devices\)",
                          seen["mesh_size", rank]["message"])
+
+
+def test_heterogeneous_job_is_refused_with_the_list():
+    """Process 0 has 2 CPU devices, process 1 has 1: both refuse the job at initialize."""
+    code = ("import jaxlight\ntry:\n    jaxlight.distributed.initialize()\n"
+            "except jaxlight.DistributedError as err:\n    print('refused:', err)\n")
+    flags = {1: {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}}
+    results = run_processes(code, devices_per_proc=2, rank_env=flags, timeout=120)
+    for r in results:
+        assert r.returncode == 0, r.output
+        assert re.search(r"refused: the processes of this job hold different devices, so the "
+                         r"devices are not homogeneous \(process 0: 2 cpu devices \(2 x cpu\); "
+                         r"process 1: 1 cpu device \(1 x cpu\)\)", r.stdout), r.output
 
 
 def test_missing_process_ends_with_a_clear_error_within_the_timeout():

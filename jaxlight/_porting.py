@@ -1,0 +1,227 @@
+"""Lightning habits that jaxlight cannot run as written, refused at setup with the jaxlight form.
+
+A LightningModule ported by renaming mostly just works (DESIGN.md). What cannot carry over —
+the model living on `self`, `(batch, batch_idx)` steps, manual optimization — fails deep inside
+tracing with a message about JAX (`'Linear' object is not subscriptable`). `check_module` looks
+at the module's class before anything is traced and says what to write instead, pointing to
+the porting guide.
+
+Example:
+    >>> import jaxlight as jl
+    >>> class Lit(jl.TrainModule):
+    ...     def training_step(self, batch, batch_idx):
+    ...         return batch
+    >>> check_module(Lit())
+    Traceback (most recent call last):
+    ...
+    jaxlight._errors.PortingError: Lit.training_step(self, batch, batch_idx) has Lightning's ...
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+from flax import nnx
+
+from jaxlight._errors import PortingError
+
+#: Where every message points.
+GUIDE = "docs/porting.md (section 'What jaxlight refuses')"
+
+#: The step methods and the arguments jaxlight passes them.
+STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+
+#: Parameter names that only a Lightning step signature has.
+LIGHTNING_STEP_ARGS = ("batch_idx", "batch_nb", "batch_index", "dataloader_idx",
+                       "dataloader_iter")
+
+#: Lightning methods with no jaxlight counterpart on the module, and what to do instead.
+LIGHTNING_METHODS = {
+    "forward": "the model is an nnx.Module built by configure_model(self, rngs); put forward's "
+               "computation into that module's __call__ and call model(x) in the steps",
+    "backward": "gradients are taken by jax inside the compiled step; remove backward",
+    "optimizer_step": "the optimizer is the optax transformation configure_optimizers returns; "
+                      "change the update with optax (optax.chain, optax.MultiSteps) or a "
+                      "callback's transform_optimizer / transform_step",
+    "optimizer_zero_grad": "there are no gradient buffers to zero in JAX; remove it",
+    "lr_scheduler_step": "return {'optimizer': tx, 'lr_scheduler': {'scheduler': schedule, "
+                         "'interval': 'step' | 'epoch'}} from configure_optimizers",
+    "configure_gradient_clipping": "use Fit(gradient_clip_val=...) or "
+                                   "callbacks.GradientClipping",
+    "configure_sharded_model": "build the model in configure_model(self, rngs); strategies "
+                               "shard it as it is created",
+    "manual_backward": "manual optimization is not supported; write the update with optax or "
+                       "a callback's transform_step",
+    "toggle_optimizer": "jaxlight has one optax transformation per module; combine several "
+                        "with optax.multi_transform",
+}
+
+
+def _where(module: Any, name: str) -> str:
+    return f"{type(module).__name__}.{name}"
+
+
+def _overrides(module: Any, name: str) -> bool:
+    """Whether the module's class defines `name` itself (not jaxlight's TrainModule)."""
+    for cls in type(module).__mro__:
+        if cls is object or cls.__module__ == "jaxlight._module":  # TrainModule's defaults
+            return False
+        if name in vars(cls):
+            return True
+    return False
+
+
+def _signature_text(fn) -> str:
+    try:
+        return str(inspect.signature(fn)).replace("(", "(self, ", 1).replace("(self, )", "(self)")
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def check_step_signature(module: Any, name: str) -> None:
+    """Refuses a step that cannot be called as `step(model, batch)`."""
+    fn = getattr(module, name)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: nothing to read
+    params = list(sig.parameters.values())
+    names = [p.name for p in params]
+    lightning = (names[:1] == ["batch"]
+                 or any(n in LIGHTNING_STEP_ARGS for n in names))
+    if lightning:
+        raise PortingError(
+            f"{_where(module, name)}{_signature_text(fn)} has Lightning's step signature; "
+            f"jaxlight passes the model and the batch: write {name}(self, model, batch) and "
+            f"call model(x) where Lightning calls self(x). There is no batch_idx (steps are "
+            f"compiled once; read fit.batch_idx in a callback). See {GUIDE}."
+        )
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        raise PortingError(
+            f"{_where(module, name)}{_signature_text(fn)} cannot be called as "
+            f"{name}(model, batch), which is how jaxlight calls it: write "
+            f"{name}(self, model, batch). See {GUIDE}."
+        ) from None
+
+
+class _SelfUse(ast.NodeVisitor):
+    """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls."""
+
+    def __init__(self, self_name: str):
+        self.self_name = self_name
+        self.found: list[tuple[str, int]] = []
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name) and func.id == self.self_name:
+            self.found.append(("self(...)", node.lineno))
+        elif isinstance(func, ast.Attribute):
+            owner = func.value
+            if isinstance(owner, ast.Name) and owner.id == self.self_name:
+                if func.attr in ("forward", "parameters", "named_parameters", "manual_backward"):
+                    self.found.append((f"self.{func.attr}(...)", node.lineno))
+            elif func.attr == "backward" and not node.args and not node.keywords:
+                self.found.append(("<tensor>.backward()", node.lineno))
+        self.generic_visit(node)
+
+
+def _self_uses(fn) -> list[tuple[str, int]]:
+    """Lightning-only uses of `self` in a method's source ([] when the source is unavailable)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(source)
+        _, first_line = inspect.getsourcelines(fn)
+    except (OSError, TypeError, SyntaxError):
+        return []  # defined in a REPL or exec'd text: the trace-time errors still apply
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) or not func.args.args:
+        return []
+    visitor = _SelfUse(func.args.args[0].arg)
+    visitor.visit(func)
+    return [(what, first_line + line - 1) for what, line in visitor.found]
+
+
+_SELF_USE_FIX = {
+    "self(...)": "call the model the step receives: model(x)",
+    "self.forward(...)": "call the model the step receives: model(x)",
+    "self.parameters(...)": "optax transformations need no parameter list: return "
+                            "optax.adam(lr)",
+    "self.named_parameters(...)": "optax transformations need no parameter list; select "
+                                  "parameters with optax.masked or TrainModule.trainable",
+    "self.manual_backward(...)": "manual optimization is not supported; return the loss and "
+                                 "let the compiled step take gradients",
+    "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
+}
+
+
+def _nn_attributes(module: Any) -> list[str]:
+    """Instance attributes holding layers (an nnx.Module or a torch.nn.Module)."""
+    found = []
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        torch_layer = any(c.__module__.startswith("torch.nn") and c.__name__ == "Module"
+                          for c in type(value).__mro__)
+        if isinstance(value, nnx.Module) or torch_layer:
+            found.append(name)
+    return found
+
+
+def check_module(module: Any) -> None:
+    """Refuses Lightning habits jaxlight cannot run, before anything is traced.
+
+    Raises:
+        PortingError: naming the habit, where it is, the jaxlight form, and the porting guide.
+    """
+    cls = type(module).__name__
+    for name, fix in LIGHTNING_METHODS.items():
+        if _overrides(module, name):
+            fn = getattr(module, name)
+            if name == "forward" and _takes_model(fn):
+                continue  # a helper forward(self, model, x) is the jaxlight form already
+            raise PortingError(
+                f"{cls}.{name}{_signature_text(fn)} is a LightningModule method jaxlight never "
+                f"calls: {fix}. See {GUIDE}."
+            )
+    if getattr(module, "automatic_optimization", True) is False:
+        raise PortingError(
+            f"{cls}.automatic_optimization = False asks for Lightning's manual optimization, "
+            "which jaxlight does not have: the compiled step takes gradients of the loss "
+            "training_step returns and applies the optax transformation from "
+            f"configure_optimizers. See {GUIDE}."
+        )
+    # Layers on self with no configure_model is Lightning's layout; with one, a module held
+    # on self is a backbone configure_model builds on (a pretrained model under LoRA).
+    layers = [] if _overrides(module, "configure_model") else _nn_attributes(module)
+    if layers:
+        first = layers[0]
+        raise PortingError(
+            f"{cls} holds layers as attributes ({', '.join('self.' + n for n in layers)}), as a "
+            "LightningModule does; jaxlight builds the model in configure_model(self, rngs) -> "
+            f"nnx.Module and passes it to every step as `model` (so self.{first}(x) becomes "
+            f"model.{first}(x) on the module configure_model returns). Keep only "
+            f"hyperparameters on the TrainModule. See {GUIDE}."
+        )
+    for name in STEPS:
+        if _overrides(module, name):
+            check_step_signature(module, name)
+    for name in (*STEPS, "configure_optimizers"):
+        if not _overrides(module, name):
+            continue
+        for what, line in _self_uses(getattr(module, name)):
+            raise PortingError(
+                f"{cls}.{name} uses {what} (line {line}), a LightningModule habit: "
+                f"{_SELF_USE_FIX[what]}. See {GUIDE}."
+            )
+
+
+def _takes_model(fn) -> bool:
+    try:
+        return "model" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
