@@ -125,12 +125,10 @@ class Session:
             self.strategy = chosen
             self.compile_counts["auto"] = self.auto.choice.compiles
             self.compile_times["auto"] = self.auto.choice.seconds
+        # (state_shardings also warns about rules that place nothing)
         self._shardings = self.strategy.state_shardings(
             self._spec.abstract_state, self._spec.logical_axes
         )
-        warn = getattr(self.strategy, "warn_unused_rules", None)
-        if warn is not None:
-            warn(self._spec.logical_axes)
 
     @property
     def spec(self):
