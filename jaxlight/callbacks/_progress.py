@@ -47,11 +47,17 @@ class TQDMProgressBar(Callback):
         if self._bar is None:
             return
         elapsed = time.perf_counter() - self._t0
-        shown = {k: f"{v:.4g}" for k, v in metrics.items()
-                 if k in ("loss", "val_loss") or k.startswith("val_")}
+        shown = {k: f"{v:.4g}" for k, v in metrics.items() if self._shows(fit, k)}
         if elapsed > 0 and step > self._step0:
             shown["steps/s"] = f"{(step - self._step0) / elapsed:.2f}"
         self._bar.set_postfix(shown, refresh=True)
+
+    @staticmethod
+    def _shows(fit, name: str) -> bool:
+        """The loss, and what the module logged with `prog_bar=True`; without any such log,
+        every validation metric (`val_*`)."""
+        picked = fit.progress_bar_metrics
+        return name == "loss" or name in picked or (not picked and name.startswith("val_"))
 
     def on_train_end(self, fit, module) -> None:
         if self._bar is not None:
