@@ -111,8 +111,7 @@ class TQDMProgressBar(Callback):
     def on_log(self, fit, module, metrics, step) -> None:
         if self._stream is None:
             return
-        self._shown.update((k, f"{v:.4g}") for k, v in metrics.items()
-                           if k in ("loss", "val_loss") or k.startswith("val_"))
+        self._shown.update((k, f"{v:.4g}") for k, v in metrics.items() if self._shows(fit, k))
         elapsed = time.perf_counter() - self._t0
         if elapsed > 0 and step > self._step0:
             self._shown["steps/s"] = f"{(step - self._step0) / elapsed:.2f}"
@@ -120,6 +119,13 @@ class TQDMProgressBar(Callback):
             self._bar.set_postfix(self._shown, refresh=False)  # shown at the next redraw
         elif self._plain and time.perf_counter() - self._last_line >= self.print_interval:
             self._line(fit, "train:", step)
+
+    @staticmethod
+    def _shows(fit, name: str) -> bool:
+        """The loss, and what the module logged with `prog_bar=True`; without any such log,
+        every validation metric (`val_*`)."""
+        picked = fit.progress_bar_metrics
+        return name == "loss" or name in picked or (not picked and name.startswith("val_"))
 
     # -- end -----------------------------------------------------------------------------------
 

@@ -296,6 +296,11 @@ def test_plan_shows_the_rule_that_placed_each_parameter():
     assert re.search(r"\['linear2'\]\['kernel'\].*P\('tp', None\).*rules\[", table)
     assert "matched no rule and carry no annotation (2): ['extra']['bias'], ['extra']['kernel']" \
         in table
+    # Without path rules there is nothing to match: no list (the column still says "none").
+    plain = quiet_fit(strategies.DataParallel(), max_steps=1).plan(Module(), mlp_batches(1)[0],
+                                                                   verbose=False)
+    assert plain.unmatched == () and {p.rule for p in plain.params} == {"none"}
+    assert "matched no rule" not in plain.table()
 
 
 def _setup_warnings(strategy, module) -> list[str]:
