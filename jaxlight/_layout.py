@@ -216,7 +216,7 @@ def logical_to_spec(mesh: Mesh, rules: Sequence, names: Sequence[str | None],
                     shape: Sequence[int]) -> PartitionSpec:
     """A PartitionSpec for an activation, by `partition_spec`.
 
-    A dimension of size 1 stays unsharded (one example under evaluation's per-example `vmap`);
+    A dimension of size 1 stays unsharded (a batch of one example);
     any other dimension its axes do not divide raises `ShardingError`.
     """
     names = [None if dim == 1 else name for dim, name in zip(shape, names, strict=True)]
