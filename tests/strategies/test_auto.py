@@ -207,3 +207,11 @@ def test_without_a_training_batch_auto_decides_from_argument_bytes():
     # No layout's arguments (momentum: 2x parameters, /8 at best) take a quarter of 0.8 x the
     # parameters: the fewest argument bytes, the first of the fsdp=8 pair.
     assert auto.choice.chosen == "fsdp=8" and isinstance(fit.strategy, strategies.FSDP)
+
+
+def test_devices_command_says_auto_chooses_at_fit_time(capsys):
+    from jaxlight._cli import main
+
+    assert main(["devices", "--strategy", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy auto: the layout is chosen from the model and the first batch" in out
