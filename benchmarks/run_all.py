@@ -32,6 +32,7 @@ BENCHMARKS = {
     "pipeline": [],
     "tp_overlap": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
+    "auto": [],
     "startup": [],
 }
 
@@ -156,15 +157,50 @@ def summarize_tp_overlap(r):
 # -- charts ---------------------------------------------------------------------------------------
 
 
+def _mib(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summarize_auto(r):
+    rows = []
+    for m in r["models"]:
+        for run in m["runs"]:
+            label = "real memory" if run["budget"] == "real" else _mib(run["usable_bytes"])
+            what = (f"Fit('auto'), LM {m['size']} ({_mib(m['param_bytes'])} params), "
+                    f"{label} usable per device: choice (compiles, seconds)")
+            if run["chosen"] is None:
+                rows.append((what, "nothing fits", f"{run['best_of_full_table']}",
+                             run["found_best"]))
+                continue
+            ratio = run["predicted_vs_best"]
+            rows.append((what,
+                         f"{run['chosen']} ({run['compiles']}, {run['choose_seconds']:.1f} s)",
+                         f"fits; predicted ≤ 1.05 × best of {len(m['full_table'])} "
+                         f"({run['best_of_full_table']}: ×{ratio:.3f})",
+                         ratio is not None and ratio <= 1.05))
+    return rows
+
+
 def summarize_startup(r):
     m = r["median"]
+    load = r.get("loadavg_before")
+    cpu = m["warm"].get("first_step_cpu_s")
     rows = [(f"process start → first step, `jaxlight fit digits`, warm compilation cache "
              f"(import {m['warm']['import_s']:.2f} s, init {m['warm']['init_compile_s']:.2f} s, "
-             f"train compile {m['warm']['train_compile_s']:.2f} s)",
+             f"train compile {m['warm']['train_compile_s']:.2f} s"
+             + (f"; CPU {cpu:.2f} s" if cpu is not None else "")
+             + (f"; load average {load[0]:.1f} on {r.get('cpu_cores')} cores" if load else "")
+             + ")",
              f"{m['warm']['first_step_s']:.2f} s", "< 2 s", r["warm_met"]),
             (f"same, cold cache (fresh directory) / cache off ({m['cold']['first_step_s']:.2f} s "
              f"/ {m['off']['first_step_s']:.2f} s)", _fmt(r["cold_over_off"]), "≤ 1 (± noise)",
              None)]
+    if cpu is not None:
+        rows.append((f"same in CPU seconds to the first step: cold / off "
+                     f"({m['cold']['first_step_cpu_s']:.2f} s / "
+                     f"{m['off']['first_step_cpu_s']:.2f} s); warm / off",
+                     f"{m['cold']['first_step_cpu_s'] / m['off']['first_step_cpu_s']:.3f}; "
+                     f"{cpu / m['off']['first_step_cpu_s']:.3f}", "≤ 1; < 1", None))
     return rows
 
 
