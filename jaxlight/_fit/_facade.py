@@ -204,16 +204,13 @@ class Fit:
 
     @property
     def val_every_n_steps(self) -> int | None:
-        """Training steps between validations during fit (None: at epoch ends, per
-        `check_val_every_n_epoch`), from `val_check_interval` and the training data."""
-        if self._train_data is None:
-            return None
-        return validation_interval(self._config, self._train_data)
+        """Training steps between validations during fit (None: at epoch ends)."""
+        return None if self._train_data is None else validation_interval(self._config,
+                                                                         self._train_data)
 
     @property
     def checkpoint_locations(self) -> list[CheckpointLocation]:
-        """Where this fit's checkpoints go: each ModelCheckpoint's directory, or
-        `<default_root_dir>/checkpoints` without one (what `ckpt_path="last"/"best"` search)."""
+        """Where checkpoints go (each ModelCheckpoint's dirpath, else the default directory)."""
         return checkpoint_locations(self)
 
     @property
