@@ -27,8 +27,10 @@ from flax import nnx
 from jaxlight import _batch
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
+from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError, DataError, TrainingStopped
 from jaxlight._module import TrainModule
+from jaxlight._optim import ScheduleUpdate
 from jaxlight._porting import check_module
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
@@ -109,6 +111,9 @@ class Fit:
 
     Args:
         strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
+        devices: which devices to use (`jaxlight._devices`): None / "auto" / -1 for all, N for
+            the first N of each process, a list of device indices or `jax.Device`s; the rest
+            stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
         max_epochs: passes over the training data; None means "until max_steps".
         callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
@@ -141,6 +146,7 @@ class Fit:
         self,
         strategy: str | _strategies.Strategy = "auto",
         *,
+        devices: int | str | Sequence | None = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
         callbacks: Sequence[Callback] = (),
@@ -170,6 +176,8 @@ class Fit:
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         self.strategy = _strategies.resolve(strategy)
+        self._devices = select_devices(devices)
+        check_strategy_devices(self.strategy, self._devices)
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_steps, max_epochs = n, 1
@@ -238,6 +246,7 @@ class Fit:
         self._logging = False
         self._compiled: dict[str, Any] = {}
         self._spec = None
+        self._schedule = None
         self._shardings = None
         self._eval_batch_size: dict[str, int] = {}
         self._train_data = None
@@ -400,10 +409,12 @@ class Fit:
         self._module = module
         self._stage = stage
         if self.strategy.mesh is None:
-            self.strategy.setup(None)
+            self.strategy.setup(self._devices)
         if self._spec is None or self._spec_module is not module:
-            tx = build_optimizer(module, self.callbacks)
+            tx, scheduler = build_optimizer(module, self.callbacks)
             self._tx = tx
+            self._schedule = (None if scheduler is None
+                              else ScheduleUpdate(scheduler, self._compile_state_update))
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
@@ -414,6 +425,15 @@ class Fit:
             if warn is not None:
                 warn(self._spec.logical_axes)
             self._compiled = {}
+
+    def _compile_state_update(self, fn, extra_abstract: tuple):
+        """Compiles `fn(state, *extra) -> state` (the state donated, extras replicated)."""
+        rep = self.strategy.replicated()
+        with self._compiling("schedule"):
+            return self.strategy.compile(
+                fn, (self._spec.abstract_state, *extra_abstract),
+                in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
+                out_shardings=self._shardings, donate_argnums=(0,))
 
     def _count_compile(self, kind: str) -> None:
         self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
@@ -508,6 +528,12 @@ class Fit:
         self._train_data = train_data
         self._feed = TrainFeed(train_data)
         self._val_data = val_data
+        if self._schedule is not None and self._schedule.scheduler.monitor and val_data is None:
+            raise ConfigurationError(
+                f"{type(module).__name__}.configure_optimizers' lr_scheduler monitors "
+                f"{self._schedule.scheduler.monitor!r}, a validation metric, but Fit.fit got no "
+                "val_data. Pass val_data, or use a schedule that reads no metric."
+            )
         self._stop_reason = None
         self._agreed_stop: str | None = None
         self._multi_process = jax.process_count() > 1
@@ -656,14 +682,20 @@ class Fit:
                 pending = self._retire(pending, final=True)
             if self._hit_max_steps() and not self._epoch_exhausted(train_data, limit):
                 break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
-            self._call("on_train_epoch_end")
             # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
             # end-of-epoch validation, as Lightning does: the epoch did not end.
             stopped_early = self.should_stop and not self._epoch_exhausted(train_data, limit)
-            if (val_data is not None and val_every is None and self.check_val_every_n_epoch
-                    and (self._epoch + 1) % self.check_val_every_n_epoch == 0
-                    and not stopped_early):
-                self._run_validation(val_data)
+            validate = (val_data is not None and val_every is None
+                        and self.check_val_every_n_epoch
+                        and (self._epoch + 1) % self.check_val_every_n_epoch == 0
+                        and not stopped_early)
+            if self._schedule is not None:
+                # Before the epoch-end hooks, where checkpoints are taken: they resume it.
+                self._state = self._schedule.at_epoch_end(self._state, self._epoch,
+                                                          bool(validate))
+            self._call("on_train_epoch_end")
+            if validate:
+                self._run_validation(val_data, epoch_end=True)
             if self._multi_process:
                 self._agree_stop()
             self._epoch += 1
@@ -708,10 +740,14 @@ class Fit:
 
     # -- evaluation ----------------------------------------------------------------------------
 
-    def _run_validation(self, val_data: Iterable) -> dict[str, float]:
+    def _run_validation(self, val_data: Iterable, epoch_end: bool = False) -> dict[str, float]:
         self._call("on_validation_start")
         self._call("on_validation_epoch_start")
         metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
+        if self._schedule is not None:
+            # Before the end hooks, where checkpoints are taken: they resume it.
+            self._state = self._schedule.after_validation(
+                self._state, metrics, self._global_step, self._epoch, epoch_end)
         self.callback_metrics.update(metrics)
         self.log_metrics(metrics, self._global_step)
         self._call("on_validation_epoch_end")
