@@ -8,10 +8,12 @@ from jaxlight._errors import (
     DataError,
     DistributedError,
     JaxlightError,
+    JaxlightWarning,
     PortingError,
     ShardingError,
     StepOutputError,
     TrainingStopped,
+    UserStepError,
 )
 from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
@@ -26,6 +28,7 @@ __all__ = [
     "DistributedError",
     "Fit",
     "JaxlightError",
+    "JaxlightWarning",
     "PortingError",
     "ShardingError",
     "StepOutput",
@@ -33,6 +36,7 @@ __all__ = [
     "TrainModule",
     "TrainState",
     "TrainingStopped",
+    "UserStepError",
     "callbacks",
     "data",
     "distributed",

@@ -7,6 +7,10 @@ class JaxlightError(Exception):
     """Base class of every error jaxlight raises on purpose."""
 
 
+class JaxlightWarning(UserWarning):
+    """Base class of every warning jaxlight gives on purpose (filter them by this class)."""
+
+
 class ConfigurationError(JaxlightError, ValueError):
     """An argument or combination of arguments that cannot work (found before compiling)."""
 
@@ -29,6 +33,11 @@ class ShardingError(JaxlightError, ValueError):
 
 class StepOutputError(JaxlightError, TypeError):
     """A user step function that returned something jaxlight cannot use."""
+
+
+class UserStepError(JaxlightError, RuntimeError):
+    """A user step function (`training_step`, `validation_step`, ...) raised while it was traced;
+    the message names the step, the data and the batch, and `__cause__` is the original error."""
 
 
 class CheckpointError(JaxlightError, ValueError):

@@ -40,6 +40,7 @@ from jaxlight._step import (
     build_predict_step,
     build_train_step,
 )
+from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._convert import check_iterable, numpy_batches
 from jaxlight.data._feed import TrainFeed
@@ -178,6 +179,9 @@ class Fit:
         self.strategy = _strategies.resolve(strategy)
         self._devices = select_devices(devices)
         check_strategy_devices(self.strategy, self._devices)
+        #: The `strategies.Auto` choosing this fit's layout (None: a fixed strategy). Once it
+        #: has chosen, `strategy` is the chosen one and `auto.choice` the candidate table.
+        self.auto = self.strategy if isinstance(self.strategy, _strategies.Auto) else None
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_steps, max_epochs = n, 1
@@ -418,13 +422,36 @@ class Fit:
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
-            self._shardings = self.strategy.state_shardings(
-                self._spec.abstract_state, self._spec.logical_axes
-            )
-            warn = getattr(self.strategy, "warn_unused_rules", None)
-            if warn is not None:
-                warn(self._spec.logical_axes)
             self._compiled = {}
+            self._shardings = None
+            if self.auto is not None:
+                self.strategy = self.auto  # a new model: choose again
+            # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
+            self._choose_layout(None, defer=stage in ("fit", "plan"))
+
+    def _choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
+        """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
+        candidate train steps for `abstract_batch` (None: from state bytes alone)."""
+        if self._shardings is not None:
+            return
+        if self.auto is not None:
+            def make_step(strategy):
+                return build_train_step(self._module, self._spec.graphdef, self._tx,
+                                        self.callbacks, strategy, frozen=self._spec.frozen)
+
+            chosen = self.auto.choose(self._spec.abstract_state, self._spec.logical_axes,
+                                      abstract_batch, make_step, defer=defer)
+            if chosen is None:
+                return  # decided with the first batch
+            self.strategy = chosen
+            self.compile_counts["auto"] = self.auto.choice.compiles
+            self.compile_times["auto"] = self.auto.choice.seconds
+        self._shardings = self.strategy.state_shardings(
+            self._spec.abstract_state, self._spec.logical_axes
+        )
+        warn = getattr(self.strategy, "warn_unused_rules", None)
+        if warn is not None:
+            warn(self._spec.logical_axes)
 
     def _compile_state_update(self, fn, extra_abstract: tuple):
         """Compiles `fn(state, *extra) -> state` (the state donated, extras replicated)."""
@@ -544,6 +571,7 @@ class Fit:
             if ckpt_path is not None:
                 from jaxlight._checkpoint import resume_fit
 
+                self._choose_layout(None)  # restoring needs the layout before any batch
                 restored = resume_fit(self, module, ckpt_path)
             if restored is None:
                 self._global_step, self._epoch, self._batch_idx = 0, 0, 0
@@ -621,12 +649,15 @@ class Fit:
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
         abstract_batch = _abstract_global_batch(first)
+        first_name = f"training batch {self._batch_idx} of epoch {self._epoch}"
+        with tracing_for(first_name, "train_data", first):
+            self._choose_layout(abstract_batch)
         self.strategy.check_batch(abstract_batch)
-        reference = _batch.batch_signature(
-            first, f"training batch {self._batch_idx} of epoch {self._epoch}")
+        reference = _batch.batch_signature(first, first_name)
         if self._state is None:
             self._state = self._init_state()
-        compiled, batch_sh = self._compile_train_step(abstract_batch)
+        with tracing_for(first_name, "train_data", first):
+            compiled, batch_sh = self._compile_train_step(abstract_batch)
         self._call("on_train_start")
 
         def put(batch):
@@ -743,7 +774,8 @@ class Fit:
     def _run_validation(self, val_data: Iterable, epoch_end: bool = False) -> dict[str, float]:
         self._call("on_validation_start")
         self._call("on_validation_epoch_start")
-        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches)
+        metrics = self._evaluate(val_data, "validation_step", "val", self.limit_val_batches,
+                                 f"validation at step {self._global_step}", "val_data")
         if self._schedule is not None:
             # Before the end hooks, where checkpoints are taken: they resume it.
             self._state = self._schedule.after_validation(
@@ -782,7 +814,8 @@ class Fit:
         self._state = self._init_state()
         return self._state
 
-    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg) -> dict[str, float]:
+    def _evaluate(self, data: Iterable, method: str, prefix: str, limit_arg,
+                  occasion: str = "", data_name: str = "the data") -> dict[str, float]:
         limit = self._limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
             data.set_epoch(0)  # every evaluation reads the data from its start, in one order
@@ -798,7 +831,10 @@ class Fit:
             size = self._eval_size(method, local)
             batch, mask = self._pad(batch, size, prefix)
             if compiled is None:
-                compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
+                what = "validation" if prefix == "val" else prefix
+                with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
+                                 data_name, batch):
+                    compiled, batch_sh, mask_sh, totals = self._compile_eval(method, batch, state)
             device_batch = self.strategy.put_batch(batch, batch_sh)
             device_mask = self.strategy.put_batch(mask, mask_sh)
             totals = compiled(state, device_batch, device_mask, totals)
@@ -873,7 +909,8 @@ class Fit:
             start, end = (("on_validation_start", "on_validation_end") if prefix == "val"
                           else ("on_test_start", "on_test_end"))
             self._call(start)
-            metrics = self._evaluate(data, method, prefix, limit)
+            metrics = self._evaluate(data, method, prefix, limit, f"Fit.{stage}",
+                                     f"the data passed to Fit.{stage}")
             self.callback_metrics.update(metrics)
             self.log_metrics(metrics, self._global_step)
             self._call(end)
@@ -910,7 +947,8 @@ class Fit:
                     _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
                     state_sh = self._state_shardings(state)
                     abstract_state = self._canonical_abstract(state)
-                    with self._compiling("predict"):
+                    with self._compiling("predict"), tracing_for(
+                            "predict batch 0", "the data passed to Fit.predict", batch):
                         compiled = self.strategy.compile(
                             build_predict_step(module, self._spec.eval_graphdef),
                             (abstract_state, abstract_batch),

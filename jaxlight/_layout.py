@@ -7,6 +7,9 @@ A leaf module (it imports no other part of jaxlight but its errors), so that the
   dimension its mesh axes do not divide (`ShardingError` with the path, the dimension, the
   axes and their sizes). Parameters (`SpmdStrategy.spec_for`), activation constraints
   (`constrain`) and the collective matmuls (`rule_axes`) all go through it.
+- `match_path`: the first path rule of a rules table that matches a parameter's path, which
+  gives the parameter its logical axes for `partition_spec` (the table's logical rules then
+  map them to mesh axes).
 - `require_divisible`: a batch whose leading dimension a degree does not divide is refused
   (`DataError` with the leaf, the sizes and a batch size that works).
 - `constrain` / `activation_sharding` / `spmd_context`: activation sharding constraints by
@@ -18,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,25 +53,47 @@ def rule_axes(rules: Sequence, name: str | None) -> tuple[str, ...]:
     if name is None:
         return ()
     for rule_name, target in rules:
-        if rule_name == name:
+        if rule_name == name:  # path rules (compiled patterns) never equal a name
             return axes_of(target)
     return ()
 
 
+def match_path(rules: Sequence, path: str, ndim: int) -> tuple[int, tuple] | None:
+    """`(index, axes)` of the first path rule in `rules` found in `path` for an `ndim`-d array.
+
+    A path rule is a pair `(compiled pattern, axes)`; it matches when `pattern.search(path)`
+    finds the pattern and `axes` has one entry per dimension (so rules for 2-d and 3-d kernels
+    of the same name can sit side by side). Scalars match no rule.
+
+    Example:
+        >>> import re
+        >>> rules = [("mlp", "tp"), (re.compile(r"kernel"), (None, "mlp"))]
+        >>> match_path(rules, "['l1']['kernel']", 2), match_path(rules, "['l1']['bias']", 1)
+        ((1, (None, 'mlp')), None)
+    """
+    if ndim == 0:
+        return None
+    for i, (key, target) in enumerate(rules):
+        if isinstance(key, re.Pattern) and len(target) == ndim and key.search(path):
+            return i, tuple(target)
+    return None
+
+
 def partition_spec(mesh_shape: Mapping[str, int], rules: Sequence, shape: Sequence[int],
                    logical: Sequence[str | None] | None, *, path: str,
-                   what: str = "parameter") -> PartitionSpec:
+                   what: str = "parameter", source: str = "") -> PartitionSpec:
     """The PartitionSpec of one array from its logical axes: the one lookup every layout uses.
 
     Each dimension's logical name maps through `rules` (first match wins) to mesh axes; axes of
     size 1 (or absent from the mesh) and axes an earlier dimension already uses drop out. A
     dimension the remaining axes do not divide raises `ShardingError` naming `what` and
-    `path`, the dimension, the axes and their sizes.
+    `path`, the dimension, the axes and their sizes (and `source`, what gave the array its
+    logical axes, such as a path rule).
 
     Example:
         >>> partition_spec({"fsdp": 4, "tp": 2}, [("embed", "fsdp"), ("mlp", "tp")], (8, 6),
         ...                ("embed", "mlp"), path="['w']")
-        PartitionSpec('fsdp', 'tp')
+        P('fsdp', 'tp')
     """
     shape = tuple(shape)
     logical = tuple(logical) if logical else (None,) * len(shape)
@@ -84,11 +110,13 @@ def partition_spec(mesh_shape: Mapping[str, int], rules: Sequence, shape: Sequen
         size = math.prod(mesh_shape[a] for a in axes)
         if dim % size:
             sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            origin = f", from {source}" if source else ""
             raise ShardingError(
-                f"{what} {path}: dimension of size {dim} (logical axis {name!r}) is not "
+                f"{what} {path}: dimension of size {dim} (logical axis {name!r}{origin}) is not "
                 f"divisible by mesh axes {axes} of total size {size} ({sizes}; dimension {i} of "
                 f"shape {shape}). Change the model dimension to a multiple of {size}, or map "
-                f"{name!r} to another axis with rules=[({name!r}, None), ...]."
+                f"{name!r} to another axis with rules=[({name!r}, None), ...]"
+                + (", or give this path its own rule in front" if source else "") + "."
             )
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))

@@ -3,7 +3,8 @@
 `Fit.plan(module, example_batch)` compiles the training step exactly as `fit` would (same
 strategy, callbacks and shardings) without running it, and reports:
 
-- per parameter: shape, dtype, PartitionSpec, bytes and bytes per device;
+- per parameter: shape, dtype, PartitionSpec, bytes and bytes per device, and what placed it
+  (its annotation, the path rule that matched it, or nothing);
 - per device: argument, output, temporary and aliased bytes (`compiled.memory_analysis()`);
 - per step: collectives by kind with their buffer and ring-traffic bytes (`jaxlight._hlo`).
 """
@@ -38,6 +39,8 @@ class ParamPlan:
     spec: str
     bytes: int
     bytes_per_device: int
+    #: What gave it its layout: "annotation", a path rule ("rules[2]"), or "none".
+    rule: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Plan:
             `temp`, `alias`, `generated_code`).
         collectives: every collective of the step (`jaxlight._hlo.Collective`).
         collective_totals: per kind: `count`, `buffer_bytes`, `traffic_bytes` per step.
+        rules: the path rules named in `ParamPlan.rule` ("rules[2]" -> the rule, as text).
+        unmatched: parameters with no annotation that no path rule matched.
     """
 
     strategy: dict
@@ -64,22 +69,33 @@ class Plan:
     memory: dict[str, int]
     collectives: tuple[Collective, ...]
     collective_totals: dict[str, dict[str, Any]]
+    rules: dict[str, str] = dataclasses.field(default_factory=dict)
+    unmatched: tuple[str, ...] = ()
+    #: How `strategies.Auto` chose the layout (`AutoChoice`), when it did.
+    auto: Any = None
 
     def to_dict(self) -> dict:
         """A JSON-able dict of the plan."""
-        out = dataclasses.asdict(self)
+        out = dataclasses.asdict(dataclasses.replace(self, auto=None))
+        out["auto"] = None if self.auto is None else self.auto.to_dict()
         out["collectives"] = [dict(dataclasses.asdict(c), buffer_bytes=c.buffer_bytes,
                                    traffic_bytes=c.traffic_bytes) for c in self.collectives]
         return out
 
     def table(self) -> str:
         mesh = self.strategy.get("mesh", {})
-        lines = [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
+        lines = [self.auto.table(), ""] if self.auto is not None else []
+        lines += [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
         lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
-                     f"{'per device':>11}")
+                     f"{'per device':>11}  placed by")
         for p in self.params:
             lines.append(f"{p.path:<50} {str(p.shape):<18} {p.spec:<28} "
-                         f"{_fmt_bytes(p.bytes):>10} {_fmt_bytes(p.bytes_per_device):>11}")
+                         f"{_fmt_bytes(p.bytes):>10} {_fmt_bytes(p.bytes_per_device):>11}  "
+                         f"{p.rule}")
+        lines += [f"{label}: {text}" for label, text in self.rules.items()]
+        if self.unmatched and self.rules:
+            lines.append(f"matched no rule and carry no annotation ({len(self.unmatched)}): "
+                         + ", ".join(self.unmatched))
         lines.append(f"parameters: {_fmt_bytes(self.param_bytes)}, per device "
                      f"{_fmt_bytes(self.param_bytes_per_device)}; optimizer state per device "
                      f"{_fmt_bytes(self.opt_state_bytes_per_device)}")
@@ -117,6 +133,21 @@ def _per_device_bytes(strategy, abstract, shardings) -> int:
     return total
 
 
+def _placed_by(strategy, abstract, logical_axes) -> tuple[dict[str, str], dict[str, str]]:
+    """Per parameter path, what placed it, and the text of each path rule that placed any."""
+    place = getattr(strategy, "place", None)  # SPMD strategies; DDP replicates everything
+    if place is None:
+        return {}, {}
+    arrays = [p for p in place(abstract, logical_axes).arrays if p.collection == "params"]
+    rules = {p.label: f"{p.rule!r}" + (f" ({p.rule.group})" if p.rule.group else "")
+             for p in arrays if p.rule is not None}
+    return {p.path: p.label for p in arrays}, dict(sorted(rules.items(), key=_rule_order))
+
+
+def _rule_order(item: tuple[str, str]) -> int:
+    return int(item[0].removeprefix("rules[").removesuffix("]"))
+
+
 def _memory(compiled) -> dict[str, int]:
     try:
         stats = compiled.memory_analysis()
@@ -138,6 +169,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
 
     fit._setup(module, "plan")
     abstract_batch = _abstract_global_batch(example_batch)
+    fit._choose_layout(abstract_batch)
     strategy = fit.strategy
     strategy.check_batch(abstract_batch)
     prior = fit._compiled.pop("train", None)
@@ -149,6 +181,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
             fit._compiled["train"] = prior
 
     abstract, shardings = fit._spec.abstract_state, fit._shardings
+    placed, rules = _placed_by(strategy, abstract, fit._spec.logical_axes)
     params = []
     flat_sh = jax.tree.leaves(shardings.params)
     for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract.params),
@@ -160,6 +193,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
             path=jax.tree_util.keystr(path), shape=shape, dtype=str(np.dtype(leaf.dtype)),
             spec=_spec_text(strategy, sharding), bytes=math.prod(shape) * itemsize,
             bytes_per_device=math.prod(local) * itemsize,
+            rule=placed.get(jax.tree_util.keystr(path), "none"),
         ))
     found = tuple(collectives(compiled.as_text()))
     result = Plan(
@@ -172,6 +206,9 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
         memory=_memory(compiled),
         collectives=found,
         collective_totals=summarize(found),
+        rules=rules,
+        unmatched=tuple(p.path for p in params if p.rule == "none"),
+        auto=None if fit.auto is None else fit.auto.choice,
     )
     if verbose and jax.process_index() == 0:
         print(result.table())

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxlight import _optim
 from jaxlight._errors import StepOutputError
 from jaxlight._state import TrainState
+from jaxlight._user_step import call_user_step
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -104,8 +105,9 @@ def check_scalar_metrics(metrics: Any, where: str) -> None:
 def make_loss_fn(module, graphdef) -> LossFn:
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
+        where = f"{type(module).__name__}.training_step"
         loss, metrics = split_loss_output(
-            module.training_step(model, batch), f"{type(module).__name__}.training_step"
+            call_user_step(module.training_step, where, model, batch), where
         )
         _, _, new_rest = nnx.split(model, module.trainable, ...)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
@@ -208,7 +210,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy) -> tuple[Calla
     def per_example(params, rest, example):
         model = nnx.merge(eval_graphdef, params, rest)
         one = jax.tree.map(lambda x: x[None], example)
-        out = user_fn(model, one)
+        out = call_user_step(user_fn, where, model, one)
         check_scalar_metrics(out, where)
         return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
 
@@ -229,6 +231,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy) -> tuple[Calla
 def build_predict_step(module, eval_graphdef) -> Callable:
     def predict_step(state: TrainState, batch):
         model = nnx.merge(eval_graphdef, state.params, state.rest)
-        return module.predict_step(model, batch)
+        return call_user_step(module.predict_step, f"{type(module).__name__}.predict_step",
+                              model, batch)
 
     return predict_step

@@ -12,6 +12,8 @@ import pytest
 
 import jaxlight as jl
 from jaxlight._cli import main, run
+from jaxlight._cli._build import size_bare_strategy
+from tests.recipes._small import small
 
 QUIET = ["--enable-progress-bar", "false", "--enable-model-summary", "false", "--logger", "none"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,3 +98,36 @@ def test_evaluating_the_initialization_on_purpose(capsys):
     assert "val_loss" in result.metrics
     assert "warning: --ckpt-path none: validate evaluates the model as configure_model " \
            "initializes it" in capsys.readouterr().out
+
+
+# -- bare strategies on every recipe (item 11) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe, kind, size", [
+    ("digits", "tp", None), ("digits", "gpipe", 2), ("gpt", "tp", 4), ("gpt", "gpipe", 4),
+    ("sft", "tp", 4), ("sft", "gpipe", 4)])
+def test_bare_strategy_takes_the_largest_size_the_model_allows(recipe, kind, size):
+    """4 heads and 4 layers over 8 devices: tp 4 and 4 stages (digits: an MLP of 2 blocks)."""
+    mod, config = small(recipe, **({} if recipe == "digits" else
+                                   {"model.num_heads": 4, "model.num_layers": 4}))
+    module, _ = mod.build(config, 2)
+    strategy, note = size_bare_strategy(kind, None, module)
+    if size is None:  # every device fits as it is: the bare strategy stays
+        assert strategy is None and note is None
+        return
+    keyword, what, axis = (("size", "tensor-parallel size", "tp") if kind == "tp" else
+                           ("stages", "pipeline stages", "pipe"))
+    assert getattr(strategy, keyword) == size
+    assert dict(strategy.mesh.shape) == {"data": 8 // size, axis: size}
+    assert note == (f"--strategy {kind}: {what} {size}, the largest that this model splits "
+                    f"into on 8 devices, with data parallelism over the other {8 // size}; "
+                    f"choose with --strategy '{kind}({keyword}=N)'.")
+    # A size given is kept as it is.
+    assert size_bare_strategy(f"{kind}({keyword}=2)", None, module) == (None, None)
+
+
+def test_bare_gpipe_trains_a_recipe_from_the_command_line(capsys):
+    result = run("fit", "digits", ["--strategy", "gpipe", "--max-steps", "1", "--model.width",
+                                   "16", "--model.hidden", "16", *QUIET])
+    assert result.fit.global_step == 1 and result.fit.strategy.stages == 2
+    assert "--strategy gpipe: pipeline stages 2, the largest" in capsys.readouterr().out

@@ -7,8 +7,12 @@ import ast
 import inspect
 from collections.abc import Mapping, Sequence
 
+import jax
+import optax
+
 from jaxlight import callbacks, strategies
-from jaxlight._errors import ConfigurationError, suggest
+from jaxlight._errors import ConfigurationError, ShardingError, suggest
+from jaxlight._state import model_spec
 from jaxlight.strategies._rules import MESH_FORMS
 from jaxlight.strategies._rules import parse_mesh_shape as _parse_mesh_shape
 
@@ -119,6 +123,49 @@ def build_strategy(name: str = "auto", mesh_shape: str | Sequence | Mapping | No
     if not args and not kwargs:
         return strategies.resolve(key) if lower in strategies.ALIASES else target()
     return _call(strategies.ALIASES.get(lower, target), args, kwargs, f"--strategy {name}")
+
+
+#: Bare strategies that span every device on one axis: (class, sizing keyword, what it sizes).
+_SIZED = {
+    "tp": (strategies.TensorParallel, "size", "tensor-parallel size"),
+    "tensorparallel": (strategies.TensorParallel, "size", "tensor-parallel size"),
+    "gpipe": (strategies.GPipe, "stages", "pipeline stages"),
+}
+
+
+def size_bare_strategy(name: str, mesh_shape, module, seed: int = 0):
+    """For `--strategy tp` / `gpipe` given without a size: the largest size the model allows.
+
+    A bare `tp` puts every device on the `tp` axis and a bare `gpipe` makes every device a
+    stage, which a small model often cannot split (4 heads over 8 devices, 2 layers in 8
+    stages). This tries the divisors of the device count from the largest down against the
+    model's abstract shapes (no arrays, no compile), keeps data parallelism over the rest, and
+    returns `(strategy, one line saying so)`; `(None, None)` when a size was given, the strategy
+    is another one, or every device fits as it is.
+    """
+    if mesh_shape is not None:
+        return None, None
+    key, args, kwargs = _parse_call(name or "auto", "--strategy")
+    if key.lower() not in _SIZED or args or kwargs:
+        return None, None
+    cls, keyword, what = _SIZED[key.lower()]
+    n = jax.device_count()
+    spec = model_spec(module, optax.identity(), seed)
+    for size in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
+        strategy = cls(**{keyword: size})
+        strategy.setup(None)
+        try:
+            strategy.state_shardings(spec.abstract_state, spec.logical_axes)
+        except (ShardingError, ConfigurationError):
+            continue
+        if size == n:
+            return None, None
+        return strategy, (
+            f"--strategy {key}: {what} {size}, the largest that this model splits into on {n} "
+            f"devices, with data parallelism over the other {n // size}; choose with "
+            f"--strategy '{key}({keyword}=N)'."
+        )
+    return None, None  # not even size 1: let the fit say why, with the numbers
 
 
 _LOGGERS = {"csv": "CSVLogger", "wandb": "WandbLogger", "tensorboard": "TensorBoardLogger",

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jaxlight import distributed
+from jaxlight import distributed, strategies
 from jaxlight._cli._build import build_strategy
 from jaxlight._cli._options import COMMANDS, _normalize, _Parser, _unknown_option_error
 from jaxlight._errors import ConfigurationError
@@ -80,6 +80,10 @@ def _print_devices(strategy_name: str, mesh_shape: str | None) -> None:
         print(f"  id {d.id:<3} {d.device_kind:<16} {d.platform:<5} process {d.process_index}"
               f"{'  (local)' if d.process_index == jax.process_index() else ''}")
     strategy = build_strategy(strategy_name, mesh_shape)
+    if isinstance(strategy, strategies.Auto):
+        print("strategy auto: the layout is chosen from the model and the first batch when fit "
+              "starts (see docs/strategies.md); try --strategy dp, fsdp, or a --mesh-shape")
+        return
     strategy.setup(None)
     info = strategy.describe()
     print(f"strategy {strategy.name} ({type(strategy).__name__}): mesh {info.get('mesh')}, "

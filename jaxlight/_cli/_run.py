@@ -13,7 +13,12 @@ import yaml
 
 from jaxlight import Fit
 from jaxlight import callbacks as cbs
-from jaxlight._cli._build import build_callbacks, build_loggers, build_strategy
+from jaxlight._cli._build import (
+    build_callbacks,
+    build_loggers,
+    build_strategy,
+    size_bare_strategy,
+)
 from jaxlight._cli._devices import _check_devices, _describe_devices, _initialize_distributed
 from jaxlight._cli._options import RUN_OPTIONS, _fit_signature_defaults, resolve
 from jaxlight._errors import ConfigurationError
@@ -72,8 +77,12 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             every_n_steps=options["checkpoint_every_n_steps"]))
     kwargs = _fit_kwargs(options)
     kwargs["fast_dev_run"] = options["fast_dev_run"] or False
-    fit = Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
-                 logger=loggers is not None, **kwargs)
+
+    def make_fit(strategy):
+        return Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
+                   logger=loggers is not None, **kwargs)
+
+    fit = make_fit(strategy)  # refuses bad Fit options before the recipe builds anything
     overrides = recipe.ckpt_overrides
     if callable(overrides):
         overrides = overrides(config)
@@ -82,7 +91,14 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     module, data = recipe.build(config, kwargs.get("max_steps"))
     metrics: dict[str, Any] = {}
     say = _printer()
+    sized, note = size_bare_strategy(options["strategy"], options["mesh_shape"], module,
+                                     fit.seed)
+    if sized is not None:
+        strategy = sized
+        fit = make_fit(strategy)
     say(f"{command} {recipe.name}: strategy {strategy.name}, {_describe_devices()}")
+    if note:
+        say(note)
     if command == "fit":
         # A resumed fit starts from the checkpoint, not from what before_fit would measure.
         if recipe.before_fit is not None and options["ckpt_path"] is None:

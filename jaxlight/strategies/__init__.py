@@ -9,17 +9,23 @@
 | `TensorParallel(size)` | `"tp"` | Megatron column/row over `tp` (alias: all devices), `data` |
 | `GPipe(stages, microbatches)` | `"gpipe"` | stacked layers in stages over `pipe`, GPipe schedule |
 | `Hybrid(mesh_shape)` | — | any product of `data`, `fsdp`, `tp`, `pipe` |
+| `Auto(...)` | `"auto"` | compiles candidate layouts, picks the fastest predicted that fits |
 
-`"auto"` picks DataParallel when more than one device is visible, else SingleDevice.
+`"auto"` (Fit's default) is `Auto()`: SingleDevice on one device; DataParallel, without
+compiling anything, when the model's parameters, optimizer state and batch take at most 1% of a
+device's memory; otherwise the search described in `Auto` (docs/strategies.md).
+
+`strategies.rules` holds ready-made path rules for stock Flax NNX layers
+(`rules=strategies.rules.NNX`), so models without annotations shard by parameter name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
-
 from jaxlight._errors import ConfigurationError, suggest
+from jaxlight.strategies import rules
+from jaxlight.strategies._auto import DEVICE_TABLE, Auto, AutoChoice, DeviceSpec
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._ddp import DDP
 from jaxlight.strategies._gpipe import GPipe
@@ -37,6 +43,10 @@ __all__ = [
     "ALIASES",
     "DDP",
     "DEFAULT_RULES",
+    "DEVICE_TABLE",
+    "Auto",
+    "AutoChoice",
+    "DeviceSpec",
     "FSDP",
     "DataParallel",
     "GPipe",
@@ -46,16 +56,13 @@ __all__ = [
     "Strategy",
     "TensorParallel",
     "resolve",
+    "rules",
 ]
-
-
-def _auto() -> Strategy:
-    return DataParallel() if jax.device_count() > 1 else SingleDevice()
 
 
 #: The one visible table of string aliases. Each value builds a fresh strategy.
 ALIASES: dict[str, Callable[[], Strategy]] = {
-    "auto": _auto,
+    "auto": Auto,
     "single": SingleDevice,
     "dp": DataParallel,
     "ddp": DDP,

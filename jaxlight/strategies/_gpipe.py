@@ -47,8 +47,9 @@ class GPipe(Pipelined, SpmdStrategy):
             is allowed, with a warning giving the bubble fraction.
         remat: recompute each stage's activations in the backward pass (`jax.checkpoint`),
             storing only each stage's input per iteration.
-        rules: logical-axis rules in front of the defaults (the stacked axis `layers` always
-            maps to `pipe`).
+        rules: logical-axis rules and path rules in front of the defaults (the stacked axis
+            `layers` always maps to `pipe`).
+        override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
     Example:
@@ -65,6 +66,7 @@ class GPipe(Pipelined, SpmdStrategy):
         *,
         remat: bool = False,
         rules=None,
+        override_annotations: bool = False,
         devices: Sequence[jax.Device] | None = None,
     ):
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
@@ -74,13 +76,14 @@ class GPipe(Pipelined, SpmdStrategy):
                 f"{stages!r}."
             )
         user = normalize_rules(rules, "GPipe")
-        if any(name == "layers" for name, _ in user):
+        if any(name == "layers" for name, _ in user):  # (a path rule's key is a pattern)
             raise ConfigurationError(
                 "GPipe: the 'layers' axis of Stacked blocks always maps to the 'pipe' axis "
                 "(that is what splits the stages over devices); remove the 'layers' rule."
             )
         user, full = _with_defaults(user, "GPipe")
         shape = {"pipe": -1} if stages is None else {"data": -1, "pipe": stages}
-        super().__init__(shape, (("layers", "pipe"), *full), devices=devices)
+        super().__init__(shape, (("layers", "pipe"), *full),
+                         override_annotations=override_annotations, devices=devices)
         self.user_rules = user
         self._init_pipeline(microbatches, remat)

@@ -19,13 +19,27 @@ first rule naming an axis wins, so user rules go in front of the defaults. Mesh 
 | `activation_heads`, `activation_mlp`, `activation_vocab` | sharded activations | `tp` |
 | `activation_kv` | activation per-head width | None |
 
+| `data`, `pipe`, `fsdp`, `tp` | a mesh axis named directly | itself |
+
 Activation names are only used by `constrain` (sharding constraints inside the model); the
-parameter names decide where weights, gradients and optimizer state live.
+parameter names decide where weights, gradients and optimizer state live. The mesh-axis rows let
+an annotation or a path rule name a mesh axis instead of a logical name.
+
+The same table holds **path rules**: `(pattern, axes)` where `pattern` is a regular expression
+searched in a parameter's `jax.tree_util.keystr` path (`['blocks'][0]['attn']['query']['kernel']`)
+and `axes` gives one logical name (or mesh axis, or None) per dimension of the parameters it
+matches. A key that is a plain name (letters, digits, `_`) names a logical axis; any other key,
+or an `re.compile(...)` pattern, is a path rule. A path rule gives a parameter its logical axes
+(parameters with annotations keep theirs unless the strategy has `override_annotations=True`),
+which then map to mesh axes through the logical rows of the same table: one lookup
+(`jaxlight._layout.partition_spec`) places every array. Ready-made path rules for stock Flax NNX
+layers are in `jaxlight.strategies.rules`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -65,6 +79,11 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("activation_kv", None),
     ("activation_mlp", "tp"),
     ("activation_vocab", "tp"),
+    # mesh axes named directly (annotations and path rules may name them)
+    ("data", "data"),
+    ("pipe", "pipe"),
+    ("fsdp", "fsdp"),
+    ("tp", "tp"),
 )
 
 #: Logical names that only label activations (never reported as unused rules).
@@ -73,23 +92,136 @@ ACTIVATION_NAMES = frozenset(
 )
 
 
+#: A logical axis name: the key of a logical rule. Any other key is a path pattern.
+_LOGICAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class PathRule(tuple):
+    """A path rule `(pattern, axes)`: a compiled regular expression and one name per dimension.
+
+    A plain 2-tuple (so a rules table iterates as `(key, target)` pairs) that also remembers the
+    ready-made rule set it came from (`group`), so that a set warns as a whole, not per rule,
+    when it matches nothing.
+    """
+
+    group: str | None
+
+    def __new__(cls, pattern: str | re.Pattern, axes, group: str | None = None) -> PathRule:
+        self = super().__new__(cls, (re.compile(pattern), tuple(axes)))
+        self.group = group
+        return self
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return self[0]
+
+    @property
+    def axes(self) -> tuple:
+        return self[1]
+
+    def __repr__(self) -> str:
+        text = self[0].pattern
+        quote = '"' if "'" in text else "'"
+        shown = f"r{quote}{text}{quote}" if quote not in text else repr(text)
+        return f"({shown}, {self[1]!r})"
+
+    def __reduce__(self):
+        return (PathRule, (self[0].pattern, self[1], self.group))
+
+
+def is_path_key(key: Any) -> bool:
+    """True for a path rule's key: a compiled pattern or a string that is not a plain name."""
+    return isinstance(key, re.Pattern) or (isinstance(key, str)
+                                           and not _LOGICAL_NAME.fullmatch(key))
+
+
+def _mesh_axis(name: Any) -> Any:
+    return AXIS_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
+def _path_rule(key: Any, target: Any, who: str, group: str | None) -> PathRule:
+    shown = key.pattern if isinstance(key, re.Pattern) else key
+    if not isinstance(target, tuple | list) or not all(
+            n is None or isinstance(n, str) for n in target):
+        raise ConfigurationError(
+            f"{who}: path rule (r{shown!r} -> {target!r}) must map to a tuple with one logical "
+            f"axis name, mesh axis or None per dimension of the parameters it matches, for "
+            f"example (r{shown!r}, (None, 'tp')) for a 2-d kernel split over tp by columns."
+        )
+    try:
+        return PathRule(key, tuple(_mesh_axis(n) for n in target), group)
+    except re.error as err:
+        raise ConfigurationError(
+            f"{who}: rule key {shown!r} is not a plain logical axis name, so it is read as a "
+            f"regular expression over parameter paths, and it does not compile: {err}. Escape "
+            "brackets and dots (r\"\\['kernel'\\]\") or use a plain name for a logical-axis "
+            "rule."
+        ) from None
+
+
 def normalize_rules(rules: Mapping[str, Any] | Sequence | None, who: str) -> tuple:
-    """Rules as a tuple of `(logical_name, target)` pairs; accepts a dict or a sequence."""
+    """Rules as a tuple of pairs: `(logical_name, mesh_axes)` and `PathRule`s, in order.
+
+    Accepts a dict or a sequence of pairs. A pair whose key is a plain name (letters, digits,
+    `_`) is a logical-axis rule and its target must be mesh axes (aliases such as `model` become
+    `tp`); any other key, or a compiled pattern, makes a path rule (`PathRule`).
+    """
     if rules is None:
         return ()
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     out = []
     for item in items:
-        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+        if isinstance(item, PathRule):
+            out.append(item)
+            continue
+        if not (isinstance(item, tuple | list) and len(item) == 2
+                and isinstance(item[0], str | re.Pattern)):
             raise ConfigurationError(
-                f"{who}: a rule must be a pair (logical_name, mesh_axes), got {item!r}; for "
-                "example rules=[('mlp', 'tp'), ('embed', None)] or {'mlp': 'tp'}."
+                f"{who}: a rule must be a pair (logical_name, mesh_axes) or (path_pattern, "
+                f"axes per dimension), got {item!r}; for example rules=[('mlp', 'tp'), "
+                "(r'.*out.*kernel', ('tp', None))] or {'mlp': 'tp'}."
             )
         name, target = item
+        if is_path_key(name):
+            out.append(_path_rule(name, target, who, None))
+            continue
         if isinstance(target, list):
             target = tuple(target)
+        axes = [_mesh_axis(a) for a in axes_of(target)]
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            looks_like_path = isinstance(target, tuple) and (None in target or len(target) > 1)
+            raise ConfigurationError(
+                f"{who}: rule ({name!r} -> {target!r}) maps the logical axis {name!r} to "
+                f"{bad[0]!r}, which is not a mesh axis; a logical rule's target is a mesh axis, "
+                f"a tuple of them, or None (mesh axes: {list(MESH_AXES)})."
+                + (f" To match parameter paths containing {name!r}, write a regular expression"
+                   f" such as (r'.*{name}', {target!r})." if looks_like_path
+                   else suggest(str(bad[0]), [*MESH_AXES, *AXIS_ALIASES]))
+            )
+        if isinstance(target, str):
+            target = _mesh_axis(target)
+        elif isinstance(target, tuple):
+            target = tuple(axes)
         out.append((name, target))
     return tuple(out)
+
+
+def check_path_rules(rules: Sequence, who: str) -> None:
+    """Refuses a path rule naming a dimension's axis that no logical rule (or mesh axis) defines."""
+    known = [name for name, _ in rules if isinstance(name, str)]
+    for rule in rules:
+        if not isinstance(rule, PathRule):
+            continue
+        for entry in rule.axes:
+            if entry is not None and entry not in known and _mesh_axis(entry) not in MESH_AXES:
+                raise ConfigurationError(
+                    f"{who}: path rule {rule!r} names {entry!r}, which is neither a logical "
+                    f"axis of the rules table nor a mesh axis; logical axes: "
+                    f"{sorted(set(known) - set(MESH_AXES))}, mesh axes: {list(MESH_AXES)}."
+                    f"{suggest(entry, known)} Add a rule ({entry!r}, 'tp') (or another mesh "
+                    "axis) to define it."
+                )
 
 
 # -- mesh shapes: the one grammar (Python, CLI flags, YAML) -----------------------------------

@@ -2,14 +2,14 @@
 
 SingleDevice, DataParallel, FSDP, TensorParallel and Hybrid differ only in their mesh and their
 rules table, as in MaxText and Levanter. A rule maps a logical axis name (from
-`nnx.with_partitioning`) to a mesh axis, a tuple of mesh axes, or None (replicated).
+`nnx.with_partitioning`) to a mesh axis, a tuple of mesh axes, or None (replicated); a path rule
+gives the parameters whose paths it matches their logical axes (`_paths.place`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxlight._errors import ConfigurationError, ShardingError
-from jaxlight._layout import axes_of, is_axes, partition_spec, spmd_context
+from jaxlight._layout import axes_of, partition_spec, spmd_context
 from jaxlight._microbatch import (
     accumulate_locally,
     accumulate_per_replica,
@@ -27,11 +27,14 @@ from jaxlight._microbatch import (
 )
 from jaxlight.nn._collective_matmul import OVERLAP_RULES, overlapped
 from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._paths import Placement, place, warn_unused
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import (
     ACTIVATION_NAMES,
     DEFAULT_RULES,
     MESH_AXES,
+    PathRule,
+    check_path_rules,
     fill_mesh_shape,
     normalize_rules,
     parse_mesh_shape,
@@ -48,10 +51,12 @@ class SpmdStrategy(Strategy):
 
     Args:
         mesh_shape: mesh axis name to size; one size may be -1.
-        rules: logical axis name to mesh axes; the first matching rule wins.
+        rules: logical axis name to mesh axes, and path rules; the first matching rule wins.
         shard_unannotated: a mesh axis (or tuple) over which a parameter with no annotation
-            shards its largest divisible dimension (FSDP), or None to replicate it.
+            and no matching path rule shards its largest divisible dimension (FSDP), or None to
+            replicate it.
         min_shard_size: parameters with fewer elements stay replicated (biases, norms).
+        override_annotations: path rules win over parameters' own annotations.
     """
 
     name = "spmd"
@@ -63,13 +68,15 @@ class SpmdStrategy(Strategy):
         *,
         shard_unannotated: Any = None,
         min_shard_size: int = 2**12,
+        override_annotations: bool = False,
         devices: Sequence[jax.Device] | None = None,
     ):
         super().__init__()
         self.mesh_shape = parse_mesh_shape(mesh_shape, type(self).__name__) if mesh_shape else {}
-        self.rules = tuple((str(k), v) for k, v in rules)
-        #: Rules the user passed (checked for logical axes no parameter uses).
-        self.user_rules: tuple[tuple[str, Any], ...] = ()
+        self.rules = tuple(r if isinstance(r, PathRule) else (str(r[0]), r[1]) for r in rules)
+        #: Rules the user passed (checked for rules that place nothing).
+        self.user_rules: tuple[tuple[Any, Any], ...] = ()
+        self.override_annotations = bool(override_annotations)
         self.shard_unannotated = shard_unannotated
         self.min_shard_size = min_shard_size
         self._devices = devices
@@ -99,18 +106,26 @@ class SpmdStrategy(Strategy):
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
-        out["rules"] = [list(r) if not isinstance(r[1], tuple) else [r[0], list(r[1])]
+        out["rules"] = [[r.pattern.pattern, list(r.axes)] if isinstance(r, PathRule)
+                        else [r[0], list(r[1]) if isinstance(r[1], tuple) else r[1]]
                         for r in self.rules]
+        if self.override_annotations:
+            out["override_annotations"] = True
         return out
 
     # -- layout ----------------------------------------------------------------------------
 
-    def spec_for(self, path: str, shape: tuple[int, ...], logical: tuple | None) -> PartitionSpec:
+    def spec_for(self, path: str, shape: tuple[int, ...], logical: tuple | None,
+                 source: str = "") -> PartitionSpec:
         """The PartitionSpec of one array from its logical axes (`partition_spec`), or, for an
-        unannotated array, the `shard_unannotated` fallback."""
+        array without any (no annotation, no path rule), the `shard_unannotated` fallback.
+
+        `source` says what gave the logical axes (a path rule), for error messages.
+        """
         assert self.mesh is not None
-        spec = partition_spec(dict(self.mesh.shape), self.rules, shape, logical, path=path)
-        if self.shard_unannotated is not None and not any(logical or ()):
+        spec = partition_spec(dict(self.mesh.shape), self.rules, shape, logical, path=path,
+                              source=source if source.startswith("path rule") else "")
+        if self.shard_unannotated is not None and logical is None:
             return PartitionSpec(*self._fallback_spec(shape))
         return spec
 
@@ -127,16 +142,25 @@ class SpmdStrategy(Strategy):
             spec[best] = axes[0] if len(axes) == 1 else axes
         return spec
 
+    def place(self, abstract_state: Any, logical_axes: Any) -> Placement:
+        """Per leaf of the train state, its logical axes and the rule or annotation behind them.
+
+        Annotations first (unless `override_annotations`), then the first matching path rule;
+        optimizer slots follow their parameters (`jaxlight.strategies._paths`).
+        """
+        return place(self.rules, abstract_state, logical_axes,
+                     override_annotations=self.override_annotations,
+                     user_rules=self.user_rules)
+
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
         assert self.mesh is not None
-
-        def one(path, leaf, logical):
-            spec = self.spec_for(jax.tree_util.keystr(path), tuple(leaf.shape), logical)
-            return NamedSharding(self.mesh, spec)
-
-        return jax.tree_util.tree_map_with_path(
-            one, abstract_state, logical_axes, is_leaf=lambda x: x is None
-        )
+        placement = self.place(abstract_state, logical_axes)
+        warn_unused(type(self).__name__, self.user_rules, placement)
+        return placement.treedef.unflatten([
+            NamedSharding(self.mesh, self.spec_for(jax.tree_util.keystr(path),
+                                                   tuple(leaf.shape), logical, source))
+            for path, leaf, logical, source in placement.leaves
+        ])
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
         assert self.mesh is not None
@@ -146,18 +170,6 @@ class SpmdStrategy(Strategy):
             lambda x: NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (np.ndim(x) - 1)))),
             abstract_batch,
         )
-
-    def warn_unused_rules(self, logical_axes: Any) -> None:
-        """Warns about rules naming logical axes that no parameter uses (often a typo)."""
-        names = {n for t in jax.tree.leaves(logical_axes, is_leaf=is_axes)
-                 if is_axes(t) for n in t if n is not None}
-        for rule_name, target in self.user_rules:
-            if rule_name not in names and rule_name not in ACTIVATION_NAMES:
-                warnings.warn(
-                    f"{type(self).__name__}: rule ({rule_name!r} -> {target!r}) names a logical "
-                    f"axis no parameter uses; the model's logical axes are {sorted(names)}.",
-                    stacklevel=3,
-                )
 
     # -- compiling -------------------------------------------------------------------------
 
@@ -256,6 +268,7 @@ class DataParallel(SpmdStrategy):
 def _with_defaults(rules, who: str) -> tuple[tuple, tuple]:
     """(user rules, user rules in front of DEFAULT_RULES): the first matching rule wins."""
     user = normalize_rules(rules, who)
+    check_path_rules(user + DEFAULT_RULES, who)
     return user, user + DEFAULT_RULES
 
 
@@ -269,8 +282,8 @@ def require_tp_annotations(strategy: SpmdStrategy, abstract_state: Any, sharding
 
     if any(uses_tp(s) for s in jax.tree.leaves(shardings.params)):
         return
-    tp_names = sorted(name for name, target in strategy.rules
-                      if "tp" in axes_of(target) and name not in ACTIVATION_NAMES)
+    tp_names = sorted(name for name, target in strategy.rules if isinstance(name, str)
+                      and "tp" in axes_of(target) and name not in ACTIVATION_NAMES)
     flat = jax.tree_util.tree_leaves_with_path(abstract_state.params)
     largest = sorted(flat, key=lambda kv: -math.prod(kv[1].shape))[:5]
     listed = ", ".join(f"{jax.tree_util.keystr(p)} {tuple(x.shape)}" for p, x in largest)
@@ -281,19 +294,24 @@ def require_tp_annotations(strategy: SpmdStrategy, abstract_state: Any, sharding
         "Annotate kernels with nnx.with_partitioning, e.g. kernel_init=nnx.with_partitioning("
         "nnx.initializers.lecun_normal(), ('embed', 'mlp')) for column-parallel and "
         "('mlp', 'embed') for row-parallel layers, use the blocks in jaxlight.nn, or map your "
-        "own names with rules=[('my_axis', 'tp')]."
+        "own names with rules=[('my_axis', 'tp')]. For stock Flax NNX layers (nnx.Linear, "
+        "nnx.MultiHeadAttention, nnx.Embed) pass the ready-made path rules, "
+        "rules=strategies.rules.NNX, or your own path rules such as "
+        "rules=[(r\"\\['up'\\]\\['kernel'\\]\", ('embed', 'mlp'))]; Fit.plan shows which rule "
+        "placed each parameter."
     )
 
 
 class FSDP(SpmdStrategy):
-    """Fully sharded data parallelism (ZeRO-3) over an `fsdp` axis.
+    r"""Fully sharded data parallelism (ZeRO-3) over an `fsdp` axis.
 
     Parameters, gradients and optimizer state are sharded; the batch is split over the same
     axis. Sharded shapes: `W[E_fsdp, F]` is all-gathered to `W[E, F]` before use, and the
     gradient is reduce-scattered back to `dW[E_fsdp, F]`. Every device holds 1/N of the
     parameters and optimizer state between steps. Annotated parameters follow their logical
     axes (`embed` -> `fsdp` by default); unannotated ones shard their largest dimension
-    divisible by N; parameters under `min_shard_size` elements stay replicated.
+    divisible by N (path rules, such as `strategies.rules.NNX`, place them by name instead);
+    parameters under `min_shard_size` elements stay replicated.
 
     Two layouts of the step, as PyTorch FSDP's `reshard_after_forward`:
 
@@ -306,24 +324,29 @@ class FSDP(SpmdStrategy):
       all-reduces instead (4(N−1)/N).
 
     Args:
-        rules: logical-axis rules in front of `DEFAULT_RULES` (dict or pairs).
-        min_shard_size: unannotated parameters with fewer elements stay replicated.
+        rules: logical-axis rules and path rules in front of `DEFAULT_RULES` (dict or pairs;
+            see `jaxlight.strategies._rules`).
+        min_shard_size: parameters with no annotation and no path rule and fewer elements stay
+            replicated.
         reshard_after_forward: gather per layer where used (True) or once per step (False).
+        override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
     Example:
         >>> from jaxlight import strategies
         >>> strategy = strategies.FSDP(rules={"mlp": "fsdp"})
+        >>> by_path = strategies.FSDP(rules=[(r"\['embed'\]", ("vocab", "fsdp"))])
     """
 
     name = "fsdp"
 
     def __init__(self, *, rules=None, min_shard_size: int = 2**12,
-                 reshard_after_forward: bool = False,
+                 reshard_after_forward: bool = False, override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         user, full = _with_defaults(rules, "FSDP")
         super().__init__({"fsdp": -1}, full, shard_unannotated="fsdp",
-                         min_shard_size=min_shard_size, devices=devices)
+                         min_shard_size=min_shard_size,
+                         override_annotations=override_annotations, devices=devices)
         self.user_rules = user
         self.reshard_after_forward = reshard_after_forward
 
@@ -346,7 +369,8 @@ class TensorParallel(SpmdStrategy):
     `H[B_data, F_tp] · W[F_tp, E] -> Out[B_data, E]` (an all-reduce over `tp`). A transformer
     block costs four all-reduces of `b·s·h` activations per step (two forward, two backward);
     embeddings are vocabulary-parallel. Parameters must carry logical axes mapped to `tp`
-    (`mlp`, `heads`, `vocab` by default; see `jaxlight.nn`); a model with none is refused.
+    (`mlp`, `heads`, `vocab` by default; see `jaxlight.nn`), from annotations or from path
+    rules (`strategies.rules.NNX` for stock Flax NNX layers); a model with none is refused.
 
     With `overlap=True` the all-reduces become collective matmuls (`jaxlight.nn`'s
     `_collective_matmul`): the residual stream stays sharded `In[B_data, E_tp]` between layers,
@@ -356,19 +380,22 @@ class TensorParallel(SpmdStrategy):
 
     Args:
         size: devices per tensor-parallel group (the `tp` axis); None: all devices.
-        rules: logical-axis rules in front of `DEFAULT_RULES`.
+        rules: logical-axis rules and path rules in front of `DEFAULT_RULES`.
         overlap: run column- and row-parallel `jaxlight.nn.Dense` layers as collective matmuls.
+        override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
     Example:
         >>> from jaxlight import strategies
         >>> strategy = strategies.TensorParallel(2)
         >>> overlapped = strategies.TensorParallel(2, overlap=True)
+        >>> stock = strategies.TensorParallel(2, rules=strategies.rules.NNX)
     """
 
     name = "tp"
 
     def __init__(self, size: int | None = None, *, rules=None, overlap: bool = False,
+                 override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigurationError(f"TensorParallel(size) needs a positive int, got {size!r}.")
@@ -376,7 +403,8 @@ class TensorParallel(SpmdStrategy):
         if overlap:
             full = user + OVERLAP_RULES + full[len(user):]
         shape = {"tp": -1} if size is None else {"data": -1, "tp": size}
-        super().__init__(shape, full, devices=devices)
+        super().__init__(shape, full, override_annotations=override_annotations,
+                         devices=devices)
         self.user_rules = user
         self.size = size
         self.overlap = bool(overlap)
@@ -404,10 +432,12 @@ class Hybrid(Pipelined, SpmdStrategy):
     Args:
         mesh_shape: `{"data": 2, "fsdp": 2, "tp": 2}` or the Tunix form
             `[[2, 2, 2], ["data", "fsdp", "tp"]]`; one size may be -1 (the remaining devices).
-        rules: logical-axis rules in front of `DEFAULT_RULES`.
-        min_shard_size: unannotated parameters with fewer elements stay replicated.
+        rules: logical-axis rules and path rules in front of `DEFAULT_RULES`.
+        min_shard_size: parameters with no annotation and no path rule and fewer elements stay
+            replicated.
         microbatches: with a `pipe` axis, microbatches per batch (None: 2 × pipe).
         remat: with a `pipe` axis, recompute each stage's activations in the backward pass.
+        override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
     Example:
@@ -420,13 +450,14 @@ class Hybrid(Pipelined, SpmdStrategy):
 
     def __init__(self, mesh_shape, *, rules=None, min_shard_size: int = 2**12,
                  microbatches: int | None = None, remat: bool = False,
+                 override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
         user, full = _with_defaults(rules, "Hybrid")
         if "pipe" in shape:
             full = (("layers", "pipe"), *full)  # each stage holds its own layers
         super().__init__(shape, full, shard_unannotated="fsdp", min_shard_size=min_shard_size,
-                         devices=devices)
+                         override_annotations=override_annotations, devices=devices)
         self.user_rules = user
         self._init_pipeline(microbatches, remat)
 

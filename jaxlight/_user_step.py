@@ -1,0 +1,77 @@
+"""Calls into the user's step functions: an error raised while one is traced names the step, the
+data and the batch it was traced for (a bare `KeyError: 'y'` names none of them).
+
+The loop says which batch a step is being traced for with `tracing_for(...)`; the step builders
+call the user's `training_step`/`validation_step`/... through `call_user_step`, which turns any
+exception that is not already a `JaxlightError` into a `UserStepError` whose `__cause__` is the
+original (its traceback still points into the user's code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxlight._errors import JaxlightError, UserStepError
+
+_TRACING_FOR: contextvars.ContextVar[tuple[str, str, str] | None] = contextvars.ContextVar(
+    "jaxlight_tracing_for", default=None)
+
+
+def describe_batch(batch: Any) -> str:
+    """`{['x']: (32, 16) float32, ['y']: (32,) int32}`: each leaf's path, shape and dtype."""
+    parts = []
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        dtype = getattr(x, "dtype", None)
+        dtype = np.asarray(x).dtype if dtype is None else dtype
+        parts.append(f"{jax.tree_util.keystr(path) or 'batch'}: {tuple(np.shape(x))} {dtype}")
+    return "{" + ", ".join(parts) + "}"
+
+
+@contextlib.contextmanager
+def tracing_for(batch_name: str, data_name: str, batch: Any = None,
+                advice: str = "") -> Iterator[None]:
+    """While the block traces a step, errors in the user's step name this batch.
+
+    Args:
+        batch_name: which batch, for example 'validation batch 0 (sanity check)'.
+        data_name: which data, for example 'the val_data passed to Fit.fit'.
+        batch: the batch itself (host or abstract), whose leaves the message lists.
+        advice: one more sentence for the message (for example how to skip a sanity check).
+    """
+    desc = describe_batch(batch) if batch is not None else ""
+    token = _TRACING_FOR.set((f"{batch_name} of {data_name}", desc, advice))
+    try:
+        yield
+    finally:
+        _TRACING_FOR.reset(token)
+
+
+def call_user_step(fn: Callable, where: str, *args: Any) -> Any:
+    """`fn(*args)` (the user's step), its errors wrapped as `UserStepError` with the context.
+
+    Args:
+        fn: the bound user method, for example `module.validation_step`.
+        where: its name for messages, for example 'Classifier.validation_step'.
+        *args: what it is called with (model, batch).
+    """
+    try:
+        return fn(*args)
+    except JaxlightError:
+        raise  # jaxlight's own errors already say what to do
+    except Exception as err:  # noqa: BLE001 - re-raised with context, original as __cause__
+        context = _TRACING_FOR.get()
+        on, advice = "", ""
+        if context is not None:
+            batch, desc, advice = context
+            on = f" on {batch}" + (f", a batch {desc}" if desc else "")
+        raise UserStepError(
+            f"{where} raised {type(err).__name__}: {err} while jaxlight traced it{on}. The "
+            "original error and its traceback are shown above this one: fix the step, or the "
+            "data if it lacks what the step reads." + (f" {advice}" if advice else "")
+        ) from err
