@@ -159,29 +159,20 @@ def _memory(compiled) -> dict[str, int]:
     return {n: int(getattr(stats, f"{n}_size_in_bytes", 0) or 0) for n in names}
 
 
-def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
-    """Compiles `fit`'s training step for `example_batch` and reports its layout and costs.
+def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
+    """Compiles a set-up session's training step for `abstract_batch` and reports its costs.
 
-    Nothing runs and no state is created. The compiled step is not kept: a later `fit.fit`
-    compiles its own (its batches may differ from the example).
+    `session` is a `jaxlight._fit.Session` after `setup(module)`; `abstract_batch` holds the
+    global batch's shapes. Nothing runs and no state is created. The compiled step is not
+    kept: a later `fit.fit` compiles its own (its batches may differ from the example).
     """
-    from jaxlight._fit import _abstract_global_batch
-
-    fit._setup(module, "plan")
-    abstract_batch = _abstract_global_batch(example_batch)
-    fit._choose_layout(abstract_batch)
-    strategy = fit.strategy
+    session.choose_layout(abstract_batch)
+    strategy = session.strategy
     strategy.check_batch(abstract_batch)
-    prior = fit._compiled.pop("train", None)
-    try:
-        compiled, _ = fit._compile_train_step(abstract_batch)
-    finally:
-        fit._compiled.pop("train", None)
-        if prior is not None:
-            fit._compiled["train"] = prior
+    compiled, _ = session.compile_train_step(abstract_batch, keep=False)
 
-    abstract, shardings = fit._spec.abstract_state, fit._shardings
-    placed, rules = _placed_by(strategy, abstract, fit._spec.logical_axes)
+    abstract, shardings = session.spec.abstract_state, session.shardings
+    placed, rules = _placed_by(strategy, abstract, session.spec.logical_axes)
     params = []
     flat_sh = jax.tree.leaves(shardings.params)
     for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(abstract.params),
@@ -208,7 +199,7 @@ def plan(fit, module, example_batch: Any, *, verbose: bool = True) -> Plan:
         collective_totals=summarize(found),
         rules=rules,
         unmatched=tuple(p.path for p in params if p.rule == "none"),
-        auto=None if fit.auto is None else fit.auto.choice,
+        auto=None if session.auto is None else session.auto.choice,
     )
     if verbose and jax.process_index() == 0:
         print(result.table())

@@ -19,11 +19,13 @@ abstractly, no parameter materialized) and the first batch's shapes, Auto:
    of the link its group crosses)`, communication not overlapped (a pessimistic bound);
 5. picks the fastest prediction among the layouts that fit the budget with `headroom`.
 
-Compiles are bounded: after the first layout that fits, only `explore` more are compiled, and
-never more than `max_compiles` in all. A model whose arguments take at most `shortcut` of the
-budget under data parallelism gets DataParallel without any compile (every small model: the
-common case stays as cheap as it was). `Auto.choice` keeps the table of candidates; Fit
-prints it, and `Fit.plan` shows it.
+Compiles are bounded: layouts whose arguments alone exceed the budget are never compiled; the
+rest go least sharded first (the least communication) while the first compiled one fits, and
+most sharded first (the fewest argument bytes) once it does not (memory binds); after the first
+layout that fits, only `explore` more are compiled, and never more than `max_compiles` in all.
+A model whose arguments take at most `shortcut` of the budget under data parallelism gets
+DataParallel without any compile (every small model: the common case stays as cheap as it
+was). `Auto.choice` keeps the table of candidates; Fit prints it, and `Fit.plan` shows it.
 """
 
 from __future__ import annotations
@@ -160,9 +162,6 @@ class Candidate:
         compile_s: seconds its compile took.
         memory: `compiled.memory_analysis()` per device (`argument`, `output`, `temp`,
             `alias`), when compiled.
-        working_set: parameters and gradients per device while the step runs (gathered over
-            `fsdp`/`data`, still split over `tp`/`pipe`): the proxy that, scaled by what the
-            compiled candidates measured, estimates an uncompiled one's temporaries.
     """
 
     layout: str
@@ -178,17 +177,6 @@ class Candidate:
     fits: bool | None = None
     compile_s: float = 0.0
     memory: dict[str, int] | None = None
-    working_set: int | None = None
-
-    def estimate(self, ratio: float) -> float:
-        """Bytes per device predicted from the arguments and a measured temporaries ratio."""
-        return (self.argument_bytes or 0) + ratio * (self.working_set or 0)
-
-    def measured_ratio(self) -> float | None:
-        """Compiled temporaries (bytes beyond the arguments) per byte of `working_set`."""
-        if self.bytes_per_device is None or not self.working_set:
-            return None
-        return max(0.0, self.bytes_per_device - self.argument_bytes) / self.working_set
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -528,10 +516,13 @@ class Auto(Strategy):
                 reason = ("no training batch to compile with: the least sharded layout whose "
                           "parameters and optimizer state fit")
         else:
+            # Speed order (least sharded first) while memory is plentiful; once the first
+            # compiled layout does not fit, memory binds: the most sharded (fewest argument
+            # bytes) go next, so that a layout that fits is found in few compiles.
+            queue = list(viable)
             first_fit = None
-            ratio = None  # the smallest measured temporaries / working-set proxy so far
-            deferred: list[Candidate] = []
-            for c in viable:
+            while queue:
+                c = queue.pop(0)
                 if compiles >= self.max_compiles:
                     c.status, c.reason = "not compiled", f"max_compiles={self.max_compiles}"
                     continue
@@ -539,29 +530,13 @@ class Auto(Strategy):
                     c.status, c.reason = "not compiled", (
                         f"explore={self.explore} candidates after the first that fits")
                     continue
-                if ratio is not None and c.estimate(ratio) > usable:
-                    c.status = "not compiled"
-                    c.reason = f"estimated {_fmt_bytes(c.estimate(ratio))} > usable"
-                    deferred.append(c)
-                    continue
                 compiles += 1
                 self._measure(c, abstract_state, logical_axes, abstract_batch, make_step, spec,
                               usable)
                 if c.fits and first_fit is None:
                     first_fit = compiles
-                r = c.measured_ratio()
-                if r is not None:
-                    ratio = r if ratio is None else min(ratio, r)
-            # Nothing fits: the estimate may have been wrong; try its skips, smallest first.
-            for c in sorted(deferred, key=lambda c: c.estimate(ratio)):
-                if first_fit is not None or compiles >= self.max_compiles:
-                    break
-                compiles += 1
-                c.reason = ""
-                self._measure(c, abstract_state, logical_axes, abstract_batch, make_step, spec,
-                              usable)
-                if c.fits:
-                    first_fit = compiles
+                if compiles == 1 and c.fits is False:
+                    queue.sort(key=lambda x: x.argument_bytes)  # stable: speed order in ties
             fitting = [c for c in viable if c.fits]
             if fitting:
                 chosen = min(fitting, key=lambda c: c.predicted_s)
@@ -607,7 +582,6 @@ class Auto(Strategy):
             c.status, c.reason = "refused", _first_sentence(str(err))
             return
         c.argument_bytes = state_bytes + batch_bytes
-        c.working_set = _working_set(s, abstract_state.params, shardings.params)
         if c.argument_bytes > usable:
             c.status = "args exceed budget"
 
@@ -648,11 +622,19 @@ class Auto(Strategy):
         c.status = "fits" if c.fits else "too big"
 
     def _nothing_fits(self, cands, budget, usable) -> str:
+        compiled = [c for c in cands if c.bytes_per_device is not None]
         sized = [c for c in cands if c.argument_bytes is not None]
-        best = min(sized, key=lambda c: c.bytes_per_device or c.argument_bytes, default=None)
-        need = ("" if best is None else
-                f" The smallest was {best.layout} with "
-                f"{_fmt_bytes(best.bytes_per_device or best.argument_bytes)} per device.")
+        if compiled:
+            best = min(compiled, key=lambda c: c.bytes_per_device)
+            need = (f" The smallest compiled layout, {best.layout}, needs "
+                    f"{_fmt_bytes(best.bytes_per_device)} per device.")
+        elif sized:
+            best = min(sized, key=lambda c: c.argument_bytes)
+            need = (f" The smallest layout, {best.layout}, holds "
+                    f"{_fmt_bytes(best.argument_bytes)} of parameters, optimizer state and "
+                    "batch per device before any temporary.")
+        else:
+            need = ""
         return (f"Auto: no layout of the model fits the memory budget of {_fmt_bytes(budget)} "
                 f"per device ({_fmt_bytes(usable)} usable after headroom={self.headroom}) over "
                 f"{len(self._device_list())} devices.{need} Use more devices, a smaller batch "
@@ -737,17 +719,3 @@ def _group_bandwidth(group: int, links: dict[str, tuple[int, float]], spec: Devi
         best = min((bw for _, bw in links.values()), default=spec.link_bandwidth)
     return best
 
-
-def _working_set(strategy: Strategy, params, shardings) -> int:
-    """Parameters plus gradients one device holds while the step runs: each parameter whole
-    over the batch axes (FSDP gathers it), split over `tp` and `pipe` as its spec says."""
-    mesh = dict(strategy.mesh.shape) if strategy.mesh is not None else {}
-    total = 0
-    for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
-        split = 1
-        for entry in getattr(sharding, "spec", ()):
-            for axis in axes_of(entry):
-                if axis in ("tp", "pipe"):
-                    split *= mesh.get(axis, 1)
-        total += 2 * math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize // split
-    return total

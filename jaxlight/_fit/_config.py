@@ -1,0 +1,164 @@
+"""FitConfig: Fit's keyword arguments, checked once and frozen.
+
+`Fit.__init__` builds one `FitConfig.create(...)`; everything downstream (the loop, evaluation,
+callbacks reading `fit.config`) reads it and nothing changes it. `fast_dev_run` is applied here,
+so the rest of the core never sees it as a special case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jaxlight._errors import ConfigurationError
+
+
+def _check_batch_limit(name: str, value: Any, verb: str) -> None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
+    if value is None:
+        return
+    bad = (isinstance(value, bool) or not isinstance(value, int | float)
+           or (isinstance(value, int) and value < 1)
+           or (isinstance(value, float) and not 0.0 < value <= 1.0))
+    if bad:
+        skip = ("pass no validation data to skip validation" if "val" in name
+                else "set max_steps or max_epochs to train less")
+        raise ConfigurationError(
+            f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
+            f"int (batches per epoch), a float fraction of an epoch in (0, 1], or None for "
+            f"every batch; {skip}. (On the command line: --{name.replace('_', '-')}.)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    """Validated `Fit` settings (see `Fit`'s docstring for each field's meaning)."""
+
+    max_steps: int | None
+    max_epochs: int | None
+    precision: str | None
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    val_check_interval: int | float | None
+    check_val_every_n_epoch: int | None
+    limit_train_batches: int | float | None
+    limit_val_batches: int | float | None
+    log_every_n_steps: int
+    enable_progress_bar: bool
+    enable_model_summary: bool
+    logger: bool
+    default_root_dir: str
+    seed: int
+    fast_dev_run: bool | int
+    prefetch_batches: int
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        precision: str | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        val_check_interval: int | float | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        log_every_n_steps: int = 50,
+        enable_progress_bar: bool = True,
+        enable_model_summary: bool = True,
+        logger: bool = True,
+        default_root_dir: str | os.PathLike = "jaxlight_logs",
+        seed: int = 0,
+        fast_dev_run: bool | int = False,
+        prefetch_batches: int = 2,
+    ) -> FitConfig:
+        """Checks the arguments (raising `ConfigurationError` with what to change) and applies
+        `fast_dev_run` (1 or n training and validation batches, no loggers, no summary)."""
+        if fast_dev_run:
+            n = 1 if fast_dev_run is True else int(fast_dev_run)
+            max_steps, max_epochs = n, 1
+            limit_train_batches, limit_val_batches, val_check_interval = n, n, None
+            logger, enable_model_summary = False, False
+        if max_steps is None and max_epochs is None:
+            raise ConfigurationError(
+                "Fit needs max_steps or max_epochs (both are None): say how long to train, "
+                "for example Fit(max_steps=1000) or Fit(max_epochs=10)."
+            )
+        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
+                            ("log_every_n_steps", log_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        _check_batch_limit("limit_train_batches", limit_train_batches, "train on")
+        _check_batch_limit("limit_val_batches", limit_val_batches, "validate on")
+        if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:
+            raise ConfigurationError(
+                f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "
+                "and must be in (0, 1]; pass an int to validate every N steps."
+            )
+        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+            raise ConfigurationError(
+                f"prefetch_batches must be an integer >= 0, got {prefetch_batches!r} (0 turns "
+                "prefetching off, 2 is the default)."
+            )
+        return cls(
+            max_steps=max_steps, max_epochs=max_epochs, precision=precision,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
+            val_check_interval=val_check_interval,
+            check_val_every_n_epoch=check_val_every_n_epoch,
+            limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+            log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
+            enable_model_summary=enable_model_summary, logger=logger,
+            default_root_dir=os.fspath(default_root_dir), seed=seed, fast_dev_run=fast_dev_run,
+            prefetch_batches=prefetch_batches,
+        )
+
+    def summary(self, strategy_name: str) -> dict[str, Any]:
+        """The settings loggers record as the run's config (`Fit.config`)."""
+        return {
+            "strategy": strategy_name, "max_steps": self.max_steps,
+            "max_epochs": self.max_epochs, "precision": self.precision,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "gradient_clip_val": self.gradient_clip_val,
+            "log_every_n_steps": self.log_every_n_steps,
+            "val_check_interval": self.val_check_interval, "seed": self.seed,
+        }
+
+
+def batch_limit(limit: int | float | None, data: Any) -> int | None:
+    """A batch limit (`limit_*_batches`: an int, or a fraction of `len(data)`) as a count."""
+    if limit is None:
+        return None
+    if isinstance(limit, float):
+        try:
+            return max(1, int(len(data) * limit))
+        except TypeError:
+            raise ConfigurationError(
+                f"a fractional batch limit ({limit}) needs data with len(); this iterable "
+                "has none. Pass an integer number of batches instead."
+            ) from None
+    return int(limit)
+
+
+def validation_interval(config: FitConfig, train_data: Any) -> int | None:
+    """Training steps between validations from `val_check_interval` (None: at epoch ends)."""
+    v = config.val_check_interval
+    if v is None:
+        return None
+    if isinstance(v, float):
+        try:
+            per_epoch = len(train_data)
+        except TypeError:
+            raise ConfigurationError(
+                f"val_check_interval={v} (a fraction of an epoch) needs training data with "
+                "len(); pass an integer number of steps instead."
+            ) from None
+        limit = batch_limit(config.limit_train_batches, train_data)
+        per_epoch = min(per_epoch, limit) if limit else per_epoch
+        return max(1, int(per_epoch * v))
+    return int(v)

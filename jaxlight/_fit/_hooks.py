@@ -1,0 +1,100 @@
+"""Callbacks of a Fit: assembling the list from Fit's shortcuts, calling hooks, the log queue."""
+
+from __future__ import annotations
+
+from jaxlight import callbacks as cbs
+from jaxlight._errors import ConfigurationError
+from jaxlight._preemption import PreemptionHandler
+from jaxlight.callbacks._base import Callback
+
+
+def assemble_callbacks(user, config) -> list[Callback]:
+    """The Fit's callback list: shortcut callbacks, then the user's, then the defaults.
+
+    A shortcut (`precision`, `accumulate_grad_batches`, `gradient_clip_val`) given together
+    with its callback is refused, not silently resolved.
+    """
+    for cb in user:
+        if not isinstance(cb, Callback):
+            raise ConfigurationError(
+                f"callbacks must be jaxlight.callbacks.Callback objects; got "
+                f"{type(cb).__name__}. Wrap plain functions in callbacks.LambdaCallback."
+            )
+
+    def present(name: str) -> bool:
+        cls = getattr(cbs, name, None)
+        return cls is not None and any(isinstance(cb, cls) for cb in user)
+
+    precision, accumulate = config.precision, config.accumulate_grad_batches
+    clip_val, clip_algo = config.gradient_clip_val, config.gradient_clip_algorithm
+    shortcuts: list[Callback] = []
+    for arg, value, default, name, make in (
+        ("precision", precision, None, "MixedPrecision",
+         lambda: cbs.MixedPrecision(precision)),
+        ("accumulate_grad_batches", accumulate, 1, "GradientAccumulation",
+         lambda: cbs.GradientAccumulation(accumulate)),
+        ("gradient_clip_val", clip_val, None, "GradientClipping",
+         lambda: cbs.GradientClipping(clip_val, algorithm=clip_algo)),
+    ):
+        if value == default or (arg == "precision" and value in ("32-true", "32", 32)):
+            continue
+        if present(name):
+            raise ConfigurationError(
+                f"Fit({arg}={value!r}) and callbacks.{name} in callbacks both set the same "
+                f"thing; keep one of them (the shortcut just adds callbacks.{name})."
+            )
+        if not hasattr(cbs, name):
+            raise ConfigurationError(f"Fit({arg}=...) needs callbacks.{name}, not available.")
+        shortcuts.append(make())
+    defaults: list[Callback] = []
+    if config.enable_model_summary and not present("ModelSummary"):
+        defaults.append(cbs.ModelSummary())
+    if config.enable_progress_bar and not present("TQDMProgressBar"):
+        defaults.append(cbs.TQDMProgressBar())
+    if config.logger and not any(getattr(cb, "is_logger", False) for cb in user):
+        defaults.append(cbs.CSVLogger())
+    return shortcuts + user + defaults
+
+
+class Hooks:
+    """Calls a hook on every callback, in list order, with `(fit, module, *args)`."""
+
+    def __init__(self, fit, callbacks: list[Callback]):
+        self._fit = fit
+        self.callbacks = callbacks
+        #: SIGTERM/SIGUSR1 during fit: checkpoint after the step, then exit (not in `callbacks`).
+        self.preemption = PreemptionHandler()
+        self.module = None
+
+    def __call__(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self._fit, self.module, *args)
+        # Internal, last: a preemption checkpoint follows every callback's step hooks.
+        getattr(self.preemption, hook)(self._fit, self.module, *args)
+
+
+class MetricLog:
+    """Host metrics on their way to `on_log`: each round reaches every callback in step order."""
+
+    def __init__(self, hooks: Hooks):
+        self._hooks = hooks
+        self._queue: list[tuple[dict, int]] = []
+        self._logging = False
+        #: Every metric sent to loggers, last value per key.
+        self.logged_metrics: dict[str, float] = {}
+        #: Latest training/validation metrics (what EarlyStopping and checkpoints monitor).
+        self.callback_metrics: dict[str, float] = {}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queues `metrics` at `step`; sends the queue unless a round is being sent already."""
+        self._queue.append((dict(metrics), step))
+        if self._logging:
+            return
+        self._logging = True
+        try:
+            while self._queue:
+                queued, at = self._queue.pop(0)
+                self.logged_metrics.update(queued)
+                self._hooks("on_log", queued, at)
+        finally:
+            self._logging = False

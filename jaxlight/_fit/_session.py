@@ -1,0 +1,302 @@
+"""Session: the device side of a Fit — spec, shardings, optimizer, state, compiled steps.
+
+One `Session` per `Fit`. `setup(module)` fixes the module's abstract spec, the optimizer and
+the state's shardings (once per module); every step kind is compiled at most once through it
+(`compile_train_step`, `compile_eval_step`, `compile_predict_step`), counted in
+`compile_counts` and timed in `compile_times`. It also holds the current `TrainState`.
+The plan (`jaxlight._plan`), `ModelSummary` and checkpoint restore read it through these
+public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlight import _batch
+from jaxlight import distributed as _distributed
+from jaxlight import strategies as _strategies
+from jaxlight._module import TrainModule
+from jaxlight._optim import ScheduleUpdate
+from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
+from jaxlight._step import (
+    build_eval_step,
+    build_optimizer,
+    build_params_transform,
+    build_predict_step,
+    build_train_step,
+)
+
+
+def abstract_global_batch(batch: Any) -> Any:
+    """The global batch's shapes, from this process's share (equal shares per process)."""
+    n = jax.process_count()
+
+    def one(x):
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct((x.shape[0] * n, *x.shape[1:]) if x.ndim else (), x.dtype)
+
+    return jax.tree.map(one, batch)
+
+
+class Session:
+    """Owns what a module needs on the devices under one strategy and one callback list.
+
+    Args:
+        strategy: the resolved `jaxlight.strategies.Strategy`.
+        callbacks: the Fit's callbacks (their step pieces shape the optimizer and the step).
+        seed: seeds parameter initialization.
+        devices: the devices `Fit(devices=...)` selected (None: all), given to the strategy's
+            `setup`.
+    """
+
+    def __init__(self, strategy, callbacks, seed: int, devices=None):
+        self.devices = devices
+        #: The strategy in use; under `strategies.Auto`, the chosen one once it has chosen.
+        self.strategy = strategy
+        #: The `strategies.Auto` choosing the layout (None: a fixed strategy). Once it has
+        #: chosen, `strategy` is the chosen one and `auto.choice` the candidate table.
+        self.auto = strategy if isinstance(strategy, _strategies.Auto) else None
+        self.callbacks = callbacks
+        self.seed = seed
+        #: The module set up last (None before the first `setup`).
+        self.module: TrainModule | None = None
+        #: The current train state (device arrays in the strategy's layout), or None.
+        self.state: TrainState | None = None
+        #: Compiles per step kind ("init", "train", "eval:validation_step", ...).
+        self.compile_counts: dict[str, int] = {}
+        #: Seconds spent compiling per step kind ("init" includes running the initializer).
+        self.compile_times: dict[str, float] = {}
+        self._spec = None
+        self._spec_module: TrainModule | None = None
+        self._shardings: TrainState | None = None
+        self._tx = None
+        self.schedule: ScheduleUpdate | None = None
+        self._params_transform = None
+        self._compiled: dict[str, Any] = {}
+        self._eval_batch_size: dict[str, int] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def setup(self, module: TrainModule, stage: str = "fit") -> None:
+        """Builds the mesh (once), then the spec, optimizer and shardings for `module`.
+
+        A different module than the last one rebuilds them and forgets the compiled steps.
+        Under `strategies.Auto`, `fit` and `plan` (`stage`) may leave the layout to
+        `choose_layout` with their first batch.
+        """
+        self.module = module
+        if self.strategy.mesh is None:
+            self.strategy.setup(self.devices)
+        if self._spec is None or self._spec_module is not module:
+            tx, scheduler = build_optimizer(module, self.callbacks)
+            self._tx = tx
+            #: The lr_scheduler of configure_optimizers' dict, run between steps (or None).
+            self.schedule = (None if scheduler is None
+                             else ScheduleUpdate(scheduler, self.compile_state_update))
+            self._params_transform = build_params_transform(self.callbacks)
+            self._spec = model_spec(module, tx, self.seed, self._params_transform)
+            self._spec_module = module
+            self._compiled = {}
+            self._shardings = None
+            if self.auto is not None:
+                self.strategy = self.auto  # a new model: choose again
+            # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
+            self.choose_layout(None, defer=stage in ("fit", "plan"))
+
+    def choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
+        """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
+        candidate train steps for `abstract_batch` (None: from state bytes alone)."""
+        if self._shardings is not None:
+            return
+        if self.auto is not None:
+            def make_step(strategy):
+                return build_train_step(self.module, self._spec.graphdef, self._tx,
+                                        self.callbacks, strategy, frozen=self._spec.frozen)
+
+            chosen = self.auto.choose(self._spec.abstract_state, self._spec.logical_axes,
+                                      abstract_batch, make_step, defer=defer)
+            if chosen is None:
+                return  # decided with the first batch
+            self.strategy = chosen
+            self.compile_counts["auto"] = self.auto.choice.compiles
+            self.compile_times["auto"] = self.auto.choice.seconds
+        self._shardings = self.strategy.state_shardings(
+            self._spec.abstract_state, self._spec.logical_axes
+        )
+        warn = getattr(self.strategy, "warn_unused_rules", None)
+        if warn is not None:
+            warn(self._spec.logical_axes)
+
+    @property
+    def spec(self):
+        """The module's abstract spec (`jaxlight._state.ModelSpec`): graphdefs, abstract state,
+        logical axes, frozen mask."""
+        return self._spec
+
+    @property
+    def shardings(self) -> TrainState | None:
+        """The train state's shardings (a `TrainState` of shardings)."""
+        return self._shardings
+
+    @property
+    def optimizer(self):
+        """The optax transformation the step applies (callbacks' pieces included)."""
+        return self._tx
+
+    # -- compile bookkeeping -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def compiling(self, kind: str):
+        """Counts one compile of `kind` and adds its wall time to `compile_times`."""
+        self.compile_counts[kind] = self.compile_counts.get(kind, 0) + 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.compile_times[kind] = (self.compile_times.get(kind, 0.0)
+                                        + time.perf_counter() - start)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def init_state(self) -> TrainState:
+        """Creates a fresh train state, each array directly in its target sharding."""
+        init = make_init_fn(self.module, self._tx, self.seed, self._params_transform)
+        with self.compiling("init"):
+            return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
+
+    def state_from_model(self, model: nnx.Module) -> TrainState:
+        """Places an existing model's variables into this strategy's layout (no optimizer)."""
+        _, params, rest = split_model(model, self.module.trainable)
+        state = TrainState(step=np.zeros((), np.int32), params=params, opt_state=None, rest=rest)
+        return self.strategy.from_canonical(state, self.state_shardings(state))
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """The shardings of `state`, which may lack the optimizer (evaluation from a model)."""
+        if state.opt_state is None:
+            return self._shardings.replace(opt_state=None)
+        return self._shardings
+
+    def canonical_abstract(self, state: TrainState) -> TrainState:
+        """Shapes of `state` as the model sees them (without DDP's device axis)."""
+        shapes = jax.eval_shape(self.strategy.to_canonical, state)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), shapes)
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """The `nnx.Module` holding `state`'s parameters (in their device layout)."""
+        canonical = self.strategy.to_canonical(state)
+        return nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
+
+    def eval_size(self, kind: str, local: int) -> int:
+        """The padded local batch size of an evaluation kind, fixed by its first batch."""
+        if kind not in self._eval_batch_size:
+            dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
+            # Processes may hold different counts (an uneven last batch): all pad to the
+            # largest, so that they compile the same step.
+            self._eval_batch_size[kind] = _distributed.agree_max(
+                f"eval_batch:{kind}", math.ceil(local / dp_local) * dp_local)
+        return self._eval_batch_size[kind]
+
+    # -- compiled steps ----------------------------------------------------------------------
+
+    @property
+    def compiled_train_step(self) -> Any | None:
+        """The compiled training step, once built (None before)."""
+        entry = self._compiled.get("train")
+        return None if entry is None else entry[0]
+
+    def compile_train_step(self, abstract_batch: Any, *, keep: bool = True):
+        """The compiled training step and the batch shardings for `abstract_batch`.
+
+        Compiled once and kept; `keep=False` (the plan) compiles afresh and keeps nothing, so
+        that a later fit compiles for its own batches.
+        """
+        if keep and "train" in self._compiled:
+            return self._compiled["train"]
+        step = build_train_step(self.module, self._spec.graphdef, self._tx, self.callbacks,
+                                self.strategy, frozen=self._spec.frozen)
+        batch_sh = self.strategy.batch_shardings(abstract_batch)
+        _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
+        with self.compiling("train"):
+            compiled = self.strategy.compile(
+                step,
+                (self._spec.abstract_state, abstract_batch),
+                in_shardings=(self._shardings, batch_sh),
+                out_shardings=(self._shardings, self.strategy.replicated()),
+                donate_argnums=(0,),
+            )
+        if keep:
+            self._compiled["train"] = (compiled, batch_sh)
+        return compiled, batch_sh
+
+    def compile_state_update(self, fn, extra_abstract: tuple):
+        """Compiles `fn(state, *extra) -> state` between steps (the state donated, the extra
+        scalars replicated); the scheduler's updates at validation and epoch ends."""
+        rep = self.strategy.replicated()
+        with self.compiling("schedule"):
+            return self.strategy.compile(
+                fn, (self._spec.abstract_state, *extra_abstract),
+                in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
+                out_shardings=self._shardings, donate_argnums=(0,))
+
+    def compile_eval_step(self, method: str, batch: Any, state: TrainState):
+        """`(compiled, batch_sh, mask_sh, zero_totals)` for `method` over padded batches."""
+        key = f"eval:{method}:{state.opt_state is None}"
+        if key not in self._compiled:
+            self._compiled[key] = self._compile_eval_uncached(method, batch, state)
+        return self._compiled[key]
+
+    def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
+        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
+        abstract_batch = abstract_global_batch(batch)
+        self.strategy.check_batch(abstract_batch, what=f"{method} batch")
+        abstract_mask = abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
+                                                       bool))
+        batch_sh = self.strategy.batch_shardings(abstract_batch)
+        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
+        mask_sh = self.strategy.batch_shardings(abstract_mask)
+        eval_step, batch_sums = build_eval_step(self.module, self._spec.eval_graphdef, method,
+                                                self.strategy)
+        state_sh = self.state_shardings(state)
+        abstract_state = self.canonical_abstract(state)
+        with self.strategy.trace_context():
+            abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
+                                             abstract_mask)
+        rep = self.strategy.replicated()
+        with self.compiling(f"eval:{method}"):
+            compiled = self.strategy.compile(
+                eval_step,
+                (abstract_state, abstract_batch, abstract_mask, abstract_totals),
+                in_shardings=(state_sh, batch_sh, mask_sh, rep),
+                out_shardings=rep,  # a few scalars, not donated: the loop can wait on them
+            )
+        zeros = jax.device_put(
+            jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_totals),
+            self.strategy.replicated_like(abstract_totals),
+        )
+        return compiled, batch_sh, mask_sh, zeros
+
+    def compile_predict_step(self, batch: Any, state: TrainState):
+        """`(compiled, batch_sh)` for `predict_step` over padded batches like `batch`.
+
+        Compiled once per call of `Fit.predict`, as before the split (its first batch fixes it).
+        """
+        _batch.check_batch_agreement(batch, "predict batch (padded)")
+        abstract_batch = abstract_global_batch(batch)
+        batch_sh = self.strategy.batch_shardings(abstract_batch)
+        _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+        state_sh = self.state_shardings(state)
+        abstract_state = self.canonical_abstract(state)
+        with self.compiling("predict"):
+            compiled = self.strategy.compile(
+                build_predict_step(self.module, self._spec.eval_graphdef),
+                (abstract_state, abstract_batch),
+                in_shardings=(state_sh, batch_sh), out_shardings=None)
+        return compiled, batch_sh

@@ -1,0 +1,242 @@
+"""TrainLoop: the training loop of `Fit.fit`.
+
+The loop's performance contract (DESIGN.md):
+- the train step is compiled once per fit, ahead of time, with shardings fixed before the call;
+- the state is donated to every step;
+- at most `MAX_IN_FLIGHT` steps are in flight: after dispatching step t the loop waits for the
+  oldest unfinished step so that no more than `MAX_IN_FLIGHT` are queued (unbounded queues
+  deadlock XLA's CPU collectives, and a bounded queue costs nothing on an accelerator as long as
+  one step stays queued);
+- metrics reach the host only at log intervals, and then those of an already finished step.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+
+from jaxlight import _batch
+from jaxlight._errors import DataError, TrainingStopped
+from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
+from jaxlight._fit._evaluation import Evaluator
+from jaxlight._fit._hooks import Hooks, MetricLog
+from jaxlight._fit._loop_state import LoopState
+from jaxlight._fit._session import Session, abstract_global_batch
+from jaxlight._user_step import tracing_for
+from jaxlight.data._feed import TrainFeed
+from jaxlight.data._prefetch import Prefetcher
+
+#: Steps dispatched to the device that the host has not waited for, at most (module docstring).
+MAX_IN_FLIGHT = 2
+
+
+def _len_or_none(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+class _Pending:
+    """A dispatched step whose metrics the host has not looked at yet."""
+
+    __slots__ = ("step", "metrics", "log")
+
+    def __init__(self, step: int, metrics: dict, log: bool):
+        self.step, self.metrics, self.log = step, metrics, log
+
+
+class StepOutput:
+    """What `on_train_batch_end` receives: the step number and its metrics (device arrays)."""
+
+    __slots__ = ("step", "metrics")
+
+    def __init__(self, step: int, metrics: dict):
+        self.step, self.metrics = step, metrics
+
+    def __getitem__(self, key):
+        return self.metrics[key]
+
+
+class TrainLoop:
+    """Runs epochs of training steps with hooks, logging, validation and stop agreement."""
+
+    def __init__(self, config: FitConfig, session: Session, position: LoopState, hooks: Hooks,
+                 log: MetricLog, evaluator: Evaluator, feed: TrainFeed):
+        self.config = config
+        self.session = session
+        self.position = position
+        self.hooks = hooks
+        self.log = log
+        self.evaluator = evaluator
+        self.feed = feed
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def hit_max_steps(self) -> bool:
+        return (self.config.max_steps is not None
+                and self.position.global_step >= self.config.max_steps)
+
+    def epoch_exhausted(self, data, limit) -> bool:
+        try:
+            n = len(data)
+        except TypeError:
+            return False
+        n = min(n, limit) if limit else n
+        return self.position.batch_idx >= n
+
+    def done(self) -> bool:
+        if self.position.effective_stop is not None or self.hit_max_steps():
+            return True
+        return self.config.max_epochs is not None and self.position.epoch >= self.config.max_epochs
+
+    # -- batches -------------------------------------------------------------------------------
+
+    def _epoch_batches(self, limit: int | None) -> Iterator:
+        """This epoch's `(batch, position)` pairs, never reading past what will be trained."""
+        pos = self.position
+        budget = None if self.config.max_steps is None else self.config.max_steps - pos.global_step
+        if limit is not None:
+            left = limit - pos.batch_idx
+            budget = left if budget is None else min(budget, left)
+        return self.feed.epoch(pos.epoch, pos.batch_idx, budget)
+
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+        _batch.check_same_signature(
+            batch, reference, f"training batch {index} of epoch {self.position.epoch}",
+            "Every training batch must have the same structure and shapes (drop a last partial "
+            "batch, for example ArrayLoader(drop_remainder=True)).")
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
+        """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
+        jax.block_until_ready(pending.metrics)
+        if pending.log or final:
+            host = jax.device_get(pending.metrics)
+            metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
+            metrics.update((k, float(v)) for k, v in host.items())
+            metrics["epoch"] = float(self.position.epoch)
+            self.log.callback_metrics.update(metrics)
+            self.log.log(metrics, pending.step)
+            pending.log = False
+        return None if final else pending
+
+    def _retire_all(self, in_flight: collections.deque) -> None:
+        """Waits for every dispatched step; the newest one's metrics always reach the log."""
+        while in_flight:
+            pending = in_flight.popleft()
+            self._retire(pending, final=not in_flight)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, train_data: Iterable, val_data: Iterable | None) -> None:
+        config, session, pos, call = self.config, self.session, self.position, self.hooks
+        limit = batch_limit(config.limit_train_batches, train_data)
+        val_every = validation_interval(config, train_data)
+        pairs = self._epoch_batches(limit)
+        try:
+            first, first_position = next(pairs)
+        except StopIteration:
+            raise DataError(
+                "the training data yielded no batch: the iterable is empty (or exhausted, if it "
+                "is a one-shot iterator). Pass a non-empty iterable of batches."
+            ) from None
+        # Every process must feed an equal share, or they compile different steps and hang.
+        _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
+        abstract_batch = abstract_global_batch(first)
+        first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
+        with tracing_for(first_name, "train_data", first):
+            session.choose_layout(abstract_batch)
+        session.strategy.check_batch(abstract_batch)
+        reference = _batch.batch_signature(first, first_name)
+        if session.state is None:
+            session.state = session.init_state()
+        with tracing_for(first_name, "train_data", first):
+            compiled, batch_sh = session.compile_train_step(abstract_batch)
+        call("on_train_start")
+
+        def put(batch):
+            return session.strategy.put_batch(batch, batch_sh)
+
+        # Steps not yet waited for, oldest first; the newest is the one just dispatched.
+        in_flight: collections.deque[_Pending] = collections.deque()
+        first_epoch = True
+        if pos.multi_process:
+            pos.agree_stop()
+        while not self.done():
+            if first_epoch:
+                pairs = itertools.chain([(first, first_position)], pairs)
+            else:
+                pairs = self._epoch_batches(limit)
+            call("on_train_epoch_start")
+            start = pos.batch_idx
+            batches = Prefetcher(pairs, put, config.prefetch_batches,
+                                 lambda b, n, s=start: self._check_batch(b, reference, s + n))
+            first_epoch = False
+            got_any = False
+            try:
+                for batch, device_batch, position in batches:
+                    got_any = True
+                    call("on_train_batch_start", batch, pos.batch_idx)
+                    session.state, metrics = compiled(session.state, device_batch)
+                    self.feed.consumed(position)
+                    pos.global_step += 1
+                    pos.batch_idx += 1
+                    # A log interval's metrics reached the callbacks: a stop agreement point.
+                    logged = False
+                    while len(in_flight) >= MAX_IN_FLIGHT - 1 and in_flight:
+                        oldest = in_flight.popleft()
+                        logged = logged or oldest.log
+                        self._retire(oldest)
+                    log = pos.global_step % config.log_every_n_steps == 0
+                    in_flight.append(_Pending(pos.global_step, metrics, log))
+                    call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
+                         pos.batch_idx - 1)
+                    if val_every and pos.global_step % val_every == 0 and val_data is not None:
+                        self._retire_all(in_flight)
+                        self.evaluator.run_validation(val_data)
+                        logged = True
+                    if pos.multi_process and logged:
+                        pos.agree_stop()
+                    if self.done():
+                        break
+            finally:
+                batches.close()
+            if not got_any and pos.batch_idx == 0:
+                raise DataError(
+                    f"the training data yielded no batch in epoch {pos.epoch} (it gave batches "
+                    "before): a one-shot iterator cannot be iterated twice. Pass a re-iterable "
+                    "(a list, jaxlight.data.ArrayLoader) or set max_steps within one pass."
+                )
+            self._retire_all(in_flight)
+            if self.hit_max_steps() and not self.epoch_exhausted(train_data, limit):
+                break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
+            # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
+            # end-of-epoch validation, as Lightning does: the epoch did not end.
+            stopped_early = pos.should_stop and not self.epoch_exhausted(train_data, limit)
+            validate = bool(val_data is not None and val_every is None
+                            and config.check_val_every_n_epoch
+                            and (pos.epoch + 1) % config.check_val_every_n_epoch == 0
+                            and not stopped_early)
+            if session.schedule is not None:
+                # Epoch-interval schedulers advance before the epoch-end hooks, where
+                # checkpoints are taken, so that a resumed fit continues them exactly.
+                session.state = session.schedule.at_epoch_end(session.state, pos.epoch, validate)
+            call("on_train_epoch_end")
+            if validate:
+                self.evaluator.run_validation(val_data, epoch_end=True)
+            if pos.multi_process:
+                pos.agree_stop()
+            pos.epoch += 1
+            pos.batch_idx = 0
+        self._retire_all(in_flight)
+        if pos.multi_process:
+            pos.agree_stop()  # a guard's last-moment error must end every process alike
+        if pos.stop_reason is not None and pos.stop_reason.startswith("error:"):
+            raise TrainingStopped(pos.stop_reason[len("error:"):].strip())
+        call("on_train_end")
