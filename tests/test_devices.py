@@ -79,4 +79,4 @@ def test_conflicting_choices_are_refused():
                                                      r"devices \[2, 3\]"):
         jl.Fit(strategies.DataParallel(devices=jax.devices()[2:4]), devices=2, max_steps=1)
     for same in ("auto", -1, None):
-        assert jl.Fit("dp", devices=same, max_steps=1)._devices is None
+        assert jl.Fit("dp", devices=same, max_steps=1).config["devices"] is None
