@@ -242,10 +242,17 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
     return eval_step, totals_fn
 
 
-def build_predict_step(module, eval_graphdef) -> Callable:
+def build_predict_step(module, eval_graphdef, *, sharded: bool = True) -> Callable:
+    """`predict_step(state, batch) -> outputs` on a whole batch (`sharded` as in
+    `build_eval_step`)."""
+    where = f"{type(module).__name__}.predict_step"
+
     def predict_step(state: TrainState, batch):
         model = nnx.merge(eval_graphdef, state.params, state.rest)
-        return call_user_step(module.predict_step, f"{type(module).__name__}.predict_step",
-                              model, batch)
+        with any_batch_size():
+            if sharded:
+                return call_user_step(module.predict_step, where, model, batch)
+            with activation_sharding(None):
+                return call_user_step(module.predict_step, where, model, batch)
 
     return predict_step

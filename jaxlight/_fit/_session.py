@@ -11,7 +11,6 @@ public names.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any
 
@@ -21,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jaxlight import _batch, _metrics
-from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._module import TrainModule
 from jaxlight._optim import ScheduleUpdate
@@ -81,7 +79,6 @@ class Session:
         self.schedule: ScheduleUpdate | None = None
         self._params_transform = None
         self._compiled: dict[Any, Any] = {}
-        self._eval_batch_size: dict[str, int] = {}
         #: What `self.log` in the training step reports (filled when the step is traced).
         self.log_spec = _metrics.LogSpec()
         self._eval_specs: dict[str, _metrics.EvalSpec] = {}
@@ -197,16 +194,6 @@ class Session:
         canonical = self.strategy.to_canonical(state)
         return nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
 
-    def eval_size(self, kind: str, local: int) -> int:
-        """The padded local batch size of an evaluation kind, fixed by its first batch."""
-        if kind not in self._eval_batch_size:
-            dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-            # Processes may hold different counts (an uneven last batch): all pad to the
-            # largest, so that they compile the same step.
-            self._eval_batch_size[kind] = _distributed.agree_max(
-                f"eval_batch:{kind}", math.ceil(local / dp_local) * dp_local)
-        return self._eval_batch_size[kind]
-
     @property
     def progress_bar_metrics(self) -> set[str]:
         """Names logged with `prog_bar=True` by the traced steps (training and evaluation)."""
@@ -309,20 +296,25 @@ class Session:
         )
         return compiled, batch_sh, zeros
 
-    def compile_predict_step(self, batch: Any, state: TrainState):
-        """`(compiled, batch_sh)` for `predict_step` over padded batches like `batch`.
+    def compile_predict_step(self, abstract_batch: Any, state: TrainState, sharded: bool,
+                             local_batch: Any = None):
+        """`(compiled, batch_sh)` for `predict_step` over whole batches of this shape.
 
-        Compiled once per call of `Fit.predict`, as before the split (its first batch fixes it).
+        Sharded like a training batch, or (`sharded=False`) given whole to every device, with
+        the output replicated. The caller keeps it for one `Fit.predict` call.
         """
-        _batch.check_batch_agreement(batch, "predict batch (padded)")
-        abstract_batch = abstract_global_batch(batch)
-        batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
-        state_sh = self.state_shardings(state)
-        abstract_state = self.canonical_abstract(state)
+        strategy = self.strategy
+        if sharded:
+            if local_batch is not None:
+                _batch.check_batch_agreement(local_batch, "predict batch")
+            batch_sh = strategy.batch_shardings(abstract_batch)
+            _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+        else:
+            batch_sh = strategy.replicated_like(abstract_batch)
+        predict_step = build_predict_step(self.module, self._spec.eval_graphdef,
+                                          sharded=sharded)
         with self.compiling("predict"):
-            compiled = self.strategy.compile(
-                build_predict_step(self.module, self._spec.eval_graphdef),
-                (abstract_state, abstract_batch),
-                in_shardings=(state_sh, batch_sh), out_shardings=None)
-        return compiled, batch_sh
+            return strategy.compile(
+                predict_step, (self.canonical_abstract(state), abstract_batch),
+                in_shardings=(self.state_shardings(state), batch_sh),
+                out_shardings=None if sharded else strategy.replicated()), batch_sh
