@@ -7,6 +7,7 @@ Fit / hand-written per round, over alternating rounds. Final parameters are comp
 
     python benchmarks/overhead.py                     # 1 and 8 simulated devices, dp and fsdp
     python benchmarks/overhead.py --devices 8 --strategy dp --steps 200 --rounds 5
+    python benchmarks/overhead.py --log               # Fit's step also self.logs (on_epoch)
 
 Prints JSON; writes benchmarks/results/overhead.json (when run for every configuration).
 """
@@ -44,6 +45,10 @@ def run_one(args) -> dict:
             return self.l3(nnx.relu(self.l2(nnx.relu(self.l1(x)))))
 
     class Module(jl.TrainModule):
+        def __init__(self, log=False):
+            super().__init__()
+            self.log_values = log
+
         def configure_model(self, rngs):
             return MLP(args.din, args.hidden, rngs)
 
@@ -52,7 +57,11 @@ def run_one(args) -> dict:
 
         def training_step(self, model, batch):
             logits = model(batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            if self.log_values:
+                # The logging path (--log): a step value, an on-device epoch mean, the bar.
+                self.log("train_loss", loss, prog_bar=True, on_epoch=True)
+            return loss
 
     rng = np.random.default_rng(0)
     n = args.batch * 8
@@ -74,7 +83,7 @@ def run_one(args) -> dict:
         stamps = []
         rec = callbacks.LambdaCallback(
             on_train_batch_end=lambda f, m, o, b, i: stamps.append(time.perf_counter()))
-        module = Module()
+        module = Module(log=args.log)
         fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
                      log_every_n_steps=args.log_every)
@@ -152,6 +161,7 @@ def run_one(args) -> dict:
         "steps": args.steps,
         "batch": args.batch,
         "hidden": args.hidden,
+        "self_log": args.log,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
         "median_hand_ms": float(np.median([r["hand_ms"] for r in rounds])),
         "median_ratio": float(np.median(ratios)),
@@ -176,6 +186,8 @@ def main(argv=None):
     p.add_argument("--din", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--log", action="store_true",
+                   help="Fit's training_step also calls self.log(..., on_epoch=True, prog_bar)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.devices is not None:
@@ -187,6 +199,7 @@ def main(argv=None):
                "--strategy", strategy, "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--batch", str(args.batch), "--din", str(args.din), "--hidden", str(args.hidden),
                "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
+        cmd += ["--log"] if args.log else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             results.append({"devices": devices, "strategy": strategy,
@@ -194,6 +207,8 @@ def main(argv=None):
             continue
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     report = {"benchmark": "overhead", "results": results}
+    if args.log and args.out == os.path.join(HERE, "results", "overhead.json"):
+        args.out = os.path.join(HERE, "results", "overhead_log.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

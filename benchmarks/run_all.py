@@ -32,6 +32,7 @@ BENCHMARKS = {
     "pipeline": [],
     "tp_overlap": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
+    "auto": [],
     "startup": [],
 }
 
@@ -154,6 +155,30 @@ def summarize_tp_overlap(r):
 
 
 # -- charts ---------------------------------------------------------------------------------------
+
+
+def _mib(n):
+    return f"{n / 2**20:.1f} MiB"
+
+
+def summarize_auto(r):
+    rows = []
+    for m in r["models"]:
+        for run in m["runs"]:
+            label = "real memory" if run["budget"] == "real" else _mib(run["usable_bytes"])
+            what = (f"Fit('auto'), LM {m['size']} ({_mib(m['param_bytes'])} params), "
+                    f"{label} usable per device: choice (compiles, seconds)")
+            if run["chosen"] is None:
+                rows.append((what, "nothing fits", f"{run['best_of_full_table']}",
+                             run["found_best"]))
+                continue
+            ratio = run["predicted_vs_best"]
+            rows.append((what,
+                         f"{run['chosen']} ({run['compiles']}, {run['choose_seconds']:.1f} s)",
+                         f"fits; predicted ≤ 1.05 × best of {len(m['full_table'])} "
+                         f"({run['best_of_full_table']}: ×{ratio:.3f})",
+                         ratio is not None and ratio <= 1.05))
+    return rows
 
 
 def summarize_startup(r):

@@ -58,6 +58,39 @@ def rule_axes(rules: Sequence, name: str | None) -> tuple[str, ...]:
     return ()
 
 
+class PathRule(tuple):
+    """A path rule `(pattern, axes)`: a compiled regular expression and one name per dimension.
+
+    A plain 2-tuple (so a rules table iterates as `(key, target)` pairs) that also remembers the
+    ready-made rule set it came from (`group`), so that a set warns as a whole, not per rule,
+    when it matches nothing.
+    """
+
+    group: str | None
+
+    def __new__(cls, pattern: str | re.Pattern, axes, group: str | None = None) -> PathRule:
+        self = super().__new__(cls, (re.compile(pattern), tuple(axes)))
+        self.group = group
+        return self
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return self[0]
+
+    @property
+    def axes(self) -> tuple:
+        return self[1]
+
+    def __repr__(self) -> str:
+        text = self[0].pattern
+        quote = '"' if "'" in text else "'"
+        shown = f"r{quote}{text}{quote}" if quote not in text else repr(text)
+        return f"({shown}, {self[1]!r})"
+
+    def __reduce__(self):
+        return (PathRule, (self[0].pattern, self[1], self.group))
+
+
 def match_path(rules: Sequence, path: str, ndim: int) -> tuple[int, tuple] | None:
     """`(index, axes)` of the first path rule in `rules` found in `path` for an `ndim`-d array.
 
@@ -183,7 +216,7 @@ def logical_to_spec(mesh: Mesh, rules: Sequence, names: Sequence[str | None],
                     shape: Sequence[int]) -> PartitionSpec:
     """A PartitionSpec for an activation, by `partition_spec`.
 
-    A dimension of size 1 stays unsharded (one example under evaluation's per-example `vmap`);
+    A dimension of size 1 stays unsharded (a batch of one example);
     any other dimension its axes do not divide raises `ShardingError`.
     """
     names = [None if dim == 1 else name for dim, name in zip(shape, names, strict=True)]

@@ -8,8 +8,8 @@ from typing import Any
 import optax
 from flax import nnx
 
-from jaxlight import _hparams
-from jaxlight._errors import PortingError
+from jaxlight import _hparams, _metrics
+from jaxlight._errors import ConfigurationError, PortingError
 from jaxlight._porting import GUIDE
 
 Batch = Any
@@ -114,6 +114,66 @@ class TrainModule:
     def model(self, value: nnx.Module) -> None:
         object.__setattr__(self, "_model", value)
 
+    # -- logging from inside steps (Lightning's self.log) -----------------------------------
+
+    def log(self, name: str, value: Any, prog_bar: bool = False, logger: bool = True,
+            on_step: bool | None = None, on_epoch: bool | None = None, reduce_fx: Any = "mean",
+            sync_dist: bool = False, batch_size: Any = None, **ignored: Any) -> None:
+        """Reports `value` (traced) from `training_step`, `validation_step` or `test_step`.
+
+        The value joins the step's metrics; nothing is read on the host per step.
+
+        - `training_step` (defaults `on_step=True, on_epoch=False`): `on_step` values reach the
+          loggers every `log_every_n_steps`; `on_epoch=True` sums them on device over the epoch
+          and logs the (batch_size-weighted) epoch mean at the epoch's end (named `name_step` /
+          `name_epoch` when both are set, as in Lightning).
+        - `validation_step` / `test_step` (default `on_epoch=True`): the exact mean over the whole
+          evaluation, each batch weighted by its number of examples, or by `batch_size` (which
+          may be traced, e.g. `mask.sum()` for a token-weighted loss). A `clu.metrics.Metric` or
+          `Collection` is merged over every batch and computed once at the end.
+
+        Args:
+            name: the metric's name, used as given (no prefix).
+            value: a scalar (array or number), or in evaluation a clu-style metric.
+            prog_bar: show it on the progress bar (`TQDMProgressBar`).
+            logger: accepted for Lightning compatibility; values always reach the loggers.
+            on_step, on_epoch: see above; None picks the step kind's default.
+            reduce_fx: only "mean" (log a clu metric for other aggregations).
+            sync_dist: accepted and unnecessary: every value is already global (computed over
+                the global batch, or reduced over replicas under DDP).
+            batch_size: the weight of this value in means (default: the batch's leading
+                dimension in evaluation, equal steps in training).
+
+        Example:
+            >>> # inside training_step: self.log("train_acc", acc, prog_bar=True, on_epoch=True)
+        """
+        del logger, sync_dist
+        if ignored:
+            raise ConfigurationError(
+                f"{type(self).__name__}.log got unsupported arguments {sorted(ignored)}; "
+                "jaxlight's self.log takes name, value, prog_bar, on_step, on_epoch, reduce_fx, "
+                "sync_dist and batch_size."
+            )
+        _metrics.active(type(self).__name__).add(
+            name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch,
+            batch_size=batch_size, reduce_fx=reduce_fx)
+
+    def log_dict(self, dictionary: dict[str, Any], prog_bar: bool = False, logger: bool = True,
+                 on_step: bool | None = None, on_epoch: bool | None = None,
+                 reduce_fx: Any = "mean", sync_dist: bool = False, batch_size: Any = None,
+                 **ignored: Any) -> None:
+        """`self.log` for every `name: value` of `dictionary`, with the same options."""
+        items = dictionary.items() if isinstance(dictionary, dict) else None
+        if items is None:
+            raise ConfigurationError(
+                f"{type(self).__name__}.log_dict takes a dict of name -> value, got "
+                f"{type(dictionary).__name__}; to log a clu Collection use self.log(name, it)."
+            )
+        for name, value in items:
+            self.log(name, value, prog_bar=prog_bar, logger=logger, on_step=on_step,
+                     on_epoch=on_epoch, reduce_fx=reduce_fx, sync_dist=sync_dist,
+                     batch_size=batch_size, **ignored)
+
     def __call__(self, *args, **kwargs):
         # Lightning's self(x) runs forward; here the model is the step's argument. Setup finds
         # self(x) in the step's source (jaxlight._porting); this catches it where no source is.
@@ -145,14 +205,19 @@ class TrainModule:
         )
 
     def validation_step(self, model: nnx.Module, batch: Batch) -> Metrics:
-        """Returns a dict of scalar metrics averaged over the batch."""
+        """Evaluates one whole batch (as the loader yields it, never padded).
+
+        Returns a dict of scalar batch means (each weighted by the batch's examples over the
+        evaluation) and clu metrics (merged over every batch), a clu `Collection`, or nothing
+        after `self.log(...)`. Keys are prefixed `val_` (`test_` under `Fit.test`).
+        """
         raise NotImplementedError(
             f"{type(self).__name__} has no validation_step(self, model, batch) -> dict; "
             "implement it to pass validation data to Fit."
         )
 
     def test_step(self, model: nnx.Module, batch: Batch) -> Metrics:
-        """Returns a dict of scalar metrics; defaults to `validation_step`."""
+        """Like `validation_step` (its default), for `Fit.test`."""
         return self.validation_step(model, batch)
 
     def predict_step(self, model: nnx.Module, batch: Batch):

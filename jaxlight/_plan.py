@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxlight._hlo import KINDS, Collective, collectives, summarize
+from jaxlight._layout import PathRule
 
 
 def _fmt_bytes(n: float) -> str:
@@ -58,7 +59,8 @@ class Plan:
         collectives: every collective of the step (`jaxlight._hlo.Collective`).
         collective_totals: per kind: `count`, `buffer_bytes`, `traffic_bytes` per step.
         rules: the path rules named in `ParamPlan.rule` ("rules[2]" -> the rule, as text).
-        unmatched: parameters with no annotation that no path rule matched.
+        unmatched: parameters with no annotation that no path rule matched (when the strategy
+            has path rules).
     """
 
     strategy: dict
@@ -93,9 +95,11 @@ class Plan:
                          f"{_fmt_bytes(p.bytes):>10} {_fmt_bytes(p.bytes_per_device):>11}  "
                          f"{p.rule}")
         lines += [f"{label}: {text}" for label, text in self.rules.items()]
-        if self.unmatched and self.rules:
+        if self.unmatched:
+            shown = ", ".join(self.unmatched[:10])
+            more = len(self.unmatched) - 10
             lines.append(f"matched no rule and carry no annotation ({len(self.unmatched)}): "
-                         + ", ".join(self.unmatched))
+                         + shown + (f" and {more} more" if more > 0 else ""))
         lines.append(f"parameters: {_fmt_bytes(self.param_bytes)}, per device "
                      f"{_fmt_bytes(self.param_bytes_per_device)}; optimizer state per device "
                      f"{_fmt_bytes(self.opt_state_bytes_per_device)}")
@@ -131,6 +135,10 @@ def _per_device_bytes(strategy, abstract, shardings) -> int:
         local = strategy.shard_shape(tuple(leaf.shape), sharding)
         total += math.prod(local) * np.dtype(leaf.dtype).itemsize
     return total
+
+
+def _has_path_rules(strategy) -> bool:
+    return any(isinstance(r, PathRule) for r in getattr(strategy, "user_rules", ()))
 
 
 def _placed_by(strategy, abstract, logical_axes) -> tuple[dict[str, str], dict[str, str]]:
@@ -198,7 +206,8 @@ def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
         collectives=found,
         collective_totals=summarize(found),
         rules=rules,
-        unmatched=tuple(p.path for p in params if p.rule == "none"),
+        unmatched=tuple(p.path for p in params if p.rule == "none")
+        if _has_path_rules(strategy) else (),
         auto=None if session.auto is None else session.auto.choice,
     )
     if verbose and jax.process_index() == 0:

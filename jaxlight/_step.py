@@ -24,9 +24,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlight import _metrics
 from jaxlight._errors import StepOutputError
+from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
 from jaxlight._user_step import call_user_step
+from jaxlight.nn._pipeline import any_batch_size
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -101,13 +104,17 @@ def check_scalar_metrics(metrics: Any, where: str) -> None:
             )
 
 
-def make_loss_fn(module, graphdef) -> LossFn:
+def make_loss_fn(module, graphdef, log_spec: _metrics.LogSpec | None = None) -> LossFn:
+    """The user's `training_step` as `loss_fn`; `self.log` values join its metrics (and their
+    options `log_spec`)."""
+    where = f"{type(module).__name__}.training_step"
+
     def loss_fn(params, rest, batch):
         model = nnx.merge(graphdef, params, rest)
-        where = f"{type(module).__name__}.training_step"
-        loss, metrics = split_loss_output(
-            call_user_step(module.training_step, where, model, batch), where
-        )
+        with _metrics.collecting("train", where) as logs:
+            out = call_user_step(module.training_step, where, model, batch)
+        loss, metrics = split_loss_output(out, where)
+        metrics = _metrics.merge_training_logs(metrics, logs, log_spec, where)
         _, _, new_rest = nnx.split(model, module.trainable, ...)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
         return loss.astype(jnp.float32), (metrics, nnx.to_pure_dict(new_rest))
@@ -117,18 +124,20 @@ def make_loss_fn(module, graphdef) -> LossFn:
 
 def build_train_step(
     module, graphdef, tx: optax.GradientTransformation, callbacks: Sequence, strategy,
-    frozen: Any = None,
+    frozen: Any = None, log_spec: _metrics.LogSpec | None = None,
 ) -> StepFn:
     """Assembles the training step from the module and callbacks.
 
     `tx` is the final optimizer (after `transform_optimizer`, see `build_optimizer`).
     `frozen` is `ModelSpec.frozen` (the untrained `nnx.Param` leaves of `rest`).
+    `log_spec`, when given, receives the options of every `self.log` call when the step is
+    traced (the loop reads it after compiling).
     """
     from jaxlight import _frozen
 
     for cb in callbacks:
         cb.setup_step(strategy)
-    loss_fn = make_loss_fn(module, graphdef)
+    loss_fn = make_loss_fn(module, graphdef, log_spec)
     for cb in callbacks:
         loss_fn = cb.transform_loss(loss_fn)
 
@@ -142,7 +151,7 @@ def build_train_step(
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
         (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)
-        metrics = {"loss": loss, **metrics}
+        metrics = {"loss": loss, **metrics}  # a self.log("loss", ...) replaces the entry
         grads = strategy.reduce_gradients(grads)
         metrics = strategy.reduce_metrics(metrics)
         for cb in callbacks:
@@ -194,37 +203,43 @@ def build_optimizer(module, callbacks: Sequence) -> optax.GradientTransformation
     return tx
 
 
-def build_eval_step(module, eval_graphdef, method: str, strategy) -> tuple[Callable, Callable]:
-    """`eval_step(state, batch, mask, totals) -> totals`: exact metric sums over real examples.
+def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics.EvalSpec, *,
+                    sharded: bool = True) -> tuple[Callable, Callable]:
+    """`eval_step(state, batch, totals, first) -> totals`: one whole batch added to the totals.
 
-    Also returns `batch_sums(state, batch, mask)`, whose abstract output gives the zero totals.
+    Also returns `batch_totals(state, batch)`, whose abstract output gives the totals' shapes.
 
-    The user's step is vmapped over single examples so that every metric it returns (a batch
-    mean) becomes a per-example value; padded examples are then masked out. The last partial
-    batch is padded to the full size, so nothing recompiles.
+    The user's step sees the batch as the loader yielded it (never padded). A returned scalar is
+    weighted by the batch's leading dimension (one replica's share under DDP, then summed over
+    replicas), a `self.log(..., batch_size=w)` value by `w`; mergeable (clu) metrics are merged.
+    `first` starts a fresh evaluation (the zero `totals` are dropped, not merged).
+
+    `sharded=False` is for a batch every device holds whole (a short last batch that the
+    data-parallel degree does not divide): no cross-replica reduction, and no activation
+    sharding constraints (they would ask to split its odd batch dimension).
     """
     user_fn = getattr(module, method)
     where = f"{type(module).__name__}.{method}"
 
-    def per_example(params, rest, example):
-        model = nnx.merge(eval_graphdef, params, rest)
-        one = jax.tree.map(lambda x: x[None], example)
-        out = call_user_step(user_fn, where, model, one)
-        check_scalar_metrics(out, where)
-        return {k: jnp.asarray(v, jnp.float32) for k, v in out.items()}
+    def batch_totals(state: TrainState, batch) -> dict:
+        model = nnx.merge(eval_graphdef, state.params, state.rest)
+        rows = int(jax.tree.leaves(batch)[0].shape[0])
+        with _metrics.collecting("eval", where) as logs, any_batch_size():
+            out = call_user_step(user_fn, where, model, batch)
+        totals = _metrics.eval_outputs(out, logs, spec, rows, where)
+        return _metrics.gather_replicas(totals, strategy) if sharded else totals
 
-    def batch_sums(state: TrainState, batch, mask) -> dict:
-        values = jax.vmap(per_example, in_axes=(None, None, 0))(state.params, state.rest, batch)
-        # where, not multiply: a padded example's NaN must not leak into the sum.
-        sums = {k: jnp.sum(jnp.where(mask, v, 0.0)) for k, v in values.items()}
-        sums["__count__"] = jnp.sum(mask.astype(jnp.float32))
-        return strategy.reduce_metrics(sums, op="sum")
+    def unconstrained(state: TrainState, batch) -> dict:
+        with activation_sharding(None):
+            return batch_totals(state, batch)
 
-    def eval_step(state: TrainState, batch, mask, totals: dict) -> dict:
-        """Adds this batch's metric sums and example count to `totals` (kept on device)."""
-        return jax.tree.map(jnp.add, totals, batch_sums(state, batch, mask))
+    totals_fn = batch_totals if sharded else unconstrained
 
-    return eval_step, batch_sums
+    def eval_step(state: TrainState, batch, totals: dict, first) -> dict:
+        """Adds this batch's totals to `totals` (kept on device)."""
+        return _metrics.accumulate(totals, totals_fn(state, batch), first, where)
+
+    return eval_step, totals_fn
 
 
 def build_predict_step(module, eval_graphdef) -> Callable:

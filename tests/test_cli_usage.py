@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import jaxlight as jl
+from jaxlight import strategies
 from jaxlight._cli import main, run
 from jaxlight._cli._build import size_bare_strategy
 from tests.recipes._small import small
@@ -122,8 +123,12 @@ def test_bare_strategy_takes_the_largest_size_the_model_allows(recipe, kind, siz
     assert note == (f"--strategy {kind}: {what} {size}, the largest that this model splits "
                     f"into on 8 devices, with data parallelism over the other {8 // size}; "
                     f"choose with --strategy '{kind}({keyword}=N)'.")
-    # A size given is kept as it is.
+    # A size given is kept as it is; other arguments are kept.
     assert size_bare_strategy(f"{kind}({keyword}=2)", None, module) == (None, None)
+    if kind == "tp" and recipe == "gpt":
+        with_rules, note = size_bare_strategy("tp(rules='NNX')", None, module)
+        assert with_rules.size == 4 and with_rules.user_rules == strategies.rules.NNX
+        assert note.endswith("choose with --strategy 'tp(size=N, rules='NNX')'.")
 
 
 def test_bare_gpipe_trains_a_recipe_from_the_command_line(capsys):

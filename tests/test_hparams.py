@@ -95,6 +95,7 @@ def test_hparams_reach_every_logger_and_checkpoint_and_rebuild_the_module(tmp_pa
                  enable_model_summary=False, callbacks=[csv_logger, tb_logger, wandb_logger, ckpt])
     module = Tagged(hidden=12, schedule="LINEAR", scale=np.ones(3))
     fit.fit(module, jl.data.ArrayLoader(classification_data(64), 16, seed=1))
+    wandb_logger.finish()  # the run stays open for a later validate/test until finish() or exit
     expected = {"hidden": 12, "lr": 0.05, "schedule": "linear"}
 
     with open(os.path.join(csv_logger.log_dir, "hparams.yaml")) as f:

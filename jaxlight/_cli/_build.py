@@ -141,18 +141,18 @@ def size_bare_strategy(name: str, mesh_shape, module, seed: int = 0):
     stages). This tries the divisors of the device count from the largest down against the
     model's abstract shapes (no arrays, no compile), keeps data parallelism over the rest, and
     returns `(strategy, one line saying so)`; `(None, None)` when a size was given, the strategy
-    is another one, or every device fits as it is.
+    is another one, or every device fits as it is. Other arguments (`tp(rules='NNX')`) are kept.
     """
     if mesh_shape is not None:
         return None, None
     key, args, kwargs = _parse_call(name or "auto", "--strategy")
-    if key.lower() not in _SIZED or args or kwargs:
+    if key.lower() not in _SIZED or args or _SIZED[key.lower()][1] in kwargs:
         return None, None
     cls, keyword, what = _SIZED[key.lower()]
     n = jax.device_count()
     spec = model_spec(module, optax.identity(), seed)
     for size in sorted((d for d in range(1, n + 1) if n % d == 0), reverse=True):
-        strategy = cls(**{keyword: size})
+        strategy = _call(cls, [], {**kwargs, keyword: size}, f"--strategy {name}")
         strategy.setup(None)
         try:
             strategy.state_shardings(spec.abstract_state, spec.logical_axes)
@@ -160,10 +160,11 @@ def size_bare_strategy(name: str, mesh_shape, module, seed: int = 0):
             continue
         if size == n:
             return None, None
+        others = "".join(f", {k}={v!r}" for k, v in kwargs.items())
         return strategy, (
             f"--strategy {key}: {what} {size}, the largest that this model splits into on {n} "
             f"devices, with data parallelism over the other {n // size}; choose with "
-            f"--strategy '{key}({keyword}=N)'."
+            f"--strategy '{key}({keyword}=N{others})'."
         )
     return None, None  # not even size 1: let the fit say why, with the numbers
 

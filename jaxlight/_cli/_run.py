@@ -79,7 +79,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     kwargs["fast_dev_run"] = options["fast_dev_run"] or False
 
     def make_fit(strategy):
-        return Fit(strategy, callbacks=[*callbacks, *(loggers or [])],
+        return Fit(strategy, callbacks=[*callbacks, *(loggers or []), _LastValidation()],
                    logger=loggers is not None, **kwargs)
 
     fit = make_fit(strategy)  # refuses bad Fit options before the recipe builds anything
@@ -99,38 +99,70 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     say(f"{command} {recipe.name}: strategy {strategy.name}, {_describe_devices()}")
     if note:
         say(note)
-    if command == "fit":
-        # A resumed fit starts from the checkpoint, not from what before_fit would measure.
-        if recipe.before_fit is not None and options["ckpt_path"] is None:
-            before = recipe.before_fit(fit, module, data, config) or {}
-            metrics.update({f"before_{k}": v for k, v in before.items()})
-            _report("before training", before, say)
-        t0 = time.perf_counter()
-        fit.fit(module, data.train, data.val, ckpt_path=options["ckpt_path"])
-        metrics["train_seconds"] = time.perf_counter() - t0
-        metrics["global_step"] = fit.global_step
-        if data.val is not None:
-            final = fit.validate(module, data.val)
-            metrics.update(final)
-            _report(f"final validation metrics (step {fit.global_step}, "
-                    f"{metrics['train_seconds']:.1f} s)", final, say)
-        if recipe.after_fit is not None:
-            after = recipe.after_fit(fit, module, data, config) or {}
-            metrics.update(after)
-            _report("after training", after, say)
-    else:
-        if options["ckpt_path"] is None:
-            say(f"warning: --ckpt-path none: {command} evaluates the model as configure_model "
-                "initializes it, not a trained one")
-        split = data.val if command == "validate" else (data.test or data.val)
-        if split is None:
-            raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
-        method = fit.validate if command == "validate" else fit.test
-        result = method(module, split, ckpt_path=options["ckpt_path"])
-        metrics.update(result)
-        _report(f"{command} metrics", result, say)
+    try:
+        if command == "fit":
+            _fit_command(recipe, config, options, fit, module, data, metrics, say)
+        else:
+            _eval_command(command, recipe, options, fit, module, data, metrics, say)
+    finally:
+        for logger in loggers or []:  # one run per command: complete on disk when it returns
+            finish = getattr(logger, "finish", None)
+            if callable(finish):
+                finish()
     return RunResult(fit, module, data, config, options, metrics)
 
+
+
+class _LastValidation(cbs.Callback):
+    """The step and metrics of the fit's latest validation (the CLI's final report)."""
+
+    def __init__(self):
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+
+    def on_validation_end(self, fit, module) -> None:
+        self.step = fit.global_step
+        self.metrics = {k: v for k, v in fit.callback_metrics.items() if k.startswith("val_")}
+
+
+def _fit_command(recipe, config, options, fit, module, data, metrics, say) -> None:
+    # A resumed fit starts from the checkpoint, not from what before_fit would measure.
+    if recipe.before_fit is not None and options["ckpt_path"] is None:
+        before = recipe.before_fit(fit, module, data, config) or {}
+        metrics.update({f"before_{k}": v for k, v in before.items()})
+        _report("before training", before, say)
+    last = next(cb for cb in fit.callbacks if isinstance(cb, _LastValidation))
+    t0 = time.perf_counter()
+    fit.fit(module, data.train, data.val, ckpt_path=options["ckpt_path"])
+    metrics["train_seconds"] = time.perf_counter() - t0
+    metrics["global_step"] = fit.global_step
+    if data.val is not None:
+        # A fit that validated after its last step already measured (and logged) the final
+        # model: validating again would log the same metrics twice at one step.
+        if last.step == fit.global_step and last.metrics:
+            final = dict(last.metrics)
+        else:
+            final = fit.validate(module, data.val)
+        metrics.update(final)
+        _report(f"final validation metrics (step {fit.global_step}, "
+                f"{metrics['train_seconds']:.1f} s)", final, say)
+    if recipe.after_fit is not None:
+        after = recipe.after_fit(fit, module, data, config) or {}
+        metrics.update(after)
+        _report("after training", after, say)
+
+
+def _eval_command(command, recipe, options, fit, module, data, metrics, say) -> None:
+    if options["ckpt_path"] is None:
+        say(f"warning: --ckpt-path none: {command} evaluates the model as configure_model "
+            "initializes it, not a trained one")
+    split = data.val if command == "validate" else (data.test or data.val)
+    if split is None:
+        raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
+    method = fit.validate if command == "validate" else fit.test
+    result = method(module, split, ckpt_path=options["ckpt_path"])
+    metrics.update(result)
+    _report(f"{command} metrics", result, say)
 
 
 def _check_options(command: str, recipe_name: str, options: dict[str, Any],

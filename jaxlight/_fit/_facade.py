@@ -229,6 +229,11 @@ class Fit:
         return self._feed
 
     @property
+    def progress_bar_metrics(self) -> set[str]:
+        """Names the module logged with `self.log(..., prog_bar=True)` (the bar shows them)."""
+        return self._session.progress_bar_metrics
+
+    @property
     def compiled_train_step(self) -> Any | None:
         """The compiled training step (`jax.stages.Compiled` for SPMD strategies), once built.
 

@@ -2,8 +2,8 @@
 
 One `Session` per `Fit`. `setup(module)` fixes the module's abstract spec, the optimizer and
 the state's shardings (once per module); every step kind is compiled at most once through it
-(`compile_train_step`, `compile_eval_step`, `compile_predict_step`), counted in
-`compile_counts` and timed in `compile_times`. It also holds the current `TrainState`.
+(`compile_train_step`, `compile_predict_step`; `compile_eval_step` once per batch shape),
+counted in `compile_counts` and timed in `compile_times`. It also holds the current `TrainState`.
 The plan (`jaxlight._plan`), `ModelSummary` and checkpoint restore read it through these
 public names.
 """
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight import _batch
+from jaxlight import _batch, _metrics
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._module import TrainModule
@@ -75,8 +75,11 @@ class Session:
         self._shardings: TrainState | None = None
         self._tx = None
         self._params_transform = None
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[Any, Any] = {}
         self._eval_batch_size: dict[str, int] = {}
+        #: What `self.log` in the training step reports (filled when the step is traced).
+        self.log_spec = _metrics.LogSpec()
+        self._eval_specs: dict[str, _metrics.EvalSpec] = {}
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -97,6 +100,8 @@ class Session:
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
             self._compiled = {}
+            self.log_spec = _metrics.LogSpec()
+            self._eval_specs = {}
             self._shardings = None
             if self.auto is not None:
                 self.strategy = self.auto  # a new model: choose again
@@ -120,12 +125,10 @@ class Session:
             self.strategy = chosen
             self.compile_counts["auto"] = self.auto.choice.compiles
             self.compile_times["auto"] = self.auto.choice.seconds
+        # (state_shardings also warns about rules that place nothing)
         self._shardings = self.strategy.state_shardings(
             self._spec.abstract_state, self._spec.logical_axes
         )
-        warn = getattr(self.strategy, "warn_unused_rules", None)
-        if warn is not None:
-            warn(self._spec.logical_axes)
 
     @property
     def spec(self):
@@ -196,6 +199,11 @@ class Session:
                 f"eval_batch:{kind}", math.ceil(local / dp_local) * dp_local)
         return self._eval_batch_size[kind]
 
+    @property
+    def progress_bar_metrics(self) -> set[str]:
+        """Names logged with `prog_bar=True` by the traced steps (training and evaluation)."""
+        return set(self.log_spec.prog_bar).union(*(s.prog_bar for s in self._eval_specs.values()))
+
     # -- compiled steps ----------------------------------------------------------------------
 
     @property
@@ -213,7 +221,7 @@ class Session:
         if keep and "train" in self._compiled:
             return self._compiled["train"]
         step = build_train_step(self.module, self._spec.graphdef, self._tx, self.callbacks,
-                                self.strategy, frozen=self._spec.frozen)
+                                self.strategy, frozen=self._spec.frozen, log_spec=self.log_spec)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
         _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
         with self.compiling("train"):
@@ -228,42 +236,60 @@ class Session:
             self._compiled["train"] = (compiled, batch_sh)
         return compiled, batch_sh
 
-    def compile_eval_step(self, method: str, batch: Any, state: TrainState):
-        """`(compiled, batch_sh, mask_sh, zero_totals)` for `method` over padded batches."""
-        key = f"eval:{method}:{state.opt_state is None}"
+    def eval_spec(self, method: str, prefix: str) -> _metrics.EvalSpec:
+        """What `method` reports (filled when it is traced); kept with its compiled steps."""
+        if method not in self._eval_specs:
+            self._eval_specs[method] = _metrics.EvalSpec(prefix)
+        return self._eval_specs[method]
+
+    def compile_eval_step(self, method: str, prefix: str, abstract_batch: Any, state: TrainState,
+                          sharded: bool, local_batch: Any = None):
+        """`(compiled, batch_sh, zero_totals)` for `method` over whole batches of this shape.
+
+        One compile per distinct global batch shape and layout (usually two: the full batches
+        and a short last one). `sharded=False` gives the batch whole to every device (a batch
+        the data-parallel degree does not divide). `local_batch` (this process's share) is
+        checked for agreement between processes before a sharded compile.
+        """
+        key = ("eval", method, state.opt_state is None, sharded,
+               tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(abstract_batch)),
+               jax.tree.structure(abstract_batch))
         if key not in self._compiled:
-            self._compiled[key] = self._compile_eval_uncached(method, batch, state)
+            self._compiled[key] = self._compile_eval_uncached(
+                method, self.eval_spec(method, prefix), abstract_batch, state, sharded,
+                local_batch)
         return self._compiled[key]
 
-    def _compile_eval_uncached(self, method: str, batch: Any, state: TrainState):
-        _batch.check_batch_agreement(batch, f"{method} batch (padded)")
-        abstract_batch = abstract_global_batch(batch)
-        self.strategy.check_batch(abstract_batch, what=f"{method} batch")
-        abstract_mask = abstract_global_batch(np.zeros(np.shape(jax.tree.leaves(batch)[0])[0],
-                                                       bool))
-        batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
-        mask_sh = self.strategy.batch_shardings(abstract_mask)
-        eval_step, batch_sums = build_eval_step(self.module, self._spec.eval_graphdef, method,
-                                                self.strategy)
-        state_sh = self.state_shardings(state)
+    def _compile_eval_uncached(self, method: str, spec, abstract_batch: Any, state: TrainState,
+                               sharded: bool, local_batch: Any):
+        strategy = self.strategy
+        if sharded:
+            if local_batch is not None:
+                _batch.check_batch_agreement(local_batch, f"{method} batch")
+            strategy.check_batch(abstract_batch, what=f"{method} batch")
+            batch_sh = strategy.batch_shardings(abstract_batch)
+            _batch.check_batch_layout(batch_sh, abstract_batch, f"{method} batch")
+        else:
+            batch_sh = strategy.replicated_like(abstract_batch)
+        eval_step, batch_totals = build_eval_step(self.module, self._spec.eval_graphdef, method,
+                                                  strategy, spec, sharded=sharded)
         abstract_state = self.canonical_abstract(state)
-        with self.strategy.trace_context():
-            abstract_totals = jax.eval_shape(batch_sums, abstract_state, abstract_batch,
-                                             abstract_mask)
-        rep = self.strategy.replicated()
+        with strategy.trace_context():
+            abstract_totals = jax.eval_shape(batch_totals, abstract_state, abstract_batch)
+        rep = strategy.replicated()
         with self.compiling(f"eval:{method}"):
-            compiled = self.strategy.compile(
+            compiled = strategy.compile(
                 eval_step,
-                (abstract_state, abstract_batch, abstract_mask, abstract_totals),
-                in_shardings=(state_sh, batch_sh, mask_sh, rep),
-                out_shardings=rep,  # a few scalars, not donated: the loop can wait on them
+                (abstract_state, abstract_batch, abstract_totals,
+                 jax.ShapeDtypeStruct((), jnp.bool_)),
+                in_shardings=(self.state_shardings(state), batch_sh, rep, rep),
+                out_shardings=rep,  # small totals, not donated: the loop can wait on them
             )
         zeros = jax.device_put(
             jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_totals),
-            self.strategy.replicated_like(abstract_totals),
+            strategy.replicated_like(abstract_totals),
         )
-        return compiled, batch_sh, mask_sh, zeros
+        return compiled, batch_sh, zeros
 
     def compile_predict_step(self, batch: Any, state: TrainState):
         """`(compiled, batch_sh)` for `predict_step` over padded batches like `batch`.

@@ -26,6 +26,7 @@ from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
+from jaxlight._metrics import EpochAccumulator
 from jaxlight._user_step import tracing_for
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher
@@ -117,7 +118,7 @@ class TrainLoop:
         """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
-            host = jax.device_get(pending.metrics)
+            host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
             metrics["epoch"] = float(self.position.epoch)
@@ -160,6 +161,9 @@ class TrainLoop:
         self.evaluator.sanity_check(val_data)
         with tracing_for(first_name, "train_data", first):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
+        # self.log(..., on_epoch=True) values: summed on device after each step, read at the
+        # epoch's end (nothing to do for a module that logs none).
+        epoch_metrics = EpochAccumulator(session.log_spec)
         call("on_train_start")
 
         def put(batch):
@@ -186,6 +190,7 @@ class TrainLoop:
                     got_any = True
                     call("on_train_batch_start", batch, pos.batch_idx)
                     session.state, metrics = compiled(session.state, device_batch)
+                    epoch_metrics.add(metrics)
                     self.feed.consumed(position)
                     pos.global_step += 1
                     pos.batch_idx += 1
@@ -218,6 +223,10 @@ class TrainLoop:
             self._retire_all(in_flight)
             if self.hit_max_steps() and not self.epoch_exhausted(train_data, limit):
                 break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
+            epoch_values = epoch_metrics.compute()
+            if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
+                self.log.callback_metrics.update(epoch_values)
+                self.log.log(epoch_values, pos.global_step)
             call("on_train_epoch_end")
             # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
             # end-of-epoch validation, as Lightning does: the epoch did not end.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import netrc
 import os
 import sys
@@ -40,6 +41,11 @@ class WandbLogger(Callback):
     Without credentials (no `WANDB_API_KEY`, no `wandb login`) and no explicit `mode`, the run
     is offline: it is written under `<save_dir>/wandb/` and the logger prints the directory and
     the `wandb sync` command that uploads it. Only process 0 logs.
+
+    One logger is one W&B run, as in Lightning: a `validate` or `test` after `fit` logs into
+    the fit's run, which stays open until `finish()` or the end of the process. Checkpoints
+    record the run's id, so a fit resumed from one (`ckpt_path`, in a new process) continues
+    the same run (`resume="allow"`; offline, `wandb sync` merges the two directories into it).
 
     Args:
         project: the W&B project.
@@ -87,6 +93,9 @@ class WandbLogger(Callback):
         self._history = MetricRows()
         self._logged_paths: set[str] = set()
         self._save_seen = False
+        self._save_path: str | None = None
+        self._resume_id: str | None = None  # from a checkpoint (load_state_dict)
+        self._finish_at_exit = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -100,16 +109,25 @@ class WandbLogger(Callback):
         return "online" if has_wandb_credentials() else "offline"
 
     def setup(self, fit, module, stage: str) -> None:
+        # The directory is checked now, so that a bad one fails before anything compiles; the
+        # run starts at the stage's start, after a resumed fit has read the run id it continues.
+        if jax.process_index() == 0 and self.run is None:
+            self._save_path = ensure_writable(self.save_dir or fit.default_root_dir,
+                                              "WandbLogger")
+
+    def _start_run(self, fit, module) -> None:
         if jax.process_index() != 0 or self.run is not None:
             return
-        save_dir = ensure_writable(self.save_dir or fit.default_root_dir, "WandbLogger")
+        save_dir = self._save_path or ensure_writable(self.save_dir or fit.default_root_dir,
+                                                      "WandbLogger")
         mode = self.resolved_mode()
         if mode == "offline" and self.mode is None and not os.environ.get("WANDB_MODE"):
             print("jaxlight: no W&B credentials found (WANDB_API_KEY or `wandb login`), so "
                   "the W&B run is offline.", file=sys.stderr)
         kwargs = dict(self.init_kwargs)
-        if self.run_id is not None:  # a later stage (validate, test) continues the same run
-            kwargs.setdefault("id", self.run_id)
+        resume_id = self._resume_id or self.run_id
+        if resume_id is not None:  # a resumed fit, or a stage after finish(): the same run
+            kwargs.setdefault("id", resume_id)
             kwargs.setdefault("resume", "allow")
         self.run = self._wandb.init(
             project=self.project, name=self.name, dir=save_dir, mode=mode,
@@ -119,10 +137,33 @@ class WandbLogger(Callback):
         self.run_id = self.run.id
         self.run_dir = getattr(self.run.settings, "sync_dir", None) or os.path.dirname(
             self.run.dir)
+        if not self._finish_at_exit:
+            # Registered after wandb's own exit hook, so it runs first: the sync hint and a
+            # complete run directory at the end of a script that never called finish().
+            atexit.register(self.finish)
+            self._finish_at_exit = True
+
+    def on_fit_start(self, fit, module) -> None:
+        self._start_run(fit, module)
+
+    def on_validation_start(self, fit, module) -> None:
+        self._start_run(fit, module)
+
+    def on_test_start(self, fit, module) -> None:
+        self._start_run(fit, module)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's id, so that a fit resumed from the checkpoint continues the run."""
+        return {"run_id": self.run_id} if self.run_id is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.run is None and state.get("run_id"):
+            self._resume_id = state["run_id"]
 
     def on_log(self, fit, module, metrics, step) -> None:
-        if self.run is None:
-            return
+        if self._save_path is None:
+            return  # not set up (another process, or a predict stage)
+        self._start_run(fit, module)
         self.run.log(dict(metrics), step=int(step))
         self._history.add(step, metrics)
         if self._save_seen and self.log_model == "all":
@@ -152,6 +193,12 @@ class WandbLogger(Callback):
         summary = {"global_step": fit.global_step, **fit.callback_metrics}
         summary.update({f"compile_time/{k}": v for k, v in fit.compile_times.items()})
         self.run.summary.update(plain(summary))
+
+    def finish(self) -> None:
+        """Ends the W&B run (offline: prints the `wandb sync` command). A later stage starts
+        logging into the same run id again. Called at the end of the process if not before."""
+        if self.run is None:
+            return
         offline = self.run.settings.mode == "offline" or getattr(
             self.run.settings, "_offline", False)
         self.run.finish()

@@ -100,6 +100,23 @@ def pipeline_context(config: PipelineConfig) -> Iterator[PipelineConfig]:
         _ACTIVE.reset(token)
 
 
+#: True while an evaluation step is traced: evaluation batches come in any size (a short last
+#: batch is never padded), and one that does not split into the microbatches runs as a single
+#: microbatch (correct, with the full bubble) instead of being refused.
+_ANY_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxlight_pipeline_any_batch",
+                                                                  default=False)
+
+
+@contextlib.contextmanager
+def any_batch_size() -> Iterator[None]:
+    """Lets batches that do not split into microbatches run as one (evaluation steps)."""
+    token = _ANY_BATCH.set(True)
+    try:
+        yield
+    finally:
+        _ANY_BATCH.reset(token)
+
+
 def active_pipeline() -> PipelineConfig | None:
     """The pipeline of the step being traced, or None (then `Stacked` runs a plain scan)."""
     return _ACTIVE.get()
@@ -187,8 +204,9 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     auto_batch = tuple(a for a in config.batch_axes
                        if a not in outer_manual and mesh.shape.get(a, 1) > 1)
     dsize = math.prod(mesh.shape[a] for a in auto_batch)
-    if batch == 1:
-        # jaxlight evaluates one example at a time under vmap: a single microbatch.
+    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
+        # One example, or an evaluation batch (a short last one) that does not split: a
+        # single microbatch.
         m = 1
     elif batch % (m * dsize):
         raise DataError(

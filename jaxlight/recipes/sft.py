@@ -288,7 +288,12 @@ class FineTuner(TrainModule):
 
     def validation_step(self, model, batch):
         loss, exact, token_acc = self._scores(model, batch)
-        return {"loss": loss, "exact_match": exact, "token_accuracy": token_acc}
+        # Token means weigh each batch by its answer tokens (exact over the dataset); exact match
+        # is a per-answer mean, weighted by the batch's answers (the default).
+        tokens = batch["mask"].sum()
+        self.log("val_loss", loss, batch_size=tokens)
+        self.log("val_token_accuracy", token_acc, batch_size=tokens)
+        return {"exact_match": exact}
 
 
 # -- base weights ----------------------------------------------------------------------------------

@@ -136,6 +136,12 @@ class Strategy(abc.ABC):
         """Makes per-replica metrics global (`op` is "mean" or "sum"). SPMD: identity."""
         return metrics
 
+    def gather_replicas(self, tree: Any) -> Any | None:
+        """Every replica's `tree` stacked on a new leading axis (for merging clu metrics), or
+        None where the step already sees the global batch (SPMD)."""
+        del tree
+        return None
+
     def accumulate_gradients(self, grad_fn: Callable, k: int, *,
                              sync_every_microbatch: bool = False) -> Callable:
         """`grad_fn` over k microbatches of the step's batch, one fp32 gradient sum.

@@ -263,3 +263,7 @@ class DDP(Strategy):
         if not _PER_REPLICA.get():
             return metrics
         return jax.lax.pmean(metrics, AXIS) if op == "mean" else jax.lax.psum(metrics, AXIS)
+
+    def gather_replicas(self, tree: Any) -> Any | None:
+        """Every replica's `tree` stacked on a leading axis (`lax.all_gather`), for merging."""
+        return jax.lax.all_gather(tree, AXIS) if _PER_REPLICA.get() else None

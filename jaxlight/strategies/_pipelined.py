@@ -147,8 +147,8 @@ class Pipelined:
 
     def check_batch(self, abstract_batch: Any, what: str = "batch") -> None:
         super().check_batch(abstract_batch, what)
-        # Evaluation runs one example at a time (vmap), which the schedule treats as a single
-        # microbatch, so only training batches must split into microbatches.
+        # An evaluation batch that does not split into microbatches runs as a single one
+        # (`nn._pipeline.any_batch_size`), so only training batches must split.
         if not self.pipelined or what != "batch":
             return
         need = self.microbatches * self.data_parallel_size

@@ -51,6 +51,7 @@ from jaxlight._errors import ConfigurationError, suggest
 # The lookup and the activation constraints live in the leaf `jaxlight._layout` (jaxlight.nn
 # uses them too); they are re-exported here, next to the rules they read.
 from jaxlight._layout import (  # noqa: F401
+    PathRule,
     activation_sharding,
     axes_of,
     constrain,
@@ -60,6 +61,7 @@ from jaxlight._layout import (  # noqa: F401
     rule_axes,
     spmd_context,
 )
+from jaxlight.strategies.rules import SETS
 
 #: The default rules table shared by every SPMD strategy (see the module docstring).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -94,39 +96,6 @@ ACTIVATION_NAMES = frozenset(
 
 #: A logical axis name: the key of a logical rule. Any other key is a path pattern.
 _LOGICAL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class PathRule(tuple):
-    """A path rule `(pattern, axes)`: a compiled regular expression and one name per dimension.
-
-    A plain 2-tuple (so a rules table iterates as `(key, target)` pairs) that also remembers the
-    ready-made rule set it came from (`group`), so that a set warns as a whole, not per rule,
-    when it matches nothing.
-    """
-
-    group: str | None
-
-    def __new__(cls, pattern: str | re.Pattern, axes, group: str | None = None) -> PathRule:
-        self = super().__new__(cls, (re.compile(pattern), tuple(axes)))
-        self.group = group
-        return self
-
-    @property
-    def pattern(self) -> re.Pattern:
-        return self[0]
-
-    @property
-    def axes(self) -> tuple:
-        return self[1]
-
-    def __repr__(self) -> str:
-        text = self[0].pattern
-        quote = '"' if "'" in text else "'"
-        shown = f"r{quote}{text}{quote}" if quote not in text else repr(text)
-        return f"({shown}, {self[1]!r})"
-
-    def __reduce__(self):
-        return (PathRule, (self[0].pattern, self[1], self.group))
 
 
 def is_path_key(key: Any) -> bool:
@@ -164,15 +133,21 @@ def normalize_rules(rules: Mapping[str, Any] | Sequence | None, who: str) -> tup
 
     Accepts a dict or a sequence of pairs. A pair whose key is a plain name (letters, digits,
     `_`) is a logical-axis rule and its target must be mesh axes (aliases such as `model` become
-    `tp`); any other key, or a compiled pattern, makes a path rule (`PathRule`).
+    `tp`); any other key, or a compiled pattern, makes a path rule (`PathRule`). A string names
+    a ready-made set of `jaxlight.strategies.rules` (`"NNX"`), alone or as an item.
     """
     if rules is None:
         return ()
+    if isinstance(rules, str):
+        rules = [rules]
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     out = []
     for item in items:
         if isinstance(item, PathRule):
             out.append(item)
+            continue
+        if isinstance(item, str):
+            out.extend(_ready_made(item, who))
             continue
         if not (isinstance(item, tuple | list) and len(item) == 2
                 and isinstance(item[0], str | re.Pattern)):
@@ -205,6 +180,17 @@ def normalize_rules(rules: Mapping[str, Any] | Sequence | None, who: str) -> tup
             target = tuple(axes)
         out.append((name, target))
     return tuple(out)
+
+
+def _ready_made(name: str, who: str) -> tuple[PathRule, ...]:
+    found = SETS.get(name.upper())
+    if found is None:
+        raise ConfigurationError(
+            f"{who}: rules={name!r} names no ready-made rule set; the sets of "
+            f"jaxlight.strategies.rules are {sorted(SETS)}.{suggest(name.upper(), SETS)} A "
+            "rule is a pair: ('mlp', 'tp') or (r'.*out.*kernel', ('tp', None))."
+        )
+    return found
 
 
 def check_path_rules(rules: Sequence, who: str) -> None:

@@ -1,8 +1,10 @@
 """Ready-made path rules for stock Flax NNX layers: models without annotations shard by name.
 
-Pass them as a strategy's rules, alone or after your own (the first matching rule wins):
+Pass them as a strategy's rules, alone or after your own (the first matching rule wins), as
+objects or by name (`SETS`; the command line's `--strategy "tp(size=2, rules='NNX')"`):
 
     strategies.TensorParallel(2, rules=strategies.rules.NNX)
+    strategies.TensorParallel(2, rules="NNX")
     strategies.FSDP(rules=[(r"\\['proj'\\]\\['kernel'\\]$", ("mlp", "embed")),
                            *strategies.rules.NNX])
 
@@ -34,9 +36,9 @@ A set that matches no parameter of the model warns once (not once per rule).
 
 from __future__ import annotations
 
-from jaxlight.strategies._rules import PathRule
+from jaxlight._layout import PathRule
 
-__all__ = ["NNX", "NNX_ATTENTION", "NNX_EMBED", "NNX_MLP", "NNX_NORM"]
+__all__ = ["NNX", "NNX_ATTENTION", "NNX_EMBED", "NNX_MLP", "NNX_NORM", "SETS"]
 
 
 def _param(modules: str, param: str) -> str:
@@ -96,3 +98,9 @@ NNX_EMBED = _set("NNX_EMBED", *_EMBED)
 NNX_NORM = _set("NNX_NORM", *_NORM)
 #: Every ready-made rule for stock Flax NNX layers, as one set.
 NNX = _set("NNX", *_ATTENTION, *_MLP, *_EMBED, *_NORM)
+
+#: The ready-made sets by name: a strategy's `rules` may name them (`rules="NNX"`, or
+#: `rules=[my_rule, "NNX"]`), which is how the command line and config files pass them
+#: (`--strategy "tp(size=2, rules='NNX')"`).
+SETS = {"NNX": NNX, "NNX_ATTENTION": NNX_ATTENTION, "NNX_MLP": NNX_MLP,
+        "NNX_EMBED": NNX_EMBED, "NNX_NORM": NNX_NORM}

@@ -119,6 +119,7 @@ def test_wandb_offline_without_credentials_read_back(tmp_path, monkeypatch, caps
                                    settings=_quiet_settings())
     assert logger.resolved_mode() == "offline"
     fit, rec = _fit([logger], strategy=strategies.DataParallel())
+    logger.finish()  # the run stays open for a later validate/test until finish() or exit
 
     err = capsys.readouterr().err
     assert "no W&B credentials found" in err
@@ -159,6 +160,7 @@ def test_wandb_logs_checkpoints_as_artifacts(tmp_path, monkeypatch, log_model):
     logger = callbacks.WandbLogger("jaxlight-tests", mode="offline", log_model=log_model,
                                    save_dir=str(tmp_path), settings=_quiet_settings())
     _fit([ckpt, logger])
+    logger.finish()
     run = read_run(find_runs(str(tmp_path))[0])
     assert run.exited and run.artifacts, "no artifact record in the run"
 

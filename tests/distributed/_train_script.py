@@ -55,8 +55,12 @@ class Module(jl.TrainModule):
 
     def validation_step(self, model, batch):
         logits = model(batch["x"])
-        return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(),
-                "accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        # A weighted mean (like a token-weighted loss): each batch weighs its weights' sum.
+        weights = (batch["y"] + 1).astype(losses.dtype)
+        self.log("val_weighted_loss", (losses * weights).sum() / weights.sum(),
+                 batch_size=weights.sum())
+        return {"loss": losses.mean(), "accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 
 
 def data(n: int, seed: int):
@@ -111,7 +115,8 @@ def train(name: str, root: str, steps: int = STEPS, *, ckpt_dir: str | None = No
     if ckpt_dir is not None:
         callbacks.append(jl.callbacks.ModelCheckpoint(ckpt_dir, every_n_steps=2, save_top_k=-1))
     train_data = jl.data.ArrayLoader(data(256, 0), GLOBAL_BATCH, seed=1)
-    # 33 examples: the last batch holds 1, so one of two processes gets none of it (padded).
+    # 33 examples: the last batch holds 1, so one of two processes gets none of it (gathered and
+    # evaluated whole, unpadded).
     held_out = data(33, 1)
     val_data = jl.data.ArrayLoader(held_out, GLOBAL_BATCH, shuffle=False, drop_remainder=False)
     fit = jl.Fit(STRATEGIES[name](), max_steps=steps, log_every_n_steps=1, callbacks=callbacks,

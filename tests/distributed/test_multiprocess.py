@@ -81,8 +81,37 @@ def test_two_processes_match_one_process(multi, reference, name):
                                    [want["val"][k] for k in sorted(want["val"])], **TOL)
         np.testing.assert_allclose(got["predictions"], want["predictions"], **TOL)
         assert got["predictions"].shape[0] == 33
+        # Evaluation: one compile for the full batches, one for the last batch of 1.
         assert got["compiles"] == want["compiles"] == {
-            "init": 1, "train": 1, "eval:validation_step": 1, "predict": 1}
+            "init": 1, "train": 1, "eval:validation_step": 2, "predict": 1}
+
+
+def _exact_validation(params: dict, held_out: dict) -> dict:
+    """The validation metrics of `_train_script.Module`, in float64 NumPy over all 33 rows."""
+    def p(layer, name):
+        return params[f"['{layer}']['{name}']"].astype(np.float64)
+
+    x, y = held_out["x"].astype(np.float64), held_out["y"]
+    hidden = np.maximum(x @ p("up", "kernel") + p("up", "bias"), 0.0)
+    logits = (x + hidden @ p("down", "kernel") + p("down", "bias")) @ p("head", "kernel") \
+        + p("head", "bias")
+    top = logits.max(-1, keepdims=True)
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+    losses = logz - logits[np.arange(len(y)), y]
+    weights = y + 1.0
+    return {"val_loss": losses.mean(), "val_accuracy": (logits.argmax(-1) == y).mean(),
+            "val_weighted_loss": (losses * weights).sum() / weights.sum()}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_two_process_evaluation_is_exact(multi, name):
+    """Whole-batch evaluation over 2 processes, last batch of 1 row on one process only."""
+    _, runs = multi
+    for rank in (0, 1):
+        got = runs[name, rank]
+        exact = _exact_validation(got["params"], script.data(33, 1))
+        for key, value in exact.items():
+            assert got["val"][key] == pytest.approx(value, rel=1e-6), key
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

@@ -296,6 +296,11 @@ def test_plan_shows_the_rule_that_placed_each_parameter():
     assert re.search(r"\['linear2'\]\['kernel'\].*P\('tp', None\).*rules\[", table)
     assert "matched no rule and carry no annotation (2): ['extra']['bias'], ['extra']['kernel']" \
         in table
+    # Without path rules there is nothing to match: no list (the column still says "none").
+    plain = quiet_fit(strategies.DataParallel(), max_steps=1).plan(Module(), mlp_batches(1)[0],
+                                                                   verbose=False)
+    assert plain.unmatched == () and {p.rule for p in plain.params} == {"none"}
+    assert "matched no rule" not in plain.table()
 
 
 def _setup_warnings(strategy, module) -> list[str]:
@@ -407,3 +412,17 @@ def test_auto_considers_tensor_parallelism_from_path_rules():
     assert not any("tp" in layout for layout in without)
     assert layouts(strategies.Auto(rules=NNX)) - without == {
         "data=4,tp=2", "data=2,tp=4", "tp=8", "fsdp=4,tp=2", "fsdp=2,tp=4", "data=2,fsdp=2,tp=2"}
+
+
+def test_ready_made_sets_by_name_also_from_the_command_line():
+    from jaxlight._cli._build import build_strategy
+
+    assert strategies.TensorParallel(2, rules="nnx").user_rules == NNX
+    mixed = strategies.FSDP(rules=[(r"\['x'\]", (None,)), "NNX_MLP"]).user_rules
+    assert mixed[1:] == strategies.rules.NNX_MLP and len(mixed) == 5
+    built = build_strategy("tp(size=2, rules='NNX')")
+    assert isinstance(built, strategies.TensorParallel) and built.user_rules == NNX
+    with pytest.raises(jl.ConfigurationError, match=r"rules='NXX' names no ready-made rule set; "
+                                                    r"the sets .* are \['NNX', .*Did you mean "
+                                                    r"'NNX'\?"):
+        strategies.Hybrid({"fsdp": 4, "tp": 2}, rules="NXX")

@@ -1,0 +1,422 @@
+"""Metrics inside steps: `self.log` collected while a step is traced, and exact evaluation
+totals (weighted scalar means and clu-style mergeable metrics) accumulated on device.
+
+What a step reports reaches the host in one of three forms:
+
+- a scalar (returned in the step's metrics dict, or `self.log(name, value)`): in evaluation it is
+  weighted by the batch's number of examples (its leading dimension), or by
+  `self.log(..., batch_size=w)` (`w` may be traced, e.g. a token count), so the result is the
+  exact mean over the dataset;
+- a mergeable metric (a `clu.metrics.Metric` or `Collection`, or any pytree with `merge` and
+  `compute`): merged on device across batches (and, under DDP, across replicas with `all_gather`
+  and `reduce`), computed once on the host at the end;
+- in training, `on_epoch=True` values are summed on device by `EpochAccumulator` (a tiny jitted
+  add dispatched after each step, no host read) and read once at the epoch's end.
+
+`self.log` writes to the `LogCollector` that `collecting` makes active while the step is traced;
+every trace starts a fresh collector, so a retrace never sees values of an earlier one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlight._errors import ConfigurationError, StepOutputError
+
+#: Where `self.log` inside a step writes (None outside a traced step).
+_ACTIVE: contextvars.ContextVar[LogCollector | None] = contextvars.ContextVar(
+    "jaxlight_log_collector", default=None
+)
+
+#: Key suffix under which a training metric's `batch_size` weight travels in the step's metrics.
+WEIGHT = ":weight"
+
+
+def is_mergeable(value: Any) -> bool:
+    """A clu-style metric: an object (a pytree) with `merge` and `compute`, not an array."""
+    return (not isinstance(value, jax.Array | np.ndarray | int | float)
+            and callable(getattr(value, "merge", None))
+            and callable(getattr(value, "compute", None)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LogOptions:
+    """How one logged value is reported (`TrainModule.log`'s flags, defaults resolved)."""
+
+    on_step: bool
+    on_epoch: bool
+    prog_bar: bool
+
+
+@dataclasses.dataclass
+class Logged:
+    value: Any
+    options: LogOptions
+    batch_size: Any = None
+
+
+class LogCollector:
+    """What `self.log` recorded during one trace of one step.
+
+    Args:
+        kind: "train" (defaults `on_step=True, on_epoch=False`, as in Lightning's training_step)
+            or "eval" (`on_step=False, on_epoch=True`: the aggregate over the whole evaluation).
+        where: the step's name, for messages.
+    """
+
+    def __init__(self, kind: str, where: str):
+        self.kind, self.where = kind, where
+        self.entries: dict[str, Logged] = {}
+
+    def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
+            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
+        where = f"{self.where}: self.log({name!r}, ...)"
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"{self.where}: self.log needs a non-empty str name, got "
+                                     f"{name!r}.")
+        if name in self.entries:
+            raise ConfigurationError(
+                f"{where} logs {name!r} a second time in one step; log each name once (use "
+                "distinct names, or combine the values before logging)."
+            )
+        if reduce_fx not in ("mean", None) and reduce_fx is not jnp.mean:
+            raise ConfigurationError(
+                f"{where}: reduce_fx={reduce_fx!r} is not supported; jaxlight aggregates logged "
+                "scalars as exact (batch-size weighted) means. For another aggregation log a "
+                "clu.metrics.Metric (e.g. a max or a collecting metric) from an evaluation step."
+            )
+        train = self.kind == "train"
+        on_step = train if on_step is None else bool(on_step)
+        on_epoch = (not train) if on_epoch is None else bool(on_epoch)
+        if not train and on_step:
+            raise ConfigurationError(
+                f"{where} sets on_step=True in an evaluation step: evaluation reports one exact "
+                "value over the whole dataset, not per batch. Drop on_step (the default "
+                "on_epoch=True is what evaluation logs)."
+            )
+        if not on_step and not on_epoch:
+            raise ConfigurationError(
+                f"{where} sets on_step=False and on_epoch=False, so the value would go nowhere; "
+                "set one of them."
+            )
+        if is_mergeable(value):
+            if train:
+                raise ConfigurationError(
+                    f"{where} logs a {type(value).__name__} (a mergeable metric) from "
+                    "training_step; training logs scalars. Log the metric from validation_step "
+                    "or test_step, where it is merged over the whole dataset."
+                )
+            if batch_size is not None:
+                raise ConfigurationError(
+                    f"{where}: batch_size weights scalar means; a {type(value).__name__} "
+                    "carries its own counts. Drop batch_size."
+                )
+        else:
+            value = _scalar(value, f"{self.where} logged value {name!r}")
+            if batch_size is not None:
+                batch_size = _scalar(batch_size, f"{self.where} batch_size of {name!r}")
+        self.entries[name] = Logged(value, LogOptions(on_step, on_epoch, bool(prog_bar)),
+                                    batch_size)
+
+
+def _scalar(value: Any, what: str) -> jax.Array:
+    shape = getattr(value, "shape", None)
+    if shape is None and not isinstance(value, int | float | bool | np.number):
+        raise StepOutputError(f"{what} is a {type(value).__name__}; log a scalar (or, in an "
+                              "evaluation step, a clu.metrics.Metric).")
+    if shape not in (None, ()):
+        raise StepOutputError(f"{what} has shape {tuple(shape)}; log a scalar (reduce it over "
+                              "the batch, for example with .mean()).")
+    return jnp.asarray(value, jnp.float32)
+
+
+@contextlib.contextmanager
+def collecting(kind: str, where: str) -> Iterator[LogCollector]:
+    """Makes `self.log` inside the block write to a fresh collector."""
+    collector = LogCollector(kind, where)
+    token = _ACTIVE.set(collector)
+    try:
+        yield collector
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active(module_name: str) -> LogCollector:
+    """The collector of the step being traced; refuses `self.log` outside a step."""
+    collector = _ACTIVE.get()
+    if collector is None:
+        raise ConfigurationError(
+            f"{module_name}.log(...) was called outside a step. self.log / self.log_dict record "
+            "values while training_step, validation_step or test_step is traced; from a hook or "
+            "a callback send host values with fit.log_metrics({...})."
+        )
+    return collector
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+class LogSpec:
+    """How a step's metrics reach the host, filled while the step is traced.
+
+    `options` holds the logged names (returned metrics are step values, like `on_step=True`).
+    The loop reads it after compiling: `step_values` at log intervals, `EpochAccumulator` for
+    `on_epoch` names, `prog_bar` for the progress bar.
+    """
+
+    def __init__(self) -> None:
+        self.options: dict[str, LogOptions] = {}
+        self.weighted: set[str] = set()
+
+    @property
+    def prog_bar(self) -> set[str]:
+        """Names as the loggers see them (`name`, `name_step`, `name_epoch`) for the bar."""
+        names = set()
+        for name, opt in self.options.items():
+            if opt.prog_bar:
+                names.update(self._logged_names(name, opt))
+        return names
+
+    @staticmethod
+    def _logged_names(name: str, opt: LogOptions) -> list[str]:
+        if opt.on_step and opt.on_epoch:
+            return [f"{name}_step", f"{name}_epoch"]
+        return [name]
+
+    @property
+    def epoch_names(self) -> list[str]:
+        return [n for n, opt in self.options.items() if opt.on_epoch]
+
+    def step_values(self, host: dict[str, Any]) -> dict[str, Any]:
+        """The metrics logged at a step: on_step names (`name_step` when also on_epoch)."""
+        out = {}
+        for key, value in host.items():
+            if key.endswith(WEIGHT):
+                continue
+            opt = self.options.get(key)
+            if opt is None:
+                out[key] = value
+            elif opt.on_step:
+                out[f"{key}_step" if opt.on_epoch else key] = value
+        return out
+
+    def epoch_name(self, name: str) -> str:
+        opt = self.options[name]
+        return f"{name}_epoch" if opt.on_step else name
+
+
+def merge_training_logs(metrics: dict, logs: LogCollector, spec: LogSpec | None,
+                        where: str) -> dict:
+    """Adds `self.log`ged values to a training step's metrics; records their options in `spec`.
+
+    Logging "loss" replaces the returned loss's metric entry (the same value in Lightning ports,
+    now with the logged flags); any other name a returned metric already has is refused.
+    """
+    out = dict(metrics)
+    for name, entry in logs.entries.items():
+        if name in metrics:
+            raise ConfigurationError(
+                f"{where} both returns metric {name!r} and logs it with self.log; keep one."
+            )
+        out[name] = entry.value
+        if entry.batch_size is not None:
+            out[name + WEIGHT] = entry.batch_size
+        if spec is not None:
+            spec.options[name] = entry.options
+            if entry.batch_size is not None:
+                spec.weighted.add(name)
+    return out
+
+
+class EpochAccumulator:
+    """Sums a training epoch's `on_epoch` values on device; `compute()` reads them once.
+
+    `add` dispatches one tiny jitted sum per step (asynchronous, no host read); modules that log
+    nothing with `on_epoch=True` never call it.
+    """
+
+    def __init__(self, spec: LogSpec):
+        self.spec = spec
+        self.names = list(spec.epoch_names)
+        self._acc = None
+
+        def pick(metrics):
+            return {n: (metrics[n] * metrics.get(n + WEIGHT, 1.0),
+                        jnp.asarray(metrics.get(n + WEIGHT, 1.0), jnp.float32))
+                    for n in self.names}
+
+        self._start = jax.jit(pick)
+        self._add = jax.jit(lambda acc, metrics: jax.tree.map(jnp.add, acc, pick(metrics)),
+                            donate_argnums=0)
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def add(self, metrics: dict) -> None:
+        if not self.names:
+            return
+        self._acc = self._start(metrics) if self._acc is None else self._add(self._acc, metrics)
+
+    def compute(self) -> dict[str, float]:
+        """The epoch's weighted means, named as logged; resets for the next epoch."""
+        if self._acc is None:
+            return {}
+        host = jax.device_get(self._acc)
+        self._acc = None
+        return {self.spec.epoch_name(n): float(s) / float(w) for n, (s, w) in host.items()}
+
+
+# -- evaluation ------------------------------------------------------------------------------
+
+
+class EvalSpec:
+    """What an evaluation step reports, filled while it is traced (names, how to finish them)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.prog_bar: set[str] = set()
+        #: Mergeable metrics whose `compute()` dict is spread into prefixed names (a returned
+        #: Collection) rather than `name_key`.
+        self.spread: set[str] = set()
+
+    def name(self, key: str) -> str:
+        return key if key.startswith(f"{self.prefix}_") else f"{self.prefix}_{key}"
+
+
+def eval_outputs(out: Any, logs: LogCollector, spec: EvalSpec, rows: int, where: str) -> dict:
+    """One batch's totals: `{"mean": {name: (sum, weight)}, "merge": {name: metric}}`.
+
+    Returned dict keys get the prefix (`loss` -> `val_loss`); `self.log` names stay as logged.
+    A returned scalar is weighted by `rows` (the examples in the batch the step saw).
+    """
+    means: dict[str, tuple] = {}
+    merges: dict[str, Any] = {}
+
+    def put(name, value, weight, origin):
+        if name in means or name in merges:
+            raise ConfigurationError(
+                f"{where} reports {name!r} twice ({origin}); give each metric one name."
+            )
+        if is_mergeable(value):
+            merges[name] = value
+        else:
+            value = _scalar(value, f"{where} metric {name!r}")
+            w = jnp.asarray(rows if weight is None else weight, jnp.float32)
+            # where, not multiply: a NaN with zero weight (an empty token mask) adds nothing.
+            means[name] = (jnp.where(w > 0, value * w, 0.0), w)
+
+    if isinstance(out, dict):
+        for key, value in out.items():
+            put(spec.name(key), value, None, "returned")
+    elif is_mergeable(out):
+        name = f"{spec.prefix}_"
+        spec.spread.add(name)
+        merges[name] = out
+    elif out is not None:
+        raise StepOutputError(
+            f"{where} returned a {type(out).__name__}; return a dict of scalars (and clu "
+            "metrics), a clu.metrics.Collection, or nothing after self.log(...)."
+        )
+    for name, entry in logs.entries.items():
+        put(name, entry.value, entry.batch_size, "returned and logged")
+        if entry.options.prog_bar:
+            spec.prog_bar.add(name)
+    if not means and not merges:
+        raise StepOutputError(
+            f"{where} reported no metric: return a dict such as {{'loss': ...}} or call "
+            "self.log('val_loss', ...) inside it."
+        )
+    return {"mean": means, "merge": merges}
+
+
+def gather_replicas(totals: dict, strategy) -> dict:
+    """Makes one replica's batch totals global: sums for means, gather + reduce for metrics.
+
+    Under SPMD the step already sees the global batch and this changes nothing.
+    """
+    means = strategy.reduce_metrics(totals["mean"], op="sum")
+    merges = {}
+    for name, metric in totals["merge"].items():
+        stacked = strategy.gather_replicas(metric)
+        merges[name] = metric if stacked is None else _reduce(stacked)
+    return {"mean": means, "merge": merges}
+
+
+def _reduce(stacked: Any) -> Any:
+    """Merges metrics stacked on a leading axis (clu's `reduce`, else merge one by one)."""
+    if callable(getattr(stacked, "reduce", None)):
+        return stacked.reduce()
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    out = jax.tree.map(lambda x: x[0], stacked)
+    for i in range(1, n):
+        out = out.merge(jax.tree.map(lambda x, i=i: x[i], stacked))
+    return out
+
+
+def accumulate(totals: dict, batch: dict, first: jax.Array, where: str) -> dict:
+    """`totals` plus one batch's totals; `first` discards the (zero) `totals` of a fresh run."""
+    means = jax.tree.map(lambda a, b: jnp.where(first, b, a + b), totals["mean"], batch["mean"])
+    merges = {}
+    for name, new in batch["merge"].items():
+        old = totals["merge"][name]
+        try:
+            merged = old.merge(new)
+        except Exception as err:  # the metric's own refusal (clu's CollectingMetric raises)
+            raise StepOutputError(
+                f"{where} metric {name!r} ({type(new).__name__}) cannot be merged inside the "
+                f"compiled evaluation step ({type(err).__name__}: {err}). Use a fixed-size "
+                "metric (counts, a histogram, a confusion matrix) that merges by arithmetic."
+            ) from err
+        if jax.tree.structure(merged) != jax.tree.structure(new) or any(
+                np.shape(a) != np.shape(b)
+                for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(new), strict=True)):
+            raise StepOutputError(
+                f"{where} metric {name!r} ({type(new).__name__}) changes shape when merged "
+                f"({_shapes(new)} -> {_shapes(merged)}); jaxlight merges metrics on device in "
+                "fixed shapes. Use a fixed-size metric (counts, a histogram, a confusion matrix) "
+                "instead of one that collects values."
+            )
+        merges[name] = jax.tree.map(lambda a, b: jnp.where(first, b, a), merged, new)
+    return {"mean": means, "merge": merges}
+
+
+def _shapes(tree: Any) -> list:
+    return [tuple(np.shape(x)) for x in jax.tree.leaves(tree)]
+
+
+def finish(host: dict, spec: EvalSpec, where: str) -> dict[str, float]:
+    """The exact results from host totals: weighted means, and each metric's `compute()`."""
+    out: dict[str, float] = {}
+    for name, (total, weight) in host["mean"].items():
+        weight = float(weight)
+        if weight <= 0:
+            raise StepOutputError(
+                f"{where} metric {name!r} had a total weight of {weight:g} over the whole "
+                "evaluation (its batch_size was 0 on every batch), so it has no mean."
+            )
+        out[name] = float(total) / weight
+    for name, metric in host["merge"].items():
+        value = metric.compute()
+        if isinstance(value, dict):
+            for key, v in value.items():
+                out[spec.name(key) if name in spec.spread else f"{name}_{key}"] = _float(
+                    v, f"{where} metric {name!r}[{key!r}]")
+        else:
+            out[name] = _float(value, f"{where} metric {name!r}")
+    return out
+
+
+def _float(value: Any, what: str) -> float:
+    arr = np.asarray(value)
+    if arr.shape != ():
+        raise StepOutputError(f"{what}.compute() returned shape {arr.shape}; metrics must "
+                              "compute to scalars (or a dict of scalars).")
+    return float(arr)

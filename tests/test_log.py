@@ -1,0 +1,128 @@
+"""self.log / self.log_dict inside steps: values join the step's metrics, on_epoch means are
+summed on device and equal the epoch's mean, prog_bar picks the progress bar's fields."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxlight as jl
+from jaxlight import callbacks
+from jaxlight._errors import ConfigurationError
+from jaxlight.data import ArrayLoader
+from tests.models import Classifier, classification_data
+
+
+class Logs(callbacks.Callback):
+    def __init__(self):
+        self.rounds = []
+
+    def on_log(self, fit, module, metrics, step):
+        self.rounds.append((step, dict(metrics)))
+
+
+class Logged(Classifier):
+    def training_step(self, model, batch):
+        logits = model(batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        loss = losses.mean()
+        weight = (batch["y"] == 0).sum()  # varies from batch to batch
+        self.log("train_loss", loss, prog_bar=True, on_epoch=True)
+        self.log_dict({"class0_loss": (losses * (batch["y"] == 0)).sum() / weight,
+                       "class0_count": weight.astype(jnp.float32)})
+        self.log("class0_epoch_loss", (losses * (batch["y"] == 0)).sum() / weight,
+                 on_step=False, on_epoch=True, batch_size=weight)
+        return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+    def validation_step(self, model, batch):
+        logits = model(batch["x"])
+        self.log("val_loss", optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["y"]).mean(), prog_bar=True)
+        return {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+@pytest.fixture(scope="module")
+def run():
+    logs = Logs()
+    fit = jl.Fit("single", max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False, callbacks=[logs])
+    data = classification_data(128)
+    fit.fit(Logged(), ArrayLoader(data, 32), ArrayLoader(classification_data(40, seed=1), 16,
+                                                        shuffle=False, drop_remainder=False))
+    return fit, logs.rounds
+
+
+def _steps(rounds):
+    return [(s, m) for s, m in rounds if "train_loss_step" in m]
+
+
+def test_on_epoch_equals_the_epoch_mean(run):
+    fit, rounds = run
+    steps = _steps(rounds)
+    assert [s for s, _ in steps] == list(range(1, 9))  # every step, log_every_n_steps=1
+    epochs = [(s, m) for s, m in rounds if "train_loss_epoch" in m]
+    assert [s for s, _ in epochs] == [4, 8]  # logged at each epoch's end
+    for e, (_, at_end) in enumerate(epochs):
+        mine = [m for s, m in steps if 4 * e < s <= 4 * (e + 1)]
+        assert at_end["train_loss_epoch"] == pytest.approx(
+            np.mean([m["train_loss_step"] for m in mine]), rel=1e-6)
+        # batch_size weights an epoch mean: sum(value * weight) / sum(weight).
+        values = np.array([m["class0_loss"] for m in mine])
+        weights = np.array([m["class0_count"] for m in mine])
+        assert at_end["class0_epoch_loss"] == pytest.approx(
+            (values * weights).sum() / weights.sum(), rel=1e-6)
+        # on_step=False: never logged per step; and no weight entries leak to loggers.
+        assert all("class0_epoch_loss" not in m for m in mine)
+        assert all(not any(k.endswith(":weight") for k in m) for m in mine)
+    assert fit.callback_metrics["train_loss_epoch"] == epochs[-1][1]["train_loss_epoch"]
+
+
+def test_returned_metrics_and_logged_values_together(run):
+    fit, rounds = run
+    _, last = _steps(rounds)[-1]
+    assert {"loss", "accuracy", "train_loss_step", "class0_loss", "class0_count"} <= set(last)
+    assert last["loss"] == pytest.approx(last["train_loss_step"], rel=1e-6)
+    assert fit.compile_counts["train"] == 1  # logging adds no compile of the step
+    val = [m for _, m in rounds if "val_loss" in m]
+    assert len(val) == 2 and "val_accuracy" in val[0]  # logged name as given, returned prefixed
+
+
+def test_prog_bar_picks_the_fields(run):
+    fit, _ = run
+    assert fit.progress_bar_metrics == {"train_loss_step", "train_loss_epoch", "val_loss"}
+    shows = callbacks.TQDMProgressBar._shows
+    assert [k for k in ("loss", "train_loss_step", "val_loss", "val_accuracy", "class0_loss")
+            if shows(fit, k)] == ["loss", "train_loss_step", "val_loss"]
+
+
+def test_log_errors():
+    class Twice(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("a", loss)
+            self.log("a", loss)
+            return loss
+
+    class Vector(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("v", model(batch["x"]).mean(0))
+            return loss
+
+    data = ArrayLoader(classification_data(64), 32)
+    for cls, match in ((Twice, "a second time"), (Vector, r"shape \(4,\)")):
+        fit = jl.Fit("single", max_steps=1, enable_progress_bar=False,
+                     enable_model_summary=False, logger=False)
+        with pytest.raises(jl.JaxlightError, match=match):
+            fit.fit(cls(), data)
+    with pytest.raises(ConfigurationError, match="reduce_fx='max'"):
+        class Max(Classifier):
+            def training_step(self, model, batch):
+                loss = super().training_step(model, batch)[0]
+                self.log("m", loss, reduce_fx="max")
+                return loss
+
+        jl.Fit("single", max_steps=1, enable_progress_bar=False, enable_model_summary=False,
+               logger=False).fit(Max(), data)
