@@ -183,13 +183,24 @@ def summarize_auto(r):
 
 def summarize_startup(r):
     m = r["median"]
+    load = r.get("loadavg_before")
+    cpu = m["warm"].get("first_step_cpu_s")
     rows = [(f"process start → first step, `jaxlight fit digits`, warm compilation cache "
              f"(import {m['warm']['import_s']:.2f} s, init {m['warm']['init_compile_s']:.2f} s, "
-             f"train compile {m['warm']['train_compile_s']:.2f} s)",
+             f"train compile {m['warm']['train_compile_s']:.2f} s"
+             + (f"; CPU {cpu:.2f} s" if cpu is not None else "")
+             + (f"; load average {load[0]:.1f} on {r.get('cpu_cores')} cores" if load else "")
+             + ")",
              f"{m['warm']['first_step_s']:.2f} s", "< 2 s", r["warm_met"]),
             (f"same, cold cache (fresh directory) / cache off ({m['cold']['first_step_s']:.2f} s "
              f"/ {m['off']['first_step_s']:.2f} s)", _fmt(r["cold_over_off"]), "≤ 1 (± noise)",
              None)]
+    if cpu is not None:
+        rows.append((f"same in CPU seconds to the first step: cold / off "
+                     f"({m['cold']['first_step_cpu_s']:.2f} s / "
+                     f"{m['off']['first_step_cpu_s']:.2f} s); warm / off",
+                     f"{m['cold']['first_step_cpu_s'] / m['off']['first_step_cpu_s']:.3f}; "
+                     f"{cpu / m['off']['first_step_cpu_s']:.3f}", "≤ 1; < 1", None))
     return rows
 
 

@@ -49,6 +49,9 @@ def child(cli_args: list[str]) -> None:
 
             jax.block_until_ready(outputs.metrics)
             marks["first_step_s"] = time.time() - t0
+            # CPU seconds of this process (every thread) to here: less sensitive than wall time
+            # to other work on a shared machine (the interpreter's start is not in it).
+            marks["first_step_cpu_s"] = time.process_time()
             marks["compile_times"] = dict(fit.compile_times)
 
     # Wrap the class's own __init__: every module that imported Fit builds this class.
@@ -93,6 +96,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "startup.json"))
     args = p.parse_args(argv)
     runs: dict[str, list[dict]] = {"off": [], "cold": [], "warm": []}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             cache = os.path.join(tmp, f"cache{i}")
@@ -103,13 +107,19 @@ def main(argv=None):
             print(f"round {i}: " + ", ".join(
                 f"{k} {v[-1]['first_step_s']:.2f} s" for k, v in runs.items())
                 + f" ({entries} cache files)", file=sys.stderr, flush=True)
-    keys = ("first_step_s", "import_s", "init_compile_s", "train_compile_s", "other_s", "exit_s")
+    keys = ("first_step_s", "first_step_cpu_s", "import_s", "init_compile_s", "train_compile_s",
+            "other_s", "exit_s")
     medians = {mode: {k: round(statistics.median(r[k] for r in rs), 3) for k in keys}
                for mode, rs in runs.items()}
     report = {
         "command": f"jaxlight fit digits --max-steps {args.max_steps} --compilation-cache ...",
         "devices": "1 CPU device (this machine, XLA_FLAGS unset)",
         "rounds": args.rounds,
+        "cpu_cores": os.cpu_count(),
+        # 1/5/15-minute load averages before and after: the wall times scale with them on a
+        # machine shared with other work
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "median": medians,
         "warm_first_step_s": medians["warm"]["first_step_s"],
         "warm_target_s": 2.0,

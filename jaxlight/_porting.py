@@ -110,10 +110,12 @@ def check_step_signature(module: Any, name: str) -> None:
 
 
 class _SelfUse(ast.NodeVisitor):
-    """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls."""
+    """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls (and
+    with `logging=True`, `self.log(...)` / `self.log_dict(...)`)."""
 
-    def __init__(self, self_name: str):
+    def __init__(self, self_name: str, logging: bool = False):
         self.self_name = self_name
+        self.logging = logging
         self.found: list[tuple[str, int]] = []
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -123,14 +125,17 @@ class _SelfUse(ast.NodeVisitor):
         elif isinstance(func, ast.Attribute):
             owner = func.value
             if isinstance(owner, ast.Name) and owner.id == self.self_name:
-                if func.attr in ("forward", "parameters", "named_parameters", "manual_backward"):
+                flagged = ("forward", "parameters", "named_parameters", "manual_backward")
+                if self.logging:
+                    flagged += ("log", "log_dict")
+                if func.attr in flagged:
                     self.found.append((f"self.{func.attr}(...)", node.lineno))
             elif func.attr == "backward" and not node.args and not node.keywords:
                 self.found.append(("<tensor>.backward()", node.lineno))
         self.generic_visit(node)
 
 
-def _self_uses(fn) -> list[tuple[str, int]]:
+def _self_uses(fn, logging: bool = False) -> list[tuple[str, int]]:
     """Lightning-only uses of `self` in a method's source ([] when the source is unavailable)."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -141,7 +146,7 @@ def _self_uses(fn) -> list[tuple[str, int]]:
     func = tree.body[0] if tree.body else None
     if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) or not func.args.args:
         return []
-    visitor = _SelfUse(func.args.args[0].arg)
+    visitor = _SelfUse(func.args.args[0].arg, logging)
     visitor.visit(func)
     return [(what, first_line + line - 1) for what, line in visitor.found]
 
@@ -156,7 +161,16 @@ _SELF_USE_FIX = {
     "self.manual_backward(...)": "manual optimization is not supported; return the loss and "
                                  "let the compiled step take gradients",
     "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
+    "self.log(...)": "self.log records traced values while a step is traced, so it works in "
+                     "training_step / validation_step / test_step (and helpers they call; "
+                     "on_epoch=True aggregates over the epoch); from a hook, send host values "
+                     "with fit.log_metrics({...}) in a callback",
 }
+_SELF_USE_FIX["self.log_dict(...)"] = _SELF_USE_FIX["self.log(...)"]
+
+#: Methods that never run inside a traced step: `self.log` there has no step to record into.
+OUTSIDE_STEPS = ("configure_model", "configure_optimizers", "setup", "teardown",
+                 "prepare_data")
 
 
 def _nn_attributes(module: Any) -> list[str]:
@@ -210,13 +224,18 @@ def check_module(module: Any) -> None:
     for name in STEPS:
         if _overrides(module, name):
             check_step_signature(module, name)
-    for name in (*STEPS, "configure_optimizers"):
-        if not _overrides(module, name):
+    hooks = [n for n in dir(type(module)) if n.startswith("on_") or n in OUTSIDE_STEPS]
+    for name in (*STEPS, *hooks):
+        if not _overrides(module, name) or not callable(getattr(module, name, None)):
             continue
-        for what, line in _self_uses(getattr(module, name)):
+        in_step = name in STEPS
+        for what, line in _self_uses(getattr(module, name), logging=not in_step):
+            fix = _SELF_USE_FIX[what]
+            if not in_step and what in ("self(...)", "self.forward(...)"):
+                fix = "outside a step, run the current model as self.model(x)"
             raise PortingError(
-                f"{cls}.{name} uses {what} (line {line}), a LightningModule habit: "
-                f"{_SELF_USE_FIX[what]}. See {GUIDE}."
+                f"{cls}.{name} uses {what} (line {line}), a LightningModule habit: {fix}. "
+                f"See {GUIDE}."
             )
 
 

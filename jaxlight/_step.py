@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight import _metrics
+from jaxlight import _metrics, _optim
 from jaxlight._errors import StepOutputError
 from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
@@ -191,16 +191,16 @@ def build_params_transform(callbacks: Sequence) -> Callable | None:
     return transform
 
 
-def build_optimizer(module, callbacks: Sequence) -> optax.GradientTransformation:
-    tx = module.configure_optimizers()
-    if not isinstance(tx, optax.GradientTransformation):
-        raise StepOutputError(
-            f"{type(module).__name__}.configure_optimizers returned {type(tx).__name__}; return "
-            "an optax.GradientTransformation such as optax.adamw(1e-3)."
-        )
+def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransformation, Any]:
+    """The optimizer the step applies, and the `lr_scheduler` of configure_optimizers' dict.
+
+    Returns `(tx, scheduler)`: `tx` includes the scheduler's factor and every callback's
+    `transform_optimizer`; `scheduler` is a `jaxlight._optim.Scheduler` or None.
+    """
+    tx, scheduler = _optim.resolve(module)
     for cb in callbacks:
         tx = cb.transform_optimizer(tx)
-    return tx
+    return tx, scheduler
 
 
 def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics.EvalSpec, *,
@@ -242,10 +242,17 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
     return eval_step, totals_fn
 
 
-def build_predict_step(module, eval_graphdef) -> Callable:
+def build_predict_step(module, eval_graphdef, *, sharded: bool = True) -> Callable:
+    """`predict_step(state, batch) -> outputs` on a whole batch (`sharded` as in
+    `build_eval_step`)."""
+    where = f"{type(module).__name__}.predict_step"
+
     def predict_step(state: TrainState, batch):
         model = nnx.merge(eval_graphdef, state.params, state.rest)
-        return call_user_step(module.predict_step, f"{type(module).__name__}.predict_step",
-                              model, batch)
+        with any_batch_size():
+            if sharded:
+                return call_user_step(module.predict_step, where, model, batch)
+            with activation_sharding(None):
+                return call_user_step(module.predict_step, where, model, batch)
 
     return predict_step

@@ -129,6 +129,24 @@ def test_validation_step_sees_the_real_batch():
     assert fit.compile_counts["eval:validation_step"] == 2  # a second evaluation: cached
 
 
+def test_predict_step_sees_the_real_batch():
+    seen = []
+
+    class Shapes(Classifier):
+        def predict_step(self, model, batch):
+            seen.append(batch["x"].shape[0])
+            return model(batch["x"]) - model(batch["x"]).mean(0)  # a batch-level statistic
+
+    module = Shapes()
+    fit = _fit("dp")
+    fit.fit(module, ArrayLoader(classification_data(64), 32))
+    val = classification_data(45)
+    out = fit.predict(module, ArrayLoader(val, 16, shuffle=False, drop_remainder=False))
+    assert sorted(set(seen)) == [13, 16] and [o.shape for o in out] == [(16, 4)] * 2 + [(13, 4)]
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(module.model, val["x"][32:]))
+    np.testing.assert_allclose(out[2], logits - logits.mean(0), rtol=1e-5, atol=1e-6)
+
+
 # -- clu metrics ----------------------------------------------------------------------------
 
 

@@ -115,6 +115,26 @@ def test_manual_optimization_and_lightning_hooks_are_refused():
         check_module(Clip())
 
 
+def test_self_log_in_a_hook_is_refused_but_not_in_a_step_helper():
+    class Lit(Classifier):
+        def on_train_epoch_end(self):
+            self.log("epoch_metric", 1.0)
+
+    with pytest.raises(jl.PortingError, match=r"on_train_epoch_end uses self\.log\(\.\.\.\) "
+                       r"\(line \d+\).*fit\.log_metrics"):
+        check_module(Lit())
+
+    class Helper(Classifier):
+        def _shared(self, model, batch, stage):
+            self.log(f"{stage}_size", batch["x"].shape[0])
+            return model(batch["x"]).mean()
+
+        def training_step(self, model, batch):
+            return self._shared(model, batch, "train")
+
+    check_module(Helper())
+
+
 def test_backward_call_in_a_step_is_refused():
     class Lit(Classifier):
         def training_step(self, model, batch):

@@ -14,7 +14,7 @@ With several processes, the processes agree on each batch's per-process row coun
 host exchange per evaluation batch); unequal shares of a last batch are gathered onto every
 process (`multihost_utils.process_allgather`) and evaluated whole.
 
-Prediction still pads a short last batch to the first batch's size and cuts the outputs.
+`predict_step` follows the same rules (whole, unpadded batches; one compile per shape per call).
 """
 
 from __future__ import annotations
@@ -74,28 +74,6 @@ def _gather(batch: Any, counts: list[int]) -> Any:
     return jax.tree.map(one, batch)
 
 
-def pad_batch(batch: Any, size: int, what: str) -> tuple[Any, np.ndarray]:
-    """`batch` padded to `size` examples, and the mask of its real examples."""
-    n = int(np.shape(jax.tree.leaves(batch)[0])[0])
-    if n > size:
-        raise DataError(
-            f"{what} batch of {n} examples is larger than the first {what} batch ({size}); "
-            "the evaluation step is compiled for the first batch's size. Put the largest "
-            "batch first or use equal batch sizes."
-        )
-    mask = np.arange(size) < n
-    if n == size:
-        return batch, mask
-    # Pad with copies of the first example (finite values); the mask drops them. A process
-    # can get no example of a short last batch (fewer examples than processes): zeros then.
-    def pad(x):
-        x = np.asarray(x)
-        fill = np.repeat(x[:1], size - n, 0) if n else np.zeros((size, *x.shape[1:]), x.dtype)
-        return np.concatenate([x, fill])
-
-    return jax.tree.map(pad, batch), mask
-
-
 class Evaluator:
     """Runs `validation_step`, `test_step` and `predict_step` loops on the session's state."""
 
@@ -108,13 +86,22 @@ class Evaluator:
         self.log = log
         self._flags: dict[tuple, jax.Array] = {}
 
-    def run_validation(self, val_data: Iterable) -> dict[str, float]:
-        """A validation round inside fit: hooks, exact metrics, logged at the current step."""
+    def run_validation(self, val_data: Iterable, epoch_end: bool = False) -> dict[str, float]:
+        """A validation round inside fit: hooks, exact metrics, logged at the current step.
+
+        `epoch_end`: the end-of-epoch validation (an epoch-interval plateau scheduler reads it).
+        """
         call = self.hooks
         call("on_validation_start")
         call("on_validation_epoch_start")
         metrics = self.evaluate(val_data, "validation_step", "val", self.config.limit_val_batches,
                                 f"validation at step {self.position.global_step}", "val_data")
+        schedule = self.session.schedule
+        if schedule is not None:
+            # Before the end hooks, where checkpoints are taken: they resume it.
+            pos = self.position
+            self.session.state = schedule.after_validation(
+                self.session.state, metrics, pos.global_step, pos.epoch, epoch_end)
         self.log.callback_metrics.update(metrics)
         self.log.log(metrics, self.position.global_step)
         call("on_validation_epoch_end")
@@ -171,18 +158,7 @@ class Evaluator:
         idx = 0
         while True:
             batch = next(batches, None) if limit is None or idx < limit else None
-            counts = None
-            if multi:
-                counts = _distributed.all_gather_json(
-                    f"eval_rows:{method}", _END if batch is None else _rows(batch))
-                if _END in counts and set(counts) != {_END}:
-                    ended = [p for p, c in enumerate(counts) if c == _END]
-                    raise DataError(
-                        f"the {prefix} data of process(es) {ended} ended after {idx} batches "
-                        f"while the others have more (rows per process: {counts}). Every "
-                        "process must yield the same number of evaluation batches "
-                        "(jaxlight.data.ArrayLoader does)."
-                    )
+            counts = self._agree_rows(method, prefix, batch, idx) if multi else None
             if batch is None:
                 break
             with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
@@ -218,51 +194,84 @@ class Evaluator:
             self._flags[key] = jax.device_put(np.bool_(value), strategy.replicated())
         return self._flags[key]
 
-    def _place(self, method: str, prefix: str, batch: Any, state: TrainState,
-               counts: list[int] | None):
-        """The compiled step for this batch's shape, the batch on the devices, zero totals."""
-        strategy = self.session.strategy
-        dp = strategy.data_parallel_size
+    @staticmethod
+    def _agree_rows(kind: str, what: str, batch: Any, idx: int) -> list[int]:
+        """Every process's row count of its share of batch `idx` (`_END`: its data ended)."""
+        counts = _distributed.all_gather_json(f"eval_rows:{kind}",
+                                              _END if batch is None else _rows(batch))
+        if _END in counts and set(counts) != {_END}:
+            ended = [p for p, c in enumerate(counts) if c == _END]
+            raise DataError(
+                f"the {what} data of process(es) {ended} ended after {idx} batches while the "
+                f"others have more (rows per process: {counts}). Every process must yield the "
+                "same number of evaluation batches (jaxlight.data.ArrayLoader does)."
+            )
+        return counts
+
+    def _layout(self, batch: Any, counts: list[int] | None) -> tuple[bool, Any, Any]:
+        """`(sharded, whole, abstract)`: whether the batch is sharded like a training batch
+        (the data-parallel degree divides it, equal shares per process), else given whole to
+        every device; the global host batch for the latter; the global abstract batch."""
+        dp = self.session.strategy.data_parallel_size
         if counts is None:
             sharded, whole = _rows(batch) % dp == 0, batch
         else:
             sharded = len(set(counts)) == 1 and sum(counts) % dp == 0
             whole = batch if sharded else _gather(batch, counts)
-        abstract = _abstract(batch, jax.process_count()) if sharded else _abstract(whole)
+        return sharded, whole, (_abstract(batch, jax.process_count()) if sharded
+                                else _abstract(whole))
+
+    def _put(self, batch: Any, whole: Any, sharded: bool, batch_sh: Any) -> Any:
+        if sharded:
+            return self.session.strategy.put_batch(batch, batch_sh)
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(
+                np.shape(x), s, lambda index, x=x: np.asarray(x)[index]),
+            whole, batch_sh)
+
+    def _place(self, method: str, prefix: str, batch: Any, state: TrainState,
+               counts: list[int] | None):
+        """The compiled step for this batch's shape, the batch on the devices, zero totals."""
+        sharded, whole, abstract = self._layout(batch, counts)
         compiled, batch_sh, zeros = self.session.compile_eval_step(
             method, prefix, abstract, state, sharded, batch)
-        if sharded:
-            device_batch = strategy.put_batch(batch, batch_sh)
-        else:
-            device_batch = jax.tree.map(
-                lambda x, s: jax.make_array_from_callback(
-                    np.shape(x), s, lambda index, x=x: np.asarray(x)[index]),
-                whole, batch_sh)
-        return compiled, device_batch, zeros
+        return compiled, self._put(batch, whole, sharded, batch_sh), zeros
 
     def predict(self, data: Iterable) -> list[Any]:
-        """One NumPy pytree of `predict_step` outputs per batch, padding cut."""
+        """One NumPy pytree of `predict_step` outputs per batch (the global rows, in order).
+
+        Like evaluation, `predict_step` sees every batch whole and unpadded; each batch shape
+        compiles once per call.
+        """
         session = self.session
         state = self.eval_state()
-        outputs, compiled = [], None
         check_iterable(data, "predict")
-        for batch in numpy_batches(data):
-            local = int(np.shape(jax.tree.leaves(batch)[0])[0])
-            size = session.eval_size("predict", local)
-            batch, _ = pad_batch(batch, size, "predict")
-            if compiled is None:
-                with tracing_for("predict batch 0", "the data passed to Fit.predict", batch):
-                    compiled, batch_sh = session.compile_predict_step(batch, state)
-            out = compiled(state, session.strategy.put_batch(batch, batch_sh))
-            if jax.process_count() > 1:
-                # Process p's rows sit at [p * size, p * size + its count) of the output.
-                counts = _distributed.all_gather_json("predict_rows", local)
-                rows = np.concatenate([np.arange(p * size, p * size + c)
-                                       for p, c in enumerate(counts)])
-                out = jax.tree.map(lambda x: np.asarray(
-                    jax.experimental.multihost_utils.process_allgather(x, tiled=True))[rows],
-                    out)
-            else:
-                out = jax.tree.map(lambda x: np.asarray(x)[:local], out)
-            outputs.append(out)
+        multi = jax.process_count() > 1
+        outputs: list[Any] = []
+        compiled: dict[tuple, tuple] = {}
+        batches = iter(numpy_batches(data))
+        idx = 0
+        while True:
+            batch = next(batches, None)
+            counts = self._agree_rows("predict", "predict", batch, idx) if multi else None
+            if batch is None:
+                break
+            sharded, whole, abstract = self._layout(batch, counts)
+            key = (sharded, tuple(_shapes(abstract)), jax.tree.structure(abstract))
+            if key not in compiled:
+                with tracing_for(f"predict batch {idx}", "the data passed to Fit.predict", batch):
+                    compiled[key] = session.compile_predict_step(abstract, state, sharded, batch)
+            step, batch_sh = compiled[key]
+            out = step(state, self._put(batch, whole, sharded, batch_sh))
+            outputs.append(jax.tree.map(lambda x, sharded=sharded: _host(x, sharded), out))
+            idx += 1
         return outputs
+
+
+def _host(x: jax.Array, sharded: bool) -> np.ndarray:
+    """A predict output on the host: the global rows, on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    if not sharded:  # computed whole on every device: any local copy is the whole output
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.experimental.multihost_utils.process_allgather(x, tiled=True))

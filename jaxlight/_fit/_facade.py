@@ -21,6 +21,7 @@ import jax
 from jaxlight import _cache, _plan
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
+from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError
 from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
 from jaxlight._fit._evaluation import Evaluator
@@ -40,6 +41,9 @@ class Fit:
 
     Args:
         strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
+        devices: the devices to use (`jaxlight._devices`): None / "auto" / -1 for all, N for
+            the first N of each process, a list of device indices or `jax.Device`s. The
+            strategy's mesh spans only these; the rest stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
         max_epochs: passes over the training data; None means "until max_steps".
         callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
@@ -77,6 +81,7 @@ class Fit:
         self,
         strategy: str | _strategies.Strategy = "auto",
         *,
+        devices: int | str | Sequence | None = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
         callbacks: Sequence[Callback] = (),
@@ -105,6 +110,8 @@ class Fit:
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         resolved = _strategies.resolve(strategy)
+        chosen = select_devices(devices)
+        check_strategy_devices(resolved, chosen)
         self._config = FitConfig.create(
             max_steps=max_steps, max_epochs=max_epochs, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -121,7 +128,8 @@ class Fit:
         self.callbacks: list[Callback] = assemble_callbacks(list(callbacks), self._config)
         #: The settings loggers record as the run's config.
         self.config = self._config.summary(resolved.name)
-        self._session = Session(resolved, self.callbacks, self._config.seed)
+        self.config["devices"] = None if chosen is None else [d.id for d in chosen]
+        self._session = Session(resolved, self.callbacks, self._config.seed, chosen)
         self._position = LoopState()
         self._call = Hooks(self, self.callbacks)
         self._log = MetricLog(self._call)
@@ -321,6 +329,13 @@ class Fit:
     ) -> TrainModule:
         """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
         self._setup(module, "fit")
+        schedule = self._session.schedule
+        if schedule is not None and schedule.scheduler.monitor and val_data is None:
+            raise ConfigurationError(
+                f"{type(module).__name__}.configure_optimizers' lr_scheduler monitors "
+                f"{schedule.scheduler.monitor!r}, a validation metric, but Fit.fit got no "
+                "val_data. Pass val_data, or use a schedule that reads no metric."
+            )
         self._train_data = train_data
         self._feed = TrainFeed(train_data)
         self._val_data = val_data

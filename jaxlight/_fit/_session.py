@@ -11,7 +11,6 @@ public names.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from typing import Any
 
@@ -21,9 +20,9 @@ import numpy as np
 from flax import nnx
 
 from jaxlight import _batch, _metrics
-from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._module import TrainModule
+from jaxlight._optim import ScheduleUpdate
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
     build_eval_step,
@@ -52,9 +51,12 @@ class Session:
         strategy: the resolved `jaxlight.strategies.Strategy`.
         callbacks: the Fit's callbacks (their step pieces shape the optimizer and the step).
         seed: seeds parameter initialization.
+        devices: the devices `Fit(devices=...)` selected (None: all), given to the strategy's
+            `setup`.
     """
 
-    def __init__(self, strategy, callbacks, seed: int):
+    def __init__(self, strategy, callbacks, seed: int, devices=None):
+        self.devices = devices
         #: The strategy in use; under `strategies.Auto`, the chosen one once it has chosen.
         self.strategy = strategy
         #: The `strategies.Auto` choosing the layout (None: a fixed strategy). Once it has
@@ -74,9 +76,9 @@ class Session:
         self._spec_module: TrainModule | None = None
         self._shardings: TrainState | None = None
         self._tx = None
+        self.schedule: ScheduleUpdate | None = None
         self._params_transform = None
         self._compiled: dict[Any, Any] = {}
-        self._eval_batch_size: dict[str, int] = {}
         #: What `self.log` in the training step reports (filled when the step is traced).
         self.log_spec = _metrics.LogSpec()
         self._eval_specs: dict[str, _metrics.EvalSpec] = {}
@@ -92,10 +94,13 @@ class Session:
         """
         self.module = module
         if self.strategy.mesh is None:
-            self.strategy.setup(None)
+            self.strategy.setup(self.devices)
         if self._spec is None or self._spec_module is not module:
-            tx = build_optimizer(module, self.callbacks)
+            tx, scheduler = build_optimizer(module, self.callbacks)
             self._tx = tx
+            #: The lr_scheduler of configure_optimizers' dict, run between steps (or None).
+            self.schedule = (None if scheduler is None
+                             else ScheduleUpdate(scheduler, self.compile_state_update))
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
@@ -189,16 +194,6 @@ class Session:
         canonical = self.strategy.to_canonical(state)
         return nnx.merge(self._spec.graphdef, canonical.params, canonical.rest)
 
-    def eval_size(self, kind: str, local: int) -> int:
-        """The padded local batch size of an evaluation kind, fixed by its first batch."""
-        if kind not in self._eval_batch_size:
-            dp_local = max(1, self.strategy.data_parallel_size // jax.process_count())
-            # Processes may hold different counts (an uneven last batch): all pad to the
-            # largest, so that they compile the same step.
-            self._eval_batch_size[kind] = _distributed.agree_max(
-                f"eval_batch:{kind}", math.ceil(local / dp_local) * dp_local)
-        return self._eval_batch_size[kind]
-
     @property
     def progress_bar_metrics(self) -> set[str]:
         """Names logged with `prog_bar=True` by the traced steps (training and evaluation)."""
@@ -235,6 +230,16 @@ class Session:
         if keep:
             self._compiled["train"] = (compiled, batch_sh)
         return compiled, batch_sh
+
+    def compile_state_update(self, fn, extra_abstract: tuple):
+        """Compiles `fn(state, *extra) -> state` between steps (the state donated, the extra
+        scalars replicated); the scheduler's updates at validation and epoch ends."""
+        rep = self.strategy.replicated()
+        with self.compiling("schedule"):
+            return self.strategy.compile(
+                fn, (self._spec.abstract_state, *extra_abstract),
+                in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
+                out_shardings=self._shardings, donate_argnums=(0,))
 
     def eval_spec(self, method: str, prefix: str) -> _metrics.EvalSpec:
         """What `method` reports (filled when it is traced); kept with its compiled steps."""
@@ -291,20 +296,25 @@ class Session:
         )
         return compiled, batch_sh, zeros
 
-    def compile_predict_step(self, batch: Any, state: TrainState):
-        """`(compiled, batch_sh)` for `predict_step` over padded batches like `batch`.
+    def compile_predict_step(self, abstract_batch: Any, state: TrainState, sharded: bool,
+                             local_batch: Any = None):
+        """`(compiled, batch_sh)` for `predict_step` over whole batches of this shape.
 
-        Compiled once per call of `Fit.predict`, as before the split (its first batch fixes it).
+        Sharded like a training batch, or (`sharded=False`) given whole to every device, with
+        the output replicated. The caller keeps it for one `Fit.predict` call.
         """
-        _batch.check_batch_agreement(batch, "predict batch (padded)")
-        abstract_batch = abstract_global_batch(batch)
-        batch_sh = self.strategy.batch_shardings(abstract_batch)
-        _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
-        state_sh = self.state_shardings(state)
-        abstract_state = self.canonical_abstract(state)
+        strategy = self.strategy
+        if sharded:
+            if local_batch is not None:
+                _batch.check_batch_agreement(local_batch, "predict batch")
+            batch_sh = strategy.batch_shardings(abstract_batch)
+            _batch.check_batch_layout(batch_sh, abstract_batch, "predict batch")
+        else:
+            batch_sh = strategy.replicated_like(abstract_batch)
+        predict_step = build_predict_step(self.module, self._spec.eval_graphdef,
+                                          sharded=sharded)
         with self.compiling("predict"):
-            compiled = self.strategy.compile(
-                build_predict_step(self.module, self._spec.eval_graphdef),
-                (abstract_state, abstract_batch),
-                in_shardings=(state_sh, batch_sh), out_shardings=None)
-        return compiled, batch_sh
+            return strategy.compile(
+                predict_step, (self.canonical_abstract(state), abstract_batch),
+                in_shardings=(self.state_shardings(state), batch_sh),
+                out_shardings=None if sharded else strategy.replicated()), batch_sh

@@ -73,19 +73,16 @@ class Placement:
     arrays: tuple[Placed, ...]
 
 
-def rule_label(rule: PathRule, rules: Sequence) -> tuple[str, str]:
-    """(`rules[i]`, `r'pattern' -> axes (set)`): a path rule's place in `rules` and its text."""
+def rule_label(rule: PathRule, rules: Sequence) -> str:
+    """`rules[i]`: where a path rule sits in the rules the user gave (as `Fit.plan` names it)."""
     index = next((i for i, r in enumerate(rules) if r is rule), None)
-    group = f" ({rule.group})" if rule.group else ""
-    return f"rules[{index}]", f"{rule!r}{group}"
+    return f"rules[{index}]"
 
 
 def describe_rule(rule: PathRule, rules: Sequence) -> str:
-    """`rules[i] r'pattern' -> axes` (with its ready-made set's name), for messages and plans."""
-    index = next((i for i, r in enumerate(rules) if r is rule), None)
-    where = f"rules[{index}] " if index is not None else ""
+    """`path rule rules[i] (r'pattern', axes) (from SET)`, for messages."""
     group = f" (from {rule.group})" if rule.group else ""
-    return f"path rule {where}{rule!r}{group}"
+    return f"path rule {rule_label(rule, rules)} {rule!r}{group}"
 
 
 def place(rules: Sequence, abstract_state: Any, logical_axes: Any, *,
@@ -109,7 +106,7 @@ def place(rules: Sequence, abstract_state: Any, logical_axes: Any, *,
             if found is not None:
                 rule, logical = rules[found[0]], found[1]
                 source = describe_rule(rule, user_rules or rules)
-                label = rule_label(rule, user_rules or rules)[0]
+                label = rule_label(rule, user_rules or rules)
         arrays.append(Placed(collection, relative, shape, annotation, logical, rule, label))
         leaves[i] = (path, leaf, logical, source)
         if collection == "params":

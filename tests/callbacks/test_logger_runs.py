@@ -1,6 +1,6 @@
-"""One W&B run per fit, read back from real offline runs: the command line's final validation
-logs into the fit's run (never a second run, never the same value twice), and a fit resumed
-from a checkpoint in a new process continues the run's id."""
+"""One run per fit, read back from real offline W&B runs and TensorBoard event files: the
+command line's final validation logs into the fit's run (never a second run, never the same value
+twice), and a fit resumed from a checkpoint in a new process continues the run."""
 
 from __future__ import annotations
 
@@ -59,5 +59,7 @@ def test_cli_fit_is_one_run_and_a_resumed_fit_continues_it():
     assert [s for s, r in sorted(rows.items()) if "val_loss" in r] == [5]
     assert rows[5]["val_loss"] == pytest.approx(second.metrics["val_loss"], rel=1e-6)
     assert second.metrics["global_step"] == 5
-    tb_dirs = sorted(os.listdir("jaxlight_logs/tensorboard"))
-    assert _tensorboard(f"jaxlight_logs/tensorboard/{tb_dirs[-1]}")["val_loss"] == [5]
+    # TensorBoard: the resumed fit continues the run directory, each value once per step.
+    assert os.listdir("jaxlight_logs/tensorboard") == ["version_0"]
+    tb = _tensorboard("jaxlight_logs/tensorboard/version_0")
+    assert tb["val_loss"] == [2, 4, 5] and tb["loss"] == [2, 4, 5]

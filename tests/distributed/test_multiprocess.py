@@ -81,9 +81,9 @@ def test_two_processes_match_one_process(multi, reference, name):
                                    [want["val"][k] for k in sorted(want["val"])], **TOL)
         np.testing.assert_allclose(got["predictions"], want["predictions"], **TOL)
         assert got["predictions"].shape[0] == 33
-        # Evaluation: one compile for the full batches, one for the last batch of 1.
+        # Evaluation and prediction: one compile for the full batches, one for the last of 1.
         assert got["compiles"] == want["compiles"] == {
-            "init": 1, "train": 1, "eval:validation_step": 2, "predict": 1}
+            "init": 1, "train": 1, "eval:validation_step": 2, "predict": 2}
 
 
 def _exact_validation(params: dict, held_out: dict) -> dict:
