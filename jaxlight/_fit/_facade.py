@@ -55,6 +55,11 @@ class Fit:
             an epoch (float); None validates at the end of every `check_val_every_n_epoch` epoch.
         check_val_every_n_epoch: epochs between end-of-epoch validations.
         limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
+        num_sanity_val_steps: validation batches run before training (-1: all, 0: none), as
+            in Lightning: an error in `validation_step` or in the validation data shows before
+            the first training step, not at the first validation. The step compiled for it is
+            the one validation reuses; its metrics are not logged; callbacks get
+            `on_sanity_check_start` / `on_sanity_check_end` and no validation hook.
         log_every_n_steps: how often training metrics reach loggers (the only host reads).
         enable_progress_bar: add a `TQDMProgressBar` unless one is given.
         enable_model_summary: add a `ModelSummary` unless one is given.
@@ -90,6 +95,7 @@ class Fit:
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        num_sanity_val_steps: int = 2,
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
@@ -131,6 +137,7 @@ class Fit:
             val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+            num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
             enable_model_summary=enable_model_summary, logger=logger,
             default_root_dir=default_root_dir, seed=seed, fast_dev_run=fast_dev_run,
@@ -164,6 +171,7 @@ class Fit:
     check_val_every_n_epoch = property(lambda self: self._config.check_val_every_n_epoch)
     limit_train_batches = property(lambda self: self._config.limit_train_batches)
     limit_val_batches = property(lambda self: self._config.limit_val_batches)
+    num_sanity_val_steps = property(lambda self: self._config.num_sanity_val_steps)
     log_every_n_steps = property(lambda self: self._config.log_every_n_steps)
     default_root_dir = property(lambda self: self._config.default_root_dir)
     seed = property(lambda self: self._config.seed)

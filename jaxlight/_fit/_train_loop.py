@@ -157,6 +157,8 @@ class TrainLoop:
         reference = _batch.batch_signature(first, first_name)
         if session.state is None:
             session.state = session.init_state()
+        # Validation's errors show before training, not at the first validation.
+        self.evaluator.sanity_check(val_data)
         with tracing_for(first_name, "train_data", first):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the
