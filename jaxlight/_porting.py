@@ -26,7 +26,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxlight._errors import PortingError
+from jaxlight._errors import ConfigurationError, PortingError, suggest
 
 #: Where every message points.
 GUIDE = "docs/porting.md (section 'What jaxlight refuses')"
@@ -244,3 +244,65 @@ def _takes_model(fn) -> bool:
         return "model" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+#: Lightning `Trainer` arguments `Fit` does not take, and the jaxlight way.
+TRAINER_ARGS = {
+    "accelerator": "jaxlight runs on the devices JAX sees (JAX_PLATFORMS=cpu|cuda|tpu); "
+                   "choose among them with Fit(devices=...)",
+    "gpus": "Fit(devices=N)",
+    "tpu_cores": "Fit(devices=N)",
+    "num_processes": "Fit(devices=N)",
+    "auto_select_gpus": "Fit(devices=N)",
+    "num_nodes": "several hosts join one job: jaxlight launch --nnodes N, torchrun or SLURM "
+                 "(docs/distributed.md)",
+    "enable_checkpointing": "checkpoints are saved by callbacks.ModelCheckpoint(...) in "
+                            "callbacks=[...]",
+    "deterministic": "jaxlight is deterministic for a given Fit(seed=...) on a given device "
+                     "layout; on GPUs also set XLA_FLAGS=--xla_gpu_deterministic_ops=true",
+    "benchmark": "XLA autotunes its kernels itself; remove it",
+    "profiler": "add callbacks.Profiler(...) to callbacks=[...]",
+    "detect_anomaly": "add callbacks.NonFiniteGuard(...) (or jax.config.update("
+                      "'jax_debug_nans', True))",
+    "min_epochs": "not supported: EarlyStopping stops when its monitor stalls; train longer "
+                  "with max_epochs",
+    "min_steps": "not supported: EarlyStopping stops when its monitor stalls; train longer "
+                 "with max_steps",
+    "max_time": "use max_steps / max_epochs, or a callback that calls fit.request_stop(...) "
+                "after a time",
+    "overfit_batches": "limit_train_batches=n, and pass the same batches as validation data",
+    "sync_batchnorm": "batch statistics are computed over the global batch under every SPMD "
+                      "strategy already; remove it",
+    "use_distributed_sampler": "jaxlight.data.ArrayLoader gives each process its share "
+                               "itself; remove it",
+    "replace_sampler_ddp": "jaxlight.data.ArrayLoader gives each process its share itself; "
+                           "remove it",
+    "reload_dataloaders_every_n_epochs": "not supported: pass data that reshuffles itself per "
+                                         "epoch (jaxlight.data.ArrayLoader, Grain)",
+    "limit_test_batches": "pass fewer batches to Fit.test",
+    "limit_predict_batches": "pass fewer batches to Fit.predict",
+    "plugins": "not supported: precision, clipping and accumulation are callbacks",
+    "inference_mode": "evaluation never takes gradients; remove it",
+    "barebones": "enable_progress_bar=False, enable_model_summary=False, logger=False",
+}
+
+
+def refuse_fit_kwargs(unknown: dict[str, Any], valid: list[str]) -> None:
+    """Refuses keyword arguments `Fit` does not take: Lightning's with the jaxlight form,
+    others with a did-you-mean.
+
+    Raises:
+        PortingError: for a Lightning `Trainer` argument.
+        ConfigurationError: for any other unknown name.
+    """
+    for name in unknown:
+        if name in TRAINER_ARGS:
+            raise PortingError(
+                f"Fit({name}=...) is a Lightning Trainer argument jaxlight does not take: "
+                f"{TRAINER_ARGS[name]}. See {GUIDE}."
+            )
+    names = sorted(unknown)
+    hints = "".join(suggest(n, valid) for n in names)
+    raise ConfigurationError(
+        f"Fit got unknown keyword argument(s) {names}.{hints} Fit takes {', '.join(valid)}."
+    )

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._module import TrainModule
-from jaxlight._porting import check_module
+from jaxlight._porting import check_module, refuse_fit_kwargs
 from jaxlight._state import TrainState
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._feed import TrainFeed
@@ -62,7 +63,8 @@ class Fit:
         log_every_n_steps: how often training metrics reach loggers (the only host reads).
         enable_progress_bar: add a `TQDMProgressBar` unless one is given.
         enable_model_summary: add a `ModelSummary` unless one is given.
-        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given.
+        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given; or
+            Lightning's form, a logger (or a list of them) to add to the callbacks.
         default_root_dir: where default loggers and checkpoints write.
         seed: seeds parameter initialization and every `nnx.Rngs` stream.
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
@@ -97,13 +99,29 @@ class Fit:
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
-        logger: bool = True,
+        logger: bool | Callback | Sequence[Callback] = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
         prefetch_batches: int = 2,
         compilation_cache: str | os.PathLike | bool | None = None,
+        **unknown: Any,
     ):
+        if unknown:  # Lightning Trainer arguments get the jaxlight form; typos a did-you-mean
+            valid = [n for n in inspect.signature(Fit.__init__).parameters
+                     if n not in ("self", "unknown")]
+            refuse_fit_kwargs(unknown, valid)
+        if logger is not None and not isinstance(logger, bool):
+            # Lightning's logger=WandbLogger(...) (or a list): the loggers join the callbacks.
+            given = list(logger) if isinstance(logger, list | tuple) else [logger]
+            bad = [type(x).__name__ for x in given
+                   if not (isinstance(x, Callback) and getattr(x, "is_logger", False))]
+            if bad:
+                raise ConfigurationError(
+                    f"Fit(logger=...) takes True / False (the default CSVLogger), or jaxlight "
+                    f"loggers (callbacks.CSVLogger, TensorBoardLogger, WandbLogger); got {bad}."
+                )
+            callbacks, logger = [*callbacks, *given], True
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
         _distributed.initialize()
