@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -17,28 +18,31 @@ from jaxlight import _cache, _plan
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
 from jaxlight._checkpoint import load_checkpoint, restore_training
-from jaxlight._ckpt_paths import CheckpointLocation
+from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError
-from jaxlight._fit._config import FitConfig, epoch_length, validation_interval
+from jaxlight._fit._config import FitConfig, epoch_length
 from jaxlight._fit._evaluation import Evaluator
-from jaxlight._fit._hooks import Hooks, MetricLog, assemble_callbacks
+from jaxlight._fit._hooks import Hooks, MetricLog, assemble_callbacks, loggers_into_callbacks
 from jaxlight._fit._loop_state import LoopState
-from jaxlight._fit._resume import adopt_checkpoint, checkpoint_locations
+from jaxlight._fit._resume import adopt_checkpoint
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
+from jaxlight._fit._view import FitView
 from jaxlight._module import TrainModule
-from jaxlight._porting import check_module
+from jaxlight._porting import check_module, refuse_fit_kwargs
 from jaxlight._preemption import PreemptionHandler
-from jaxlight._state import TrainState
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._feed import TrainFeed
 
 
-class Fit:
+class Fit(FitView):
     """Trains a `TrainModule` with a strategy and callbacks, Lightning's `Trainer` for JAX.
 
     Args:
         strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
+        devices: the devices to use (`jaxlight._devices`): None / "auto" / -1 for all, N for
+            the first N of each process, a list of device indices or `jax.Device`s. The
+            strategy's mesh spans only these; the rest stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
         max_epochs: passes over the training data; None means "until max_steps".
         callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
@@ -49,10 +53,16 @@ class Fit:
             an epoch (float); None validates at the end of every `check_val_every_n_epoch` epoch.
         check_val_every_n_epoch: epochs between end-of-epoch validations.
         limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
+        num_sanity_val_steps: validation batches run before training (-1: all, 0: none), as
+            in Lightning: an error in `validation_step` or in the validation data shows before
+            the first training step, not at the first validation. The step compiled for it is
+            the one validation reuses; its metrics are not logged; callbacks get
+            `on_sanity_check_start` / `on_sanity_check_end` and no validation hook.
         log_every_n_steps: how often training metrics reach loggers (the only host reads).
         enable_progress_bar: add a `TQDMProgressBar` unless one is given.
         enable_model_summary: add a `ModelSummary` unless one is given.
-        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given.
+        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given; or
+            Lightning's form, a logger (or a list of them) to add to the callbacks.
         default_root_dir: where default loggers and checkpoints write.
         seed: seeds parameter initialization and every `nnx.Rngs` stream.
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
@@ -71,6 +81,7 @@ class Fit:
         self,
         strategy: str | _strategies.Strategy = "auto",
         *,
+        devices: int | str | Sequence | None = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
         callbacks: Sequence[Callback] = (),
@@ -82,22 +93,31 @@ class Fit:
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        num_sanity_val_steps: int = 2,
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
-        logger: bool = True,
+        logger: bool | Callback | Sequence[Callback] = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
         prefetch_batches: int = 2,
         compilation_cache: str | os.PathLike | bool | None = None,
+        **unknown: Any,
     ):
+        if unknown:  # Lightning Trainer arguments get the jaxlight form; typos a did-you-mean
+            valid = [n for n in inspect.signature(Fit.__init__).parameters
+                     if n not in ("self", "unknown")]
+            refuse_fit_kwargs(unknown, valid)
+        callbacks, logger = loggers_into_callbacks(logger, callbacks)
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
         _distributed.initialize()
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         resolved = _strategies.resolve(strategy)
+        chosen = select_devices(devices)
+        check_strategy_devices(resolved, chosen)
         self._config = FitConfig.create(
             max_steps=max_steps, max_epochs=max_epochs, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -105,6 +125,7 @@ class Fit:
             val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+            num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
             enable_model_summary=enable_model_summary, logger=logger,
             default_root_dir=default_root_dir, seed=seed, fast_dev_run=fast_dev_run,
@@ -113,7 +134,8 @@ class Fit:
         self.callbacks: list[Callback] = assemble_callbacks(list(callbacks), self._config)
         #: The settings loggers record as the run's config.
         self.config = self._config.summary(resolved.name)
-        self._session = Session(resolved, self.callbacks, self._config.seed)
+        self.config["devices"] = None if chosen is None else [d.id for d in chosen]
+        self._session = Session(resolved, self.callbacks, self._config.seed, chosen)
         self._position = LoopState()
         self._call = Hooks(self, self.callbacks)
         #: SIGTERM/SIGUSR1 during fit: checkpoint after the step, then exit (not a callback).
@@ -124,130 +146,6 @@ class Fit:
         self._train_data = None
         self._val_data = None
         self._feed: TrainFeed | None = None
-
-    # -- settings (read-only) ------------------------------------------------------------------
-
-    max_steps = property(lambda self: self._config.max_steps)
-    max_epochs = property(lambda self: self._config.max_epochs)
-    val_check_interval = property(lambda self: self._config.val_check_interval)
-    check_val_every_n_epoch = property(lambda self: self._config.check_val_every_n_epoch)
-    limit_train_batches = property(lambda self: self._config.limit_train_batches)
-    limit_val_batches = property(lambda self: self._config.limit_val_batches)
-    log_every_n_steps = property(lambda self: self._config.log_every_n_steps)
-    default_root_dir = property(lambda self: self._config.default_root_dir)
-    seed = property(lambda self: self._config.seed)
-    fast_dev_run = property(lambda self: self._config.fast_dev_run)
-    prefetch_batches = property(lambda self: self._config.prefetch_batches)
-
-    # -- read-only loop state for callbacks ------------------------------------------------------
-
-    @property
-    def strategy(self) -> _strategies.Strategy:
-        """The strategy in use (under `strategies.Auto`, the chosen one once it has chosen)."""
-        return self._session.strategy
-
-    @property
-    def auto(self):
-        """The `strategies.Auto` choosing this fit's layout (None: a fixed strategy). Once it
-        has chosen, `strategy` is the chosen one and `auto.choice` the candidate table."""
-        return self._session.auto
-
-    @property
-    def session(self) -> Session:
-        """The device side: spec, shardings, optimizer, train state, compiled steps."""
-        return self._session
-
-    @property
-    def state(self) -> TrainState | None:
-        """The current train state (device arrays in the strategy's layout)."""
-        return self._session.state
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken so far."""
-        return self._position.global_step
-
-    @property
-    def current_epoch(self) -> int:
-        return self._position.epoch
-
-    @property
-    def batch_idx(self) -> int:
-        """Batches consumed in the current epoch."""
-        return self._position.batch_idx
-
-    @property
-    def should_stop(self) -> bool:
-        return self._position.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why training stops (None while it goes on)."""
-        return self._position.stop_reason
-
-    @property
-    def is_global_zero(self) -> bool:
-        return jax.process_index() == 0
-
-    @property
-    def log_dir(self) -> str:
-        return self._config.default_root_dir
-
-    @property
-    def train_data(self):
-        return self._train_data
-
-    @property
-    def val_data(self):
-        """The validation data of the current `fit` (None without one)."""
-        return self._val_data
-
-    @property
-    def val_every_n_steps(self) -> int | None:
-        """Training steps between validations during fit (None: at epoch ends)."""
-        return None if self._train_data is None else validation_interval(self._config,
-                                                                         self._train_data)
-
-    @property
-    def checkpoint_locations(self) -> list[CheckpointLocation]:
-        """Where checkpoints go (each ModelCheckpoint's dirpath, else the default directory)."""
-        return checkpoint_locations(self)
-
-    @property
-    def train_feed(self) -> TrainFeed | None:
-        """The training data's reader during fit: its `state()` is what a checkpoint saves."""
-        return self._feed
-
-    @property
-    def progress_bar_metrics(self) -> set[str]:
-        """Names the module logged with `self.log(..., prog_bar=True)` (the bar shows them)."""
-        return self._session.progress_bar_metrics
-
-    @property
-    def compiled_train_step(self) -> Any | None:
-        """The compiled training step (`jax.stages.Compiled` for SPMD strategies), once built.
-
-        Its `cost_analysis()`, `memory_analysis()` and `as_text()` describe one step.
-        """
-        return self._session.compiled_train_step
-
-    @property
-    def compile_counts(self) -> dict[str, int]:
-        """Compiles per step kind in this Fit ("init", "train", "eval:validation_step", ...)."""
-        return self._session.compile_counts
-
-    @property
-    def compile_times(self) -> dict[str, float]:
-        """Seconds spent compiling per step kind ("init" includes running the initializer)."""
-        return self._session.compile_times
-
-    @property
-    def logged_metrics(self) -> dict[str, float]:
-        return self._log.logged_metrics
-
-    @property
-    def callback_metrics(self) -> dict[str, float]:
-        return self._log.callback_metrics
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Sends host metrics to every callback's `on_log` (loggers write them) at `step`.
@@ -310,6 +208,7 @@ class Fit:
     ) -> TrainModule:
         """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
         self._setup(module, "fit")
+        self._session.check_schedule_data(val_data)
         self._train_data = train_data
         self._feed = TrainFeed(train_data)
         self._val_data = val_data

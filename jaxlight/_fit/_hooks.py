@@ -7,6 +7,21 @@ from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Callback, Logger
 
 
+def loggers_into_callbacks(logger, callbacks) -> tuple[list, bool]:
+    """Lightning's `Fit(logger=WandbLogger(...))` (or a list): the loggers join the callbacks
+    and `logger` becomes True; True/False/None pass through."""
+    if logger is None or isinstance(logger, bool):
+        return list(callbacks), logger
+    given = list(logger) if isinstance(logger, list | tuple) else [logger]
+    bad = [type(x).__name__ for x in given if not isinstance(x, Logger)]
+    if bad:
+        raise ConfigurationError(
+            f"Fit(logger=...) takes True / False (the default CSVLogger), or jaxlight "
+            f"loggers (callbacks.CSVLogger, TensorBoardLogger, WandbLogger); got {bad}."
+        )
+    return [*callbacks, *given], True
+
+
 def assemble_callbacks(user, config) -> list[Callback]:
     """The Fit's callback list: shortcut callbacks, then the user's, then the defaults.
 

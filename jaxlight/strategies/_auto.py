@@ -447,9 +447,8 @@ class Auto(Strategy):
         # Least sharded first: data parallelism communicates least when it fits; then more
         # fsdp (gathers added), then tensor parallelism (activation all-reduces), then pipes.
         def rank(c: Candidate):
-            mesh = dict(c.strategy.mesh_shape)
-            sharded = n // mesh.get("data", 1) if mesh else 1
-            return (sharded, mesh.get("tp", 1), mesh.get("pipe", 1),
+            mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
+            return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
                     "reshard" in c.layout)
         return sorted(out, key=rank)
 

@@ -5,6 +5,7 @@ twice), and a fit resumed from a checkpoint in a new process continues the run."
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -26,6 +27,15 @@ def _quiet_offline_wandb(tmp_path, monkeypatch):
         monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
 
 
+def _runs(root: str, count: int, timeout: float = 60.0) -> list[str]:
+    """The run files under `root` once `count` exist: wandb's service writes a finished run's
+    file a moment after `finish()` returns (see wandb_records.read_run)."""
+    deadline = time.monotonic() + timeout
+    while len(found := find_runs(root)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def _tensorboard(root: str) -> dict[str, list[int]]:
     from tensorboard.backend.event_processing import event_accumulator
 
@@ -39,7 +49,7 @@ def test_cli_fit_is_one_run_and_a_resumed_fit_continues_it():
     # Validates at steps 2 and 4; the fit's validation at step 4 is the final report.
     first = run("fit", "digits", ["--max-steps", "4", "--checkpoint-every-n-steps", "4",
                                   *loggers, *SMALL])
-    [path] = find_runs("jaxlight_logs")
+    [path] = _runs("jaxlight_logs", 1)
     wandb_run = read_run(path)
     assert wandb_run.exited
     rows = wandb_run.rows()
@@ -51,7 +61,7 @@ def test_cli_fit_is_one_run_and_a_resumed_fit_continues_it():
     # A new process (a new logger) resumes at step 4 and trains to 5: the fit validates no
     # more, the final validation at step 5 goes into the same W&B run, once.
     second = run("fit", "digits", ["--max-steps", "5", "--ckpt-path", "last", *loggers, *SMALL])
-    paths = find_runs("jaxlight_logs")
+    paths = _runs("jaxlight_logs", 2)
     assert len(paths) == 2  # offline, each process writes a directory; `wandb sync` merges them
     resumed = read_run(next(p for p in paths if p != path))
     assert resumed.exited and resumed.run.run_id == wandb_run.run.run_id
