@@ -118,8 +118,8 @@ def test_step_interval_equals_the_same_schedule_inside_optax():
         "lr_scheduler": {"scheduler": schedule, "interval": "step"}}), data, max_steps=4)
     optax_form, _ = _fit(Scheduled(lambda: optax.sgd(lambda t: 0.3 * schedule(t))), data,
                          max_steps=4)
-    for x, y in zip(jax.tree.leaves(nnx.state(dict_form._module.model)),
-                    jax.tree.leaves(nnx.state(optax_form._module.model)), strict=True):
+    for x, y in zip(jax.tree.leaves(nnx.state(dict_form.session.module.model)),
+                    jax.tree.leaves(nnx.state(optax_form.session.module.model)), strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
 
 
