@@ -83,7 +83,7 @@ def child_env(
     if timeout is not None:
         env["JAXLIGHT_TIMEOUT"] = f"{timeout:g}"
     if devices_per_proc is not None:
-        flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", ""))
+        flags = " ".join(re.sub(rf"{_DEVICE_FLAG}=\S+", "", env.get("XLA_FLAGS", "")).split())
         env["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices_per_proc}".strip()
         env["JAX_PLATFORMS"] = "cpu"
     return env

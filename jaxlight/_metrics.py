@@ -156,7 +156,7 @@ def active(module_name: str) -> LogCollector:
         raise ConfigurationError(
             f"{module_name}.log(...) was called outside a step. self.log / self.log_dict record "
             "values while training_step, validation_step or test_step is traced; from a hook or "
-            "a callback send host values with fit.log_metrics({...})."
+            "a callback send host values with fit.log_metrics({...}). See docs/porting.md."
         )
     return collector
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from flax import nnx
 
-from jaxlight._errors import PortingError
+from jaxlight._errors import ConfigurationError, PortingError, suggest
 
 #: Where every message points.
 GUIDE = "docs/porting.md (section 'What jaxlight refuses')"
@@ -110,10 +110,12 @@ def check_step_signature(module: Any, name: str) -> None:
 
 
 class _SelfUse(ast.NodeVisitor):
-    """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls."""
+    """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls (and
+    with `logging=True`, `self.log(...)` / `self.log_dict(...)`)."""
 
-    def __init__(self, self_name: str):
+    def __init__(self, self_name: str, logging: bool = False):
         self.self_name = self_name
+        self.logging = logging
         self.found: list[tuple[str, int]] = []
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -123,14 +125,17 @@ class _SelfUse(ast.NodeVisitor):
         elif isinstance(func, ast.Attribute):
             owner = func.value
             if isinstance(owner, ast.Name) and owner.id == self.self_name:
-                if func.attr in ("forward", "parameters", "named_parameters", "manual_backward"):
+                flagged = ("forward", "parameters", "named_parameters", "manual_backward")
+                if self.logging:
+                    flagged += ("log", "log_dict")
+                if func.attr in flagged:
                     self.found.append((f"self.{func.attr}(...)", node.lineno))
             elif func.attr == "backward" and not node.args and not node.keywords:
                 self.found.append(("<tensor>.backward()", node.lineno))
         self.generic_visit(node)
 
 
-def _self_uses(fn) -> list[tuple[str, int]]:
+def _self_uses(fn, logging: bool = False) -> list[tuple[str, int]]:
     """Lightning-only uses of `self` in a method's source ([] when the source is unavailable)."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -141,7 +146,7 @@ def _self_uses(fn) -> list[tuple[str, int]]:
     func = tree.body[0] if tree.body else None
     if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) or not func.args.args:
         return []
-    visitor = _SelfUse(func.args.args[0].arg)
+    visitor = _SelfUse(func.args.args[0].arg, logging)
     visitor.visit(func)
     return [(what, first_line + line - 1) for what, line in visitor.found]
 
@@ -156,7 +161,16 @@ _SELF_USE_FIX = {
     "self.manual_backward(...)": "manual optimization is not supported; return the loss and "
                                  "let the compiled step take gradients",
     "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
+    "self.log(...)": "self.log records traced values while a step is traced, so it works in "
+                     "training_step / validation_step / test_step (and helpers they call; "
+                     "on_epoch=True aggregates over the epoch); from a hook, send host values "
+                     "with fit.log_metrics({...}) in a callback",
 }
+_SELF_USE_FIX["self.log_dict(...)"] = _SELF_USE_FIX["self.log(...)"]
+
+#: Methods that never run inside a traced step: `self.log` there has no step to record into.
+OUTSIDE_STEPS = ("configure_model", "configure_optimizers", "setup", "teardown",
+                 "prepare_data")
 
 
 def _nn_attributes(module: Any) -> list[str]:
@@ -210,13 +224,18 @@ def check_module(module: Any) -> None:
     for name in STEPS:
         if _overrides(module, name):
             check_step_signature(module, name)
-    for name in (*STEPS, "configure_optimizers"):
-        if not _overrides(module, name):
+    hooks = [n for n in dir(type(module)) if n.startswith("on_") or n in OUTSIDE_STEPS]
+    for name in (*STEPS, *hooks):
+        if not _overrides(module, name) or not callable(getattr(module, name, None)):
             continue
-        for what, line in _self_uses(getattr(module, name)):
+        in_step = name in STEPS
+        for what, line in _self_uses(getattr(module, name), logging=not in_step):
+            fix = _SELF_USE_FIX[what]
+            if not in_step and what in ("self(...)", "self.forward(...)"):
+                fix = "outside a step, run the current model as self.model(x)"
             raise PortingError(
-                f"{cls}.{name} uses {what} (line {line}), a LightningModule habit: "
-                f"{_SELF_USE_FIX[what]}. See {GUIDE}."
+                f"{cls}.{name} uses {what} (line {line}), a LightningModule habit: {fix}. "
+                f"See {GUIDE}."
             )
 
 
@@ -225,3 +244,65 @@ def _takes_model(fn) -> bool:
         return "model" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+
+
+#: Lightning `Trainer` arguments `Fit` does not take, and the jaxlight way.
+TRAINER_ARGS = {
+    "accelerator": "jaxlight runs on the devices JAX sees (JAX_PLATFORMS=cpu|cuda|tpu); "
+                   "choose among them with Fit(devices=...)",
+    "gpus": "Fit(devices=N)",
+    "tpu_cores": "Fit(devices=N)",
+    "num_processes": "Fit(devices=N)",
+    "auto_select_gpus": "Fit(devices=N)",
+    "num_nodes": "several hosts join one job: jaxlight launch --nnodes N, torchrun or SLURM "
+                 "(docs/distributed.md)",
+    "enable_checkpointing": "checkpoints are saved by callbacks.ModelCheckpoint(...) in "
+                            "callbacks=[...]",
+    "deterministic": "jaxlight is deterministic for a given Fit(seed=...) on a given device "
+                     "layout; on GPUs also set XLA_FLAGS=--xla_gpu_deterministic_ops=true",
+    "benchmark": "XLA autotunes its kernels itself; remove it",
+    "profiler": "add callbacks.Profiler(...) to callbacks=[...]",
+    "detect_anomaly": "add callbacks.NonFiniteGuard(...) (or jax.config.update("
+                      "'jax_debug_nans', True))",
+    "min_epochs": "not supported: EarlyStopping stops when its monitor stalls; train longer "
+                  "with max_epochs",
+    "min_steps": "not supported: EarlyStopping stops when its monitor stalls; train longer "
+                 "with max_steps",
+    "max_time": "use max_steps / max_epochs, or a callback that calls fit.request_stop(...) "
+                "after a time",
+    "overfit_batches": "limit_train_batches=n, and pass the same batches as validation data",
+    "sync_batchnorm": "batch statistics are computed over the global batch under every SPMD "
+                      "strategy already; remove it",
+    "use_distributed_sampler": "jaxlight.data.ArrayLoader gives each process its share "
+                               "itself; remove it",
+    "replace_sampler_ddp": "jaxlight.data.ArrayLoader gives each process its share itself; "
+                           "remove it",
+    "reload_dataloaders_every_n_epochs": "not supported: pass data that reshuffles itself per "
+                                         "epoch (jaxlight.data.ArrayLoader, Grain)",
+    "limit_test_batches": "pass fewer batches to Fit.test",
+    "limit_predict_batches": "pass fewer batches to Fit.predict",
+    "plugins": "not supported: precision, clipping and accumulation are callbacks",
+    "inference_mode": "evaluation never takes gradients; remove it",
+    "barebones": "enable_progress_bar=False, enable_model_summary=False, logger=False",
+}
+
+
+def refuse_fit_kwargs(unknown: dict[str, Any], valid: list[str]) -> None:
+    """Refuses keyword arguments `Fit` does not take: Lightning's with the jaxlight form,
+    others with a did-you-mean.
+
+    Raises:
+        PortingError: for a Lightning `Trainer` argument.
+        ConfigurationError: for any other unknown name.
+    """
+    for name in unknown:
+        if name in TRAINER_ARGS:
+            raise PortingError(
+                f"Fit({name}=...) is a Lightning Trainer argument jaxlight does not take: "
+                f"{TRAINER_ARGS[name]}. See {GUIDE}."
+            )
+    names = sorted(unknown)
+    hints = "".join(suggest(n, valid) for n in names)
+    raise ConfigurationError(
+        f"Fit got unknown keyword argument(s) {names}.{hints} Fit takes {', '.join(valid)}."
+    )

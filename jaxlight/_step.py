@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight import _metrics
+from jaxlight import _metrics, _optim
 from jaxlight._errors import StepOutputError
 from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
@@ -191,16 +191,16 @@ def build_params_transform(callbacks: Sequence) -> Callable | None:
     return transform
 
 
-def build_optimizer(module, callbacks: Sequence) -> optax.GradientTransformation:
-    tx = module.configure_optimizers()
-    if not isinstance(tx, optax.GradientTransformation):
-        raise StepOutputError(
-            f"{type(module).__name__}.configure_optimizers returned {type(tx).__name__}; return "
-            "an optax.GradientTransformation such as optax.adamw(1e-3)."
-        )
+def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransformation, Any]:
+    """The optimizer the step applies, and the `lr_scheduler` of configure_optimizers' dict.
+
+    Returns `(tx, scheduler)`: `tx` includes the scheduler's factor and every callback's
+    `transform_optimizer`; `scheduler` is a `jaxlight._optim.Scheduler` or None.
+    """
+    tx, scheduler = _optim.resolve(module)
     for cb in callbacks:
         tx = cb.transform_optimizer(tx)
-    return tx
+    return tx, scheduler
 
 
 def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics.EvalSpec, *,

@@ -155,7 +155,9 @@ class Recorder(callbacks.Callback):
 
 
 GOLDEN_FIT_HOOKS = [
-    "setup", "on_fit_start", "on_train_start",
+    "setup", "on_fit_start",
+    "on_sanity_check_start", "on_sanity_check_end",  # validation_step on 2 batches, no hooks
+    "on_train_start",
     "on_train_epoch_start",
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",  # on_log: step 1, one step late

@@ -115,6 +115,26 @@ def test_manual_optimization_and_lightning_hooks_are_refused():
         check_module(Clip())
 
 
+def test_self_log_in_a_hook_is_refused_but_not_in_a_step_helper():
+    class Lit(Classifier):
+        def on_train_epoch_end(self):
+            self.log("epoch_metric", 1.0)
+
+    with pytest.raises(jl.PortingError, match=r"on_train_epoch_end uses self\.log\(\.\.\.\) "
+                       r"\(line \d+\).*fit\.log_metrics"):
+        check_module(Lit())
+
+    class Helper(Classifier):
+        def _shared(self, model, batch, stage):
+            self.log(f"{stage}_size", batch["x"].shape[0])
+            return model(batch["x"]).mean()
+
+        def training_step(self, model, batch):
+            return self._shared(model, batch, "train")
+
+    check_module(Helper())
+
+
 def test_backward_call_in_a_step_is_refused():
     class Lit(Classifier):
         def training_step(self, model, batch):
@@ -149,3 +169,31 @@ def test_fit_refuses_the_lightning_signature_before_tracing():
     with pytest.raises(jl.PortingError, match=r"training_step\(self, model, batch\)"):
         fit.fit(Lit(), data)
     assert fit.compile_counts == {}  # refused at setup: nothing was traced or compiled
+
+
+def test_lightning_trainer_arguments_are_refused_with_the_jaxlight_form():
+    with pytest.raises(jl.PortingError, match=r"Fit\(accelerator=\.\.\.\) is a Lightning Trainer "
+                                              r"argument.*Fit\(devices=\.\.\.\).*" + GUIDE):
+        jl.Fit(accelerator="gpu", max_steps=1)
+    with pytest.raises(jl.PortingError, match=r"Fit\(gpus=\.\.\.\).*Fit\(devices=N\)"):
+        jl.Fit(gpus=2, max_steps=1)
+    with pytest.raises(jl.ConfigurationError, match=r"unknown keyword argument\(s\) \['max_step'\]"
+                                                    r"\. Did you mean 'max_steps'\?"):
+        jl.Fit(max_step=1)
+
+
+def test_a_lightning_logger_argument_joins_the_callbacks():
+    from jaxlight import callbacks
+
+    csv = callbacks.CSVLogger()
+    fit = jl.Fit(logger=csv, max_steps=1, enable_progress_bar=False)
+    assert [cb for cb in fit.callbacks if getattr(cb, "is_logger", False)] == [csv]
+    with pytest.raises(jl.ConfigurationError, match=r"Fit\(logger=\.\.\.\) takes True / False.*"
+                                                    r"\['str'\]"):
+        jl.Fit(logger="wandb", max_steps=1)
+
+
+def test_self_log_called_outside_a_step_points_to_the_guide():
+    with pytest.raises(jl.ConfigurationError, match=r"Classifier\.log\(\.\.\.\) was called outside "
+                                                    r"a step.*fit\.log_metrics.*" + GUIDE):
+        Classifier().log("x", 1.0)

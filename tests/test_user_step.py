@@ -20,7 +20,7 @@ def data():
 
 
 def test_validation_step_error_names_the_batch(data):
-    fit = _fit(max_steps=50, val_check_interval=3)
+    fit = _fit(max_steps=50, val_check_interval=3, num_sanity_val_steps=0)
     val = {"x": data["x"][:64]}
     with pytest.raises(jl.UserStepError, match=(
             r"validation_step raised KeyError: 'y' .* on validation batch 0 \(validation at "

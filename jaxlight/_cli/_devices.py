@@ -44,7 +44,7 @@ def _prescan_devices(argv: Sequence[str]) -> int | None:
 def simulate_cpu_devices(n: int) -> None:
     """Asks XLA for `n` CPU devices; effective only before JAX initializes its backend."""
     flags = os.environ.get("XLA_FLAGS", "")
-    flags = re.sub(rf"{_DEVICE_FLAG}=\S+", "", flags)
+    flags = " ".join(re.sub(rf"{_DEVICE_FLAG}=\S+", "", flags).split())
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 

@@ -67,6 +67,8 @@ RUN_OPTIONS: tuple[_Opt, ...] = (
     _Opt("check_val_every_n_epoch", int | None, None, "epochs between end-of-epoch validations"),
     _Opt("limit_train_batches", int | float | None, None, "training batches per epoch"),
     _Opt("limit_val_batches", int | float | None, None, "validation batches per validation"),
+    _Opt("num_sanity_val_steps", int, None,
+         "validation batches run before training to catch errors early (-1: all, 0: none)"),
     _Opt("log_every_n_steps", int, None, "steps between metric reads and logger writes"),
     _Opt("enable_progress_bar", bool, None, "show the tqdm progress bar"),
     _Opt("enable_model_summary", bool, None, "print the parameter table at fit start"),

@@ -45,6 +45,7 @@ class FitConfig:
     check_val_every_n_epoch: int | None
     limit_train_batches: int | float | None
     limit_val_batches: int | float | None
+    num_sanity_val_steps: int
     log_every_n_steps: int
     enable_progress_bar: bool
     enable_model_summary: bool
@@ -68,6 +69,7 @@ class FitConfig:
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        num_sanity_val_steps: int = 2,
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
@@ -78,12 +80,21 @@ class FitConfig:
         prefetch_batches: int = 2,
     ) -> FitConfig:
         """Checks the arguments (raising `ConfigurationError` with what to change) and applies
-        `fast_dev_run` (1 or n training and validation batches, no loggers, no summary)."""
+        `fast_dev_run` (1 or n training and validation batches, no loggers, no summary, no
+        sanity check)."""
+        if (isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int)
+                or num_sanity_val_steps < -1):
+            raise ConfigurationError(
+                f"num_sanity_val_steps={num_sanity_val_steps!r} is not a batch count: give the "
+                "number of validation batches to run before training (the default 2), -1 (all), "
+                "0 (none). (On the command line: --num-sanity-val-steps.)"
+            )
         if fast_dev_run:
             n = 1 if fast_dev_run is True else int(fast_dev_run)
             max_steps, max_epochs = n, 1
             limit_train_batches, limit_val_batches, val_check_interval = n, n, None
             logger, enable_model_summary = False, False
+            num_sanity_val_steps = 0  # as Lightning: the run itself validates n batches
         if max_steps is None and max_epochs is None:
             raise ConfigurationError(
                 "Fit needs max_steps or max_epochs (both are None): say how long to train, "
@@ -112,6 +123,7 @@ class FitConfig:
             val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+            num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
             enable_model_summary=enable_model_summary, logger=logger,
             default_root_dir=os.fspath(default_root_dir), seed=seed, fast_dev_run=fast_dev_run,

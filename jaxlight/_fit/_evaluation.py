@@ -86,18 +86,46 @@ class Evaluator:
         self.log = log
         self._flags: dict[tuple, jax.Array] = {}
 
-    def run_validation(self, val_data: Iterable) -> dict[str, float]:
-        """A validation round inside fit: hooks, exact metrics, logged at the current step."""
+    def run_validation(self, val_data: Iterable, epoch_end: bool = False) -> dict[str, float]:
+        """A validation round inside fit: hooks, exact metrics, logged at the current step.
+
+        `epoch_end`: the end-of-epoch validation (an epoch-interval plateau scheduler reads it).
+        """
         call = self.hooks
         call("on_validation_start")
         call("on_validation_epoch_start")
         metrics = self.evaluate(val_data, "validation_step", "val", self.config.limit_val_batches,
                                 f"validation at step {self.position.global_step}", "val_data")
+        schedule = self.session.schedule
+        if schedule is not None:
+            # Before the end hooks, where checkpoints are taken: they resume it.
+            pos = self.position
+            self.session.state = schedule.after_validation(
+                self.session.state, metrics, pos.global_step, pos.epoch, epoch_end)
         self.log.callback_metrics.update(metrics)
         self.log.log(metrics, self.position.global_step)
         call("on_validation_epoch_end")
         call("on_validation_end")
         return metrics
+
+    def sanity_check(self, val_data: Iterable | None) -> None:
+        """Runs `validation_step` on the first `num_sanity_val_steps` validation batches.
+
+        Before the first training step, so that an error in the step or the validation data
+        (a missing key, a wrong shape) shows now and not after an epoch of training. The steps
+        it compiles are the ones validation reuses; its metrics are dropped, not logged.
+        """
+        n = self.config.num_sanity_val_steps
+        if val_data is None or n == 0:
+            return
+        limit = batch_limit(self.config.limit_val_batches, val_data)
+        if n > 0:
+            limit = n if limit is None else min(n, limit)
+        self.hooks("on_sanity_check_start")
+        self.evaluate(val_data, "validation_step", "val", limit, "sanity check before training",
+                      "val_data", batch_hooks=False,
+                      advice="num_sanity_val_steps=0 skips this check.")
+        self.hooks("on_sanity_check_end")
 
     def eval_state(self) -> TrainState:
         """The state to evaluate: the training state, else the module's model, else a new one."""
@@ -110,10 +138,12 @@ class Evaluator:
         return session.state
 
     def evaluate(self, data: Iterable, method: str, prefix: str, limit_arg,
-                 occasion: str = "", data_name: str = "the data") -> dict[str, float]:
+                 occasion: str = "", data_name: str = "the data", *, batch_hooks: bool = True,
+                 advice: str = "") -> dict[str, float]:
         """Exact metrics of `method` over `data`; returned keys prefixed with `prefix`.
 
-        `occasion` and `data_name` name the batch in errors raised while tracing the step.
+        `occasion` and `data_name` name the batch in errors raised while tracing the step, and
+        `advice` adds a sentence to them; `batch_hooks=False` calls no per-batch hook.
         """
         limit = batch_limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
@@ -132,7 +162,7 @@ class Evaluator:
             if batch is None:
                 break
             with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
-                             data_name, batch):
+                             data_name, batch, advice):
                 compiled, device_batch, zeros = self._place(method, prefix, batch, state,
                                                             counts)
             if totals is None:
@@ -148,7 +178,8 @@ class Evaluator:
             if pending is not None:
                 jax.block_until_ready(pending)  # at most two batches in flight
             pending = totals
-            self.hooks("on_validation_batch_end", batch, idx) if prefix == "val" else None
+            if prefix == "val" and batch_hooks:
+                self.hooks("on_validation_batch_end", batch, idx)
             idx += 1
         if totals is None:
             raise DataError(f"the {prefix} data yielded no batch; pass a non-empty iterable.")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import jax
 from jaxlight import _cache, _plan
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
+from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError
 from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
 from jaxlight._fit._evaluation import Evaluator
@@ -29,7 +31,7 @@ from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._module import TrainModule
-from jaxlight._porting import check_module
+from jaxlight._porting import check_module, refuse_fit_kwargs
 from jaxlight._state import TrainState
 from jaxlight.callbacks._base import Callback
 from jaxlight.data._feed import TrainFeed
@@ -40,6 +42,9 @@ class Fit:
 
     Args:
         strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
+        devices: the devices to use (`jaxlight._devices`): None / "auto" / -1 for all, N for
+            the first N of each process, a list of device indices or `jax.Device`s. The
+            strategy's mesh spans only these; the rest stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
         max_epochs: passes over the training data; None means "until max_steps".
         callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
@@ -50,10 +55,16 @@ class Fit:
             an epoch (float); None validates at the end of every `check_val_every_n_epoch` epoch.
         check_val_every_n_epoch: epochs between end-of-epoch validations.
         limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
+        num_sanity_val_steps: validation batches run before training (-1: all, 0: none), as
+            in Lightning: an error in `validation_step` or in the validation data shows before
+            the first training step, not at the first validation. The step compiled for it is
+            the one validation reuses; its metrics are not logged; callbacks get
+            `on_sanity_check_start` / `on_sanity_check_end` and no validation hook.
         log_every_n_steps: how often training metrics reach loggers (the only host reads).
         enable_progress_bar: add a `TQDMProgressBar` unless one is given.
         enable_model_summary: add a `ModelSummary` unless one is given.
-        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given.
+        logger: add a `CSVLogger` under `default_root_dir` unless a logger is given; or
+            Lightning's form, a logger (or a list of them) to add to the callbacks.
         default_root_dir: where default loggers and checkpoints write.
         seed: seeds parameter initialization and every `nnx.Rngs` stream.
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
@@ -72,6 +83,7 @@ class Fit:
         self,
         strategy: str | _strategies.Strategy = "auto",
         *,
+        devices: int | str | Sequence | None = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
         callbacks: Sequence[Callback] = (),
@@ -83,22 +95,41 @@ class Fit:
         check_val_every_n_epoch: int | None = 1,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        num_sanity_val_steps: int = 2,
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
-        logger: bool = True,
+        logger: bool | Callback | Sequence[Callback] = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
         prefetch_batches: int = 2,
         compilation_cache: str | os.PathLike | bool | None = None,
+        **unknown: Any,
     ):
+        if unknown:  # Lightning Trainer arguments get the jaxlight form; typos a did-you-mean
+            valid = [n for n in inspect.signature(Fit.__init__).parameters
+                     if n not in ("self", "unknown")]
+            refuse_fit_kwargs(unknown, valid)
+        if logger is not None and not isinstance(logger, bool):
+            # Lightning's logger=WandbLogger(...) (or a list): the loggers join the callbacks.
+            given = list(logger) if isinstance(logger, list | tuple) else [logger]
+            bad = [type(x).__name__ for x in given
+                   if not (isinstance(x, Callback) and getattr(x, "is_logger", False))]
+            if bad:
+                raise ConfigurationError(
+                    f"Fit(logger=...) takes True / False (the default CSVLogger), or jaxlight "
+                    f"loggers (callbacks.CSVLogger, TensorBoardLogger, WandbLogger); got {bad}."
+                )
+            callbacks, logger = [*callbacks, *given], True
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
         _distributed.initialize()
         #: The persistent compilation cache directory in use (None: off).
         self.compilation_cache_dir = _cache.configure(compilation_cache)
         resolved = _strategies.resolve(strategy)
+        chosen = select_devices(devices)
+        check_strategy_devices(resolved, chosen)
         self._config = FitConfig.create(
             max_steps=max_steps, max_epochs=max_epochs, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
@@ -106,6 +137,7 @@ class Fit:
             val_check_interval=val_check_interval,
             check_val_every_n_epoch=check_val_every_n_epoch,
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
+            num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
             enable_model_summary=enable_model_summary, logger=logger,
             default_root_dir=default_root_dir, seed=seed, fast_dev_run=fast_dev_run,
@@ -114,7 +146,8 @@ class Fit:
         self.callbacks: list[Callback] = assemble_callbacks(list(callbacks), self._config)
         #: The settings loggers record as the run's config.
         self.config = self._config.summary(resolved.name)
-        self._session = Session(resolved, self.callbacks, self._config.seed)
+        self.config["devices"] = None if chosen is None else [d.id for d in chosen]
+        self._session = Session(resolved, self.callbacks, self._config.seed, chosen)
         self._position = LoopState()
         self._call = Hooks(self, self.callbacks)
         self._log = MetricLog(self._call)
@@ -138,6 +171,7 @@ class Fit:
     check_val_every_n_epoch = property(lambda self: self._config.check_val_every_n_epoch)
     limit_train_batches = property(lambda self: self._config.limit_train_batches)
     limit_val_batches = property(lambda self: self._config.limit_val_batches)
+    num_sanity_val_steps = property(lambda self: self._config.num_sanity_val_steps)
     log_every_n_steps = property(lambda self: self._config.log_every_n_steps)
     default_root_dir = property(lambda self: self._config.default_root_dir)
     seed = property(lambda self: self._config.seed)
@@ -313,6 +347,13 @@ class Fit:
     ) -> TrainModule:
         """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
         self._setup(module, "fit")
+        schedule = self._session.schedule
+        if schedule is not None and schedule.scheduler.monitor and val_data is None:
+            raise ConfigurationError(
+                f"{type(module).__name__}.configure_optimizers' lr_scheduler monitors "
+                f"{schedule.scheduler.monitor!r}, a validation metric, but Fit.fit got no "
+                "val_data. Pass val_data, or use a schedule that reads no metric."
+            )
         self._train_data = train_data
         self._feed = TrainFeed(train_data)
         self._val_data = val_data

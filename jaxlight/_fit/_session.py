@@ -22,6 +22,7 @@ from flax import nnx
 from jaxlight import _batch, _metrics
 from jaxlight import strategies as _strategies
 from jaxlight._module import TrainModule
+from jaxlight._optim import ScheduleUpdate
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import (
     build_eval_step,
@@ -50,9 +51,12 @@ class Session:
         strategy: the resolved `jaxlight.strategies.Strategy`.
         callbacks: the Fit's callbacks (their step pieces shape the optimizer and the step).
         seed: seeds parameter initialization.
+        devices: the devices `Fit(devices=...)` selected (None: all), given to the strategy's
+            `setup`.
     """
 
-    def __init__(self, strategy, callbacks, seed: int):
+    def __init__(self, strategy, callbacks, seed: int, devices=None):
+        self.devices = devices
         #: The strategy in use; under `strategies.Auto`, the chosen one once it has chosen.
         self.strategy = strategy
         #: The `strategies.Auto` choosing the layout (None: a fixed strategy). Once it has
@@ -72,6 +76,7 @@ class Session:
         self._spec_module: TrainModule | None = None
         self._shardings: TrainState | None = None
         self._tx = None
+        self.schedule: ScheduleUpdate | None = None
         self._params_transform = None
         self._compiled: dict[Any, Any] = {}
         #: What `self.log` in the training step reports (filled when the step is traced).
@@ -89,10 +94,13 @@ class Session:
         """
         self.module = module
         if self.strategy.mesh is None:
-            self.strategy.setup(None)
+            self.strategy.setup(self.devices)
         if self._spec is None or self._spec_module is not module:
-            tx = build_optimizer(module, self.callbacks)
+            tx, scheduler = build_optimizer(module, self.callbacks)
             self._tx = tx
+            #: The lr_scheduler of configure_optimizers' dict, run between steps (or None).
+            self.schedule = (None if scheduler is None
+                             else ScheduleUpdate(scheduler, self.compile_state_update))
             self._params_transform = build_params_transform(self.callbacks)
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
@@ -222,6 +230,16 @@ class Session:
         if keep:
             self._compiled["train"] = (compiled, batch_sh)
         return compiled, batch_sh
+
+    def compile_state_update(self, fn, extra_abstract: tuple):
+        """Compiles `fn(state, *extra) -> state` between steps (the state donated, the extra
+        scalars replicated); the scheduler's updates at validation and epoch ends."""
+        rep = self.strategy.replicated()
+        with self.compiling("schedule"):
+            return self.strategy.compile(
+                fn, (self._spec.abstract_state, *extra_abstract),
+                in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
+                out_shardings=self._shardings, donate_argnums=(0,))
 
     def eval_spec(self, method: str, prefix: str) -> _metrics.EvalSpec:
         """What `method` reports (filled when it is traced); kept with its compiled steps."""

@@ -157,6 +157,8 @@ class TrainLoop:
         reference = _batch.batch_signature(first, first_name)
         if session.state is None:
             session.state = session.init_state()
+        # Validation's errors show before training, not at the first validation.
+        self.evaluator.sanity_check(val_data)
         with tracing_for(first_name, "train_data", first):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the
@@ -225,14 +227,24 @@ class TrainLoop:
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
                 self.log.callback_metrics.update(epoch_values)
                 self.log.log(epoch_values, pos.global_step)
+
+            def validation_due() -> bool:
+                # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
+                # end-of-epoch validation, as Lightning does: the epoch did not end.
+                stopped_early = pos.should_stop and not self.epoch_exhausted(train_data, limit)
+                return bool(val_data is not None and val_every is None
+                            and config.check_val_every_n_epoch
+                            and (pos.epoch + 1) % config.check_val_every_n_epoch == 0
+                            and not stopped_early)
+
+            if session.schedule is not None:
+                # Epoch-interval schedulers advance before the epoch-end hooks, where
+                # checkpoints are taken, so that a resumed fit continues them exactly.
+                session.state = session.schedule.at_epoch_end(session.state, pos.epoch,
+                                                              validation_due())
             call("on_train_epoch_end")
-            # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
-            # end-of-epoch validation, as Lightning does: the epoch did not end.
-            stopped_early = pos.should_stop and not self.epoch_exhausted(train_data, limit)
-            if (val_data is not None and val_every is None and config.check_val_every_n_epoch
-                    and (pos.epoch + 1) % config.check_val_every_n_epoch == 0
-                    and not stopped_early):
-                self.evaluator.run_validation(val_data)
+            if validation_due():
+                self.evaluator.run_validation(val_data, epoch_end=True)
             if pos.multi_process:
                 pos.agree_stop()
             pos.epoch += 1

@@ -11,11 +11,44 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlight._optim import Scheduler, current_factor
 from jaxlight.callbacks._base import Callback
 
 #: Hyperparameter names read from `optax.inject_hyperparams` states.
 LR_NAMES = ("learning_rate", "lr", "step_size")
 MOMENTUM_NAMES = ("b1", "momentum", "beta1")
+
+
+def find_schedulers(tx: Any) -> list[Scheduler]:
+    """The `configure_optimizers` dict's schedulers inside an optax transformation."""
+    found: list[Scheduler] = []
+    _visit(tx, lambda obj: found.append(obj) if isinstance(obj, Scheduler)
+           and all(obj is not f for f in found) else None)
+    return found
+
+
+def _visit(tx: Any, on_value: Callable[[Any], None]) -> None:
+    """Calls `on_value` on every object reachable through the closures of `tx`'s functions."""
+    seen: set[int] = set()
+
+    def visit(obj: Any, depth: int) -> None:
+        if depth > 40 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        on_value(obj)
+        if isinstance(obj, optax.GradientTransformation):
+            visit(obj.update, depth + 1)
+        elif inspect.isfunction(obj):
+            for cell in obj.__closure__ or ():
+                try:
+                    visit(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    continue
+        elif isinstance(obj, list | tuple):
+            for item in obj:
+                visit(item, depth + 1)
+
+    visit(tx, 0)
 
 
 def find_schedules(tx: Any) -> list[Callable]:
@@ -103,6 +136,11 @@ class LearningRateMonitor(Callback):
     A constant learning rate passed as a number is neither; wrap the optimizer in
     `optax.inject_hyperparams` to log it (a warning says so).
 
+    With `configure_optimizers`' dict (`{"optimizer": tx, "lr_scheduler": {...}}`) the logged
+    rate is the effective one: the optimizer's rate times the scheduler's factor (a plateau's
+    reductions included), under the scheduler's `name` if it has one. Where the optimizer's
+    own rate is a hidden constant, the factor alone is logged as `lr_scale`.
+
     Args:
         log_momentum: also log the momentum (`b1`/`momentum`) of inject_hyperparams optimizers.
 
@@ -115,11 +153,13 @@ class LearningRateMonitor(Callback):
     def __init__(self, log_momentum: bool = False):
         self.log_momentum = log_momentum
         self.schedules: list[Callable] = []
+        self.schedulers: list[Scheduler] = []
         #: Metric names this monitor adds to the step, known once the step is traced.
         self.names: list[str] = []
 
     def transform_optimizer(self, tx):
         self.schedules = find_schedules(tx)
+        self.schedulers = find_schedulers(tx)
         return tx  # observed only
 
     def transform_step(self, step_fn):
@@ -135,7 +175,21 @@ class LearningRateMonitor(Callback):
             if monitor.log_momentum:
                 for hyper in _injected(new_state.opt_state):
                     momenta += [hyper[k] for k in MOMENTUM_NAMES if k in hyper]
-            if not values:
+            # The factor of configure_optimizers' lr_scheduler that this step applied.
+            factors = current_factor(new_state.opt_state)
+            factor = factors[0] if factors else None
+            prefix = "lr"
+            if monitor.schedulers and monitor.schedulers[0].name:
+                prefix = monitor.schedulers[0].name
+            if factor is not None and values:
+                values = [v * factor for v in values]
+            elif factor is not None:
+                warnings.warn(
+                    "LearningRateMonitor: the optimizer's own learning rate is a constant optax "
+                    "does not expose, so only the lr_scheduler's factor is logged, as "
+                    "'lr_scale'. Wrap the optimizer, e.g. optax.inject_hyperparams(optax.adam)("
+                    "learning_rate=1e-3), to log the effective rate.", stacklevel=2)
+            if not values and factor is None:
                 warnings.warn(
                     "LearningRateMonitor found no learning-rate schedule and no "
                     "optax.inject_hyperparams state in the optimizer, so it logs nothing. A "
@@ -143,9 +197,11 @@ class LearningRateMonitor(Callback):
                     "the optimizer, e.g. optax.inject_hyperparams(optax.adamw)(learning_rate="
                     "1e-3), to log it.", stacklevel=2)
             extra = {}
-            for prefix, vals in (("lr", values), ("momentum", momenta)):
+            if factor is not None and not values:
+                extra["lr_scale"] = jnp.asarray(factor, jnp.float32)
+            for name, vals in ((prefix, values), ("momentum", momenta)):
                 for i, value in enumerate(vals):
-                    extra[prefix if len(vals) == 1 else f"{prefix}/{i}"] = jnp.asarray(
+                    extra[name if len(vals) == 1 else f"{name}/{i}"] = jnp.asarray(
                         value, jnp.float32)
             monitor.names = list(extra)
             return new_state, {**metrics, **extra}

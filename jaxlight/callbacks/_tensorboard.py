@@ -18,6 +18,8 @@ class TensorBoardLogger(Callback):
     Uses TensorBoard's own event-file writer and protocol buffers (the `tensorboard` extra), not
     TensorFlow. The hyperparameters (module arguments, Fit and strategy configuration, mesh)
     appear in TensorBoard's HPARAMS tab; `tensorboard --logdir <save_dir>` shows the run.
+    A validate or test after fit writes into the fit's run directory, and checkpoints record
+    its version, so a fit resumed from one (in a new process) continues the same directory.
     Only process 0 writes. At the end of a fit the curves also go to `curves.png` in the run
     directory (`plot` extra).
 
@@ -48,7 +50,14 @@ class TensorBoardLogger(Callback):
         self._history = MetricRows()
 
     def setup(self, fit, module, stage: str) -> None:
-        if jax.process_index() != 0:
+        # The directory is checked now (a bad one fails before anything compiles); the version
+        # is chosen at the stage's start, after a resumed fit has read the one it continues.
+        if jax.process_index() == 0 and self.log_dir is None:
+            ensure_writable(os.path.join(self.save_dir or fit.default_root_dir, self.name),
+                            "TensorBoardLogger")
+
+    def _open(self, fit, module) -> None:
+        if jax.process_index() != 0 or self._writer is not None:
             return
         if self.log_dir is None:
             root = os.path.join(self.save_dir or fit.default_root_dir, self.name)
@@ -57,15 +66,36 @@ class TensorBoardLogger(Callback):
                 names = os.listdir(root) if os.path.isdir(root) else []
                 taken = [int(d[8:]) for d in names if d.startswith("version_") and d[8:].isdigit()]
                 version = max(taken, default=-1) + 1
+            self.version = version
             self.log_dir = ensure_writable(os.path.join(root, f"version_{version}"),
                                            "TensorBoardLogger")
-        if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._writer = EventFileWriter(self.log_dir, flush_secs=self.flush_secs)
-            if not self._hparams_written:  # once per run directory, not once per stage
-                self._write_hparams(fit, module)
-                self._hparams_written = True
+        self._writer = EventFileWriter(self.log_dir, flush_secs=self.flush_secs)
+        if not self._hparams_written:  # once per run directory, not once per stage
+            self._write_hparams(fit, module)
+            self._hparams_written = True
+
+    def on_fit_start(self, fit, module) -> None:
+        self._open(fit, module)
+
+    def on_validation_start(self, fit, module) -> None:
+        self._open(fit, module)
+
+    def on_test_start(self, fit, module) -> None:
+        self._open(fit, module)
+
+    def state_dict(self) -> dict:
+        """The run directory's version, so that a fit resumed from the checkpoint continues
+        writing into it."""
+        return {"version": self.version} if self.log_dir is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        # A resumed fit (in a new process) continues the run directory, whose hyperparameters
+        # are already written; a version given to the logger wins.
+        if self.log_dir is None and self.version is None and state.get("version") is not None:
+            self.version = int(state["version"])
+            self._hparams_written = True
 
     def _write_hparams(self, fit, module) -> None:
         from tensorboard.compat.proto import event_pb2

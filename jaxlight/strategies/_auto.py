@@ -289,8 +289,9 @@ class Auto(Strategy):
     the chosen strategy and `auto.choice` (an `AutoChoice`) holds the candidate table.
 
     Without a training batch (`validate`/`test`/`predict` before any `fit`, or resuming from a
-    checkpoint) nothing can be compiled: Auto then takes the first layout, in its order, whose
-    parameters and optimizer state fit the budget.
+    checkpoint) nothing can be compiled: Auto then takes the least sharded layout whose
+    parameters and optimizer state take at most a quarter of the usable memory, else the one
+    with the fewest of those bytes per device.
 
     Args:
         memory_budget: bytes per device (or `"16GiB"`); default: what the device reports
@@ -446,9 +447,8 @@ class Auto(Strategy):
         # Least sharded first: data parallelism communicates least when it fits; then more
         # fsdp (gathers added), then tensor parallelism (activation all-reduces), then pipes.
         def rank(c: Candidate):
-            mesh = dict(c.strategy.mesh_shape)
-            sharded = n // mesh.get("data", 1) if mesh else 1
-            return (sharded, mesh.get("tp", 1), mesh.get("pipe", 1),
+            mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
+            return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
                     "reshard" in c.layout)
         return sorted(out, key=rank)
 
@@ -511,10 +511,18 @@ class Auto(Strategy):
         elif abstract_batch is None or make_step is None:
             for c in viable:
                 c.status = "not compiled"
-            chosen = viable[0] if viable else None
-            if chosen is not None:
+            # A step's temporaries measured 1-4x its arguments (gradients, gathered parameters,
+            # activations): without a compile, leave room for them.
+            roomy = [c for c in viable if c.argument_bytes <= usable / 4]
+            if roomy:
+                chosen = roomy[0]
                 reason = ("no training batch to compile with: the least sharded layout whose "
-                          "parameters and optimizer state fit")
+                          "parameters and optimizer state take at most a quarter of the usable "
+                          "memory")
+            elif viable:
+                chosen = min(viable, key=lambda c: c.argument_bytes)
+                reason = ("no training batch to compile with: the layout with the fewest bytes "
+                          "of parameters and optimizer state per device")
         else:
             # Speed order (least sharded first) while memory is plentiful; once the first
             # compiled layout does not fit, memory binds: the most sharded (fewest argument

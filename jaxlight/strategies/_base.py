@@ -42,6 +42,12 @@ class Strategy(abc.ABC):
         """Builds `self.mesh` over `devices` (all global devices by default)."""
 
     @property
+    def requested_devices(self) -> list[jax.Device] | None:
+        """The devices given to the constructor, or None (those `setup` gets, else all)."""
+        devices = getattr(self, "_devices", None)
+        return None if devices is None else list(devices)
+
+    @property
     @abc.abstractmethod
     def data_parallel_size(self) -> int:
         """How many ways the global batch is split."""

@@ -233,6 +233,10 @@ class SingleDevice(SpmdStrategy):
         super().__init__({}, ())
         self.device = device
 
+    @property
+    def requested_devices(self) -> list[jax.Device] | None:
+        return None if self.device is None else [self.device]
+
     def setup(self, devices=None) -> None:
         device = self.device or (list(devices)[0] if devices else jax.local_devices()[0])
         # A one-device mesh keeps SingleDevice on the same code path as every SPMD strategy.

@@ -193,3 +193,25 @@ def test_bad_knobs_and_unknown_device_kind_are_refused():
         strategies._auto.device_spec("Gaudi 3")
     assert strategies.Auto(memory_budget="2GiB").memory_budget == 2 * 2**30
     assert strategies._auto.device_spec("NVIDIA H200").name == "H200"
+
+
+def test_without_a_training_batch_auto_decides_from_argument_bytes():
+    # validate before any fit: nothing to compile a training step for.
+    module = MomentumClassifier(din=DIN, hidden=2048, classes=CLASSES)
+    auto = strategies.Auto(memory_budget=usable_budget(0.8 * param_bytes(module)))
+    fit = quiet_fit(auto, max_steps=1)
+    assert isinstance(fit.strategy, strategies.Auto)
+    metrics = fit.validate(module, batches(2))
+    assert np.isfinite(metrics["val_loss"])
+    assert auto.choice.compiles == 0 and "no training batch" in auto.choice.reason
+    # No layout's arguments (momentum: 2x parameters, /8 at best) take a quarter of 0.8 x the
+    # parameters: the fewest argument bytes, the first of the fsdp=8 pair.
+    assert auto.choice.chosen == "fsdp=8" and isinstance(fit.strategy, strategies.FSDP)
+
+
+def test_devices_command_says_auto_chooses_at_fit_time(capsys):
+    from jaxlight._cli import main
+
+    assert main(["devices", "--strategy", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy auto: the layout is chosen from the model and the first batch" in out

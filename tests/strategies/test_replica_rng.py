@@ -87,8 +87,11 @@ def test_single_device_draws_differ_per_example(single):
     ("fsdp", 2),   # accumulation under FSDP: per-replica scan over 2 microbatches
     ("ddp", 1),    # pmap
     ("ddp", 2),    # pmap, scan over each replica's 2 microbatches
+    ("hybrid", 2), # batch over two mesh axes: replica index (data, fsdp), data major
 ])
 def test_per_replica_layouts_draw_the_single_device_masks(strategy, k, single):
+    if strategy == "hybrid":
+        strategy = jl.strategies.Hybrid({"data": 2, "fsdp": 4})
     run = _run(strategy, k)
     # Rows 0, 4, 8, 16 start replicas 0, 1, 2, 4: their masks differ (before: all equal).
     assert len({row.tobytes() for row in run["per_example"]}) == len(PROBE_ROWS)

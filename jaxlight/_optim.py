@@ -1,0 +1,350 @@
+"""What `configure_optimizers` may return, and the learning-rate schedulers of Lightning's dict.
+
+`configure_optimizers` returns either an optax transformation (a schedule inside it, the optax
+way), or Lightning's dict:
+
+    {"optimizer": tx,
+     "lr_scheduler": {"scheduler": s, "interval": "step" | "epoch", "frequency": 1,
+                      "monitor": "val_loss", "strict": True, "name": None}}
+
+`s` is either an optax schedule, read as the factor the optimizer's learning rate is multiplied
+by (torch's `LambdaLR`: `optax.exponential_decay(1.0, 1, 0.5)` halves the rate every interval),
+indexed by optimizer steps (`"step"`) or completed epochs (`"epoch"`), divided by `frequency`;
+or `optax.contrib.reduce_on_plateau(...)`, which multiplies the rate by `factor` when the
+`monitor`ed validation metric stops improving for `patience` updates.
+
+Everything a scheduler keeps lives in the optimizer state (`ScheduleState`), so it is sharded,
+donated and checkpointed with the train state and resumes bit for bit. The training step only
+multiplies the optimizer's updates by the current factor (for Adam, SGD and AdamW, whose
+updates are linear in the learning rate, that is the same as scaling the rate). Between steps,
+at validation and at epoch ends, the loop runs one small compiled function, `ScheduleUpdate`,
+that writes the monitored value into the state and advances epoch counters: the host reads no
+device value for it beyond the validation metrics it already has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxlight._errors import ConfigurationError, PortingError, StepOutputError, suggest
+
+GUIDE = "docs/porting.md"
+
+#: Keys of Lightning's configure_optimizers dict that jaxlight reads.
+OPTIMIZER_KEYS = ("optimizer", "lr_scheduler", "monitor")
+#: Keys of its "lr_scheduler" dict.
+SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+INTERVALS = ("step", "epoch")
+
+
+class ScheduleState(NamedTuple):
+    """A scheduler's part of the optimizer state (scalars; the optimizer's own state inside).
+
+    Attributes:
+        inner: the optimizer's state.
+        count: intervals completed (optimizer steps for "step", epochs for "epoch"; int32).
+        factor: the learning-rate factor the last update applied (float32; for
+            `LearningRateMonitor`).
+        plateau: the `reduce_on_plateau` state, or () for a schedule.
+        pending: the latest monitored value not yet given to the plateau (float32).
+        has_pending: whether `pending` holds one (bool).
+    """
+
+    inner: Any
+    count: jax.Array
+    factor: jax.Array
+    plateau: Any
+    pending: jax.Array
+    has_pending: jax.Array
+
+
+def _is_schedule_state(x) -> bool:
+    return isinstance(x, ScheduleState)
+
+
+def _is_plateau(transform: Any) -> bool:
+    """An optax transformation whose state carries a `scale` and whose update takes `value`."""
+    if not isinstance(transform, optax.GradientTransformation):
+        return False
+    try:
+        state = jax.eval_shape(transform.init, {"x": jax.ShapeDtypeStruct((), jnp.float32)})
+    except Exception:  # noqa: BLE001 - any init that cannot run on a scalar is not a plateau
+        return False
+    return hasattr(state, "scale") and isinstance(
+        transform, optax.GradientTransformationExtraArgs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+    """One `lr_scheduler` entry of configure_optimizers' dict, checked."""
+
+    schedule: Callable[[jax.Array], jax.Array] | None
+    plateau: optax.GradientTransformationExtraArgs | None
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+    strict: bool = True
+    name: str | None = None
+
+    def wrap(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """`tx` with its updates multiplied by this scheduler's current factor."""
+        sched = self
+
+        def init(params):
+            # The plateau's state in float32 whatever the parameters' dtype: its best value and
+            # scale must not round in bfloat16.
+            plateau = (() if sched.plateau is None
+                       else sched.plateau.init({"x": jnp.zeros((), jnp.float32)}))
+            return ScheduleState(inner=tx.init(params), count=jnp.zeros((), jnp.int32),
+                                 factor=jnp.ones((), jnp.float32), plateau=plateau,
+                                 pending=jnp.zeros((), jnp.float32),
+                                 has_pending=jnp.zeros((), jnp.bool_))
+
+        def update(updates, state, params=None, **extra):
+            updates, inner = tx.update(updates, state.inner, params, **extra)
+            factor = sched.factor(state)
+            updates = jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates)
+            count = state.count + 1 if sched.interval == "step" else state.count
+            return updates, state._replace(inner=inner, count=count, factor=factor)
+
+        return optax.GradientTransformationExtraArgs(init, update)
+
+    def factor(self, state: ScheduleState) -> jax.Array:
+        """The learning-rate factor for the next update."""
+        if self.plateau is not None:
+            return jnp.asarray(state.plateau.scale, jnp.float32)
+        return jnp.asarray(self.schedule(state.count // self.frequency), jnp.float32)
+
+    # -- between steps -------------------------------------------------------------------------
+
+    def apply(self, opt_state: Any, value: jax.Array, has_value: jax.Array,
+              feed: jax.Array, advance: jax.Array) -> Any:
+        """Writes a monitored value, feeds the pending one to the plateau, advances epochs.
+
+        Pure (compiled by `ScheduleUpdate`); every argument but `opt_state` is a scalar.
+        """
+        def one(state: ScheduleState) -> ScheduleState:
+            pending = jnp.where(has_value, jnp.asarray(value, jnp.float32), state.pending)
+            has_pending = state.has_pending | has_value
+            plateau = state.plateau
+            if self.plateau is not None:
+                _, fed = self.plateau.update({}, plateau, value=pending)
+                go = feed & has_pending
+                plateau = jax.tree.map(lambda new, old: jnp.where(go, new, old), fed, plateau)
+                has_pending = has_pending & ~go
+            count = state.count + advance.astype(jnp.int32) if self.interval == "epoch" \
+                else state.count
+            return state._replace(count=count, plateau=plateau, pending=pending,
+                                  has_pending=has_pending)
+
+        return jax.tree.map(lambda s: one(s) if _is_schedule_state(s) else s, opt_state,
+                            is_leaf=_is_schedule_state)
+
+
+def current_factor(opt_state: Any) -> list[jax.Array]:
+    """The factors the last update applied, one per scheduler in `opt_state` (traceable)."""
+    return [s.factor for s in jax.tree.leaves(opt_state, is_leaf=_is_schedule_state)
+            if _is_schedule_state(s)]
+
+
+def scheduler_state(opt_state: Any) -> ScheduleState | None:
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_schedule_state)
+             if _is_schedule_state(s)]
+    return found[0] if found else None
+
+
+# -- reading configure_optimizers ------------------------------------------------------------
+
+
+def _unknown_keys(got, valid, where: str) -> None:
+    bad = [k for k in got if k not in valid]
+    if bad:
+        hints = "".join(suggest(k, valid) for k in bad)
+        raise ConfigurationError(
+            f"{where} has unknown key(s) {bad}; valid keys are {list(valid)}.{hints} See "
+            f"{GUIDE}."
+        )
+
+
+def _scheduler(entry: Any, top_monitor: str | None, where: str) -> Scheduler:
+    if callable(entry) and not isinstance(entry, dict):
+        entry = {"scheduler": entry}
+    if not isinstance(entry, dict):
+        raise ConfigurationError(
+            f"{where}['lr_scheduler'] is a {type(entry).__name__}; give a dict "
+            "{'scheduler': ..., 'interval': 'step' | 'epoch', 'monitor': ...} or an optax "
+            f"schedule. See {GUIDE}."
+        )
+    _unknown_keys(entry, SCHEDULER_KEYS, f"{where}['lr_scheduler']")
+    if "scheduler" not in entry:
+        raise ConfigurationError(
+            f"{where}['lr_scheduler'] has no 'scheduler' key (it has {list(entry)}); give an "
+            "optax schedule (the factor of the learning rate) or "
+            f"optax.contrib.reduce_on_plateau(...). See {GUIDE}."
+        )
+    sched = entry["scheduler"]
+    interval = entry.get("interval", "epoch")
+    if interval not in INTERVALS:
+        raise ConfigurationError(
+            f"{where}['lr_scheduler']['interval'] = {interval!r}; it must be 'step' or "
+            f"'epoch'.{suggest(interval, INTERVALS)}"
+        )
+    frequency = entry.get("frequency", 1)
+    if not isinstance(frequency, int) or isinstance(frequency, bool) or frequency < 1:
+        raise ConfigurationError(
+            f"{where}['lr_scheduler']['frequency'] = {frequency!r}; it must be a positive "
+            "integer (the scheduler advances every `frequency` intervals)."
+        )
+    monitor = entry.get("monitor", top_monitor)
+    plateau = sched if _is_plateau(sched) else None
+    if plateau is None:
+        if isinstance(sched, optax.GradientTransformation) or not callable(sched):
+            raise ConfigurationError(
+                f"{where}['lr_scheduler']['scheduler'] is a {type(sched).__name__}; give an "
+                "optax schedule (count -> factor of the learning rate, e.g. "
+                "optax.exponential_decay(1.0, 1, 0.5)) or optax.contrib.reduce_on_plateau(...)."
+                f" See {GUIDE}."
+            )
+        if "monitor" in entry:
+            raise ConfigurationError(
+                f"{where}['lr_scheduler'] monitors {monitor!r}, but its scheduler is a fixed "
+                "schedule, which reads no metric; use optax.contrib.reduce_on_plateau(...) to "
+                "follow a metric, or drop 'monitor'."
+            )
+        monitor = None
+    elif monitor is None:
+        raise ConfigurationError(
+            f"{where}['lr_scheduler'] uses reduce_on_plateau but names no metric to watch; "
+            "add 'monitor': 'val_loss' (any validation metric, 'val_' prefixed)."
+        )
+    return Scheduler(schedule=None if plateau is not None else sched, plateau=plateau,
+                     interval=interval, frequency=frequency, monitor=monitor,
+                     strict=bool(entry.get("strict", True)), name=entry.get("name"))
+
+
+def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None]:
+    """Calls `module.configure_optimizers()`; returns the optax transformation and scheduler.
+
+    The transformation already includes the scheduler's factor (`Scheduler.wrap`).
+    """
+    where = f"{type(module).__name__}.configure_optimizers()"
+    out = module.configure_optimizers()
+    if isinstance(out, optax.GradientTransformation):
+        return out, None
+    if isinstance(out, tuple | list):
+        raise PortingError(
+            f"{where} returned a {type(out).__name__} of {len(out)} items, Lightning's "
+            "([optimizers], [schedulers]) form; jaxlight trains one optax transformation: "
+            "return it, or {'optimizer': tx, 'lr_scheduler': {'scheduler': ..., 'interval': "
+            f"...}}}} (combine several with optax.multi_transform). See {GUIDE}."
+        )
+    if not isinstance(out, dict):
+        torch_hint = (" A torch optimizer has no JAX counterpart: return optax.adam(lr) (no "
+                      "parameter list)." if type(out).__module__.startswith("torch") else "")
+        raise StepOutputError(
+            f"{where} returned {type(out).__name__}; return an optax.GradientTransformation "
+            f"such as optax.adamw(1e-3), or Lightning's dict {{'optimizer': tx, "
+            f"'lr_scheduler': {{...}}}}.{torch_hint}"
+        )
+    _unknown_keys(out, OPTIMIZER_KEYS, where)
+    if "optimizer" not in out:
+        raise ConfigurationError(
+            f"{where} returned a dict without 'optimizer' (keys: {list(out)}); the dict form is "
+            "{'optimizer': tx, 'lr_scheduler': {...}}."
+        )
+    tx = out["optimizer"]
+    if not isinstance(tx, optax.GradientTransformation):
+        raise StepOutputError(
+            f"{where}['optimizer'] is a {type(tx).__name__}; it must be an "
+            "optax.GradientTransformation such as optax.adamw(1e-3)."
+        )
+    if out.get("lr_scheduler") is None:
+        if out.get("monitor") is not None:
+            warnings.warn(f"{where} names a 'monitor' but no 'lr_scheduler'; nothing reads it.",
+                          stacklevel=2)
+        return tx, None
+    scheduler = _scheduler(out["lr_scheduler"], out.get("monitor"), where)
+    return scheduler.wrap(tx), scheduler
+
+
+# -- the loop's side -------------------------------------------------------------------------
+
+
+class ScheduleUpdate:
+    """Runs a scheduler's between-step updates on the train state, compiled once per fit.
+
+    The loop calls `after_validation` right after a validation's metrics are known and before
+    its end hooks (where checkpoints are saved), and `at_epoch_end` after an epoch's last
+    batch, before `on_train_epoch_end`; both return the new state (the old one is donated).
+
+    Args:
+        scheduler: the module's scheduler.
+        compile: `compile(fn, abstract_extra_args) -> callable(state, *extra)`, the core's way
+            to compile a function of the train state with its shardings (donating the state).
+    """
+
+    def __init__(self, scheduler: Scheduler, compile: Callable):
+        self.scheduler = scheduler
+        self._compile = compile
+        self._fn = None
+
+    def _run(self, state, value: float, has_value: bool, feed: bool, advance: bool):
+        if self._fn is None:
+            sched = self.scheduler
+
+            def fn(state, value, has_value, feed, advance):
+                return state.replace(opt_state=sched.apply(state.opt_state, value, has_value,
+                                                           feed, advance))
+
+            scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)  # noqa: E731
+            self._fn = self._compile(fn, (scalar(jnp.float32), scalar(jnp.bool_),
+                                          scalar(jnp.bool_), scalar(jnp.bool_)))
+        return self._fn(state, jnp.float32(value), jnp.bool_(has_value), jnp.bool_(feed),
+                        jnp.bool_(advance))
+
+    def needs_validation(self) -> bool:
+        return self.scheduler.monitor is not None
+
+    def after_validation(self, state, metrics: dict[str, float], global_step: int,
+                         epoch: int, epoch_end: bool):
+        """Writes the monitored metric into the state; feeds the plateau when it is due."""
+        sched = self.scheduler
+        if sched.monitor is None:
+            return state
+        if sched.monitor not in metrics:
+            names = sorted(metrics)
+            message = (
+                f"the lr_scheduler monitors {sched.monitor!r}, which validation did not "
+                f"produce; validation metrics: {names}.{suggest(sched.monitor, names)}")
+            if sched.strict:
+                raise ConfigurationError(message + " Fix 'monitor', or set 'strict': False "
+                                                   "to skip the update with a warning.")
+            warnings.warn(message + " The learning rate is not updated ('strict': False).",
+                          stacklevel=2)
+            return state
+        if sched.interval == "step":
+            feed = global_step % sched.frequency == 0
+        else:
+            feed = epoch_end and (epoch + 1) % sched.frequency == 0
+        return self._run(state, float(metrics[sched.monitor]), True, feed, False)
+
+    def at_epoch_end(self, state, epoch: int, validation_follows: bool):
+        """Advances epoch-interval schedules; feeds a plateau the epoch's last value.
+
+        `validation_follows`: an end-of-epoch validation will run now (it feeds the plateau).
+        """
+        sched = self.scheduler
+        if sched.interval != "epoch":
+            return state
+        feed = (sched.plateau is not None and not validation_follows
+                and (epoch + 1) % sched.frequency == 0)
+        if sched.plateau is not None and not feed:
+            return state  # nothing to change: skip the call
+        return self._run(state, 0.0, False, feed, sched.plateau is None)
