@@ -156,7 +156,7 @@ def active(module_name: str) -> LogCollector:
         raise ConfigurationError(
             f"{module_name}.log(...) was called outside a step. self.log / self.log_dict record "
             "values while training_step, validation_step or test_step is traced; from a hook or "
-            "a callback send host values with fit.log_metrics({...})."
+            "a callback send host values with fit.log_metrics({...}). See docs/porting.md."
         )
     return collector
 
@@ -174,7 +174,6 @@ class LogSpec:
 
     def __init__(self) -> None:
         self.options: dict[str, LogOptions] = {}
-        self.weighted: set[str] = set()
 
     @property
     def prog_bar(self) -> set[str]:
@@ -231,8 +230,6 @@ def merge_training_logs(metrics: dict, logs: LogCollector, spec: LogSpec | None,
             out[name + WEIGHT] = entry.batch_size
         if spec is not None:
             spec.options[name] = entry.options
-            if entry.batch_size is not None:
-                spec.weighted.add(name)
     return out
 
 

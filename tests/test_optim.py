@@ -100,10 +100,10 @@ def test_epoch_interval_schedule_with_frequency():
     def make():
         return {"optimizer": optax.inject_hyperparams(optax.sgd)(learning_rate=0.2),
                 "lr_scheduler": {"scheduler": optax.exponential_decay(1.0, 1, 0.5),
-                                 "interval": "epoch", "frequency": 2}}
+                                 "interval": "epoch", "frequency": 2, "name": "lr-sgd"}}
 
     fit, logs = _fit(Scheduled(make), _data(3), max_epochs=5)
-    lrs = _lrs(logs)
+    lrs = _lrs(logs, "lr-sgd")  # the scheduler's name, as Lightning's LearningRateMonitor
     per_epoch = [[lrs[3 * e + i] for i in (1, 2, 3)] for e in range(5)]
     expected = [0.2, 0.2, 0.1, 0.1, 0.05]  # halved every 2 epochs, constant within an epoch
     np.testing.assert_allclose(per_epoch, [[x] * 3 for x in expected], rtol=1e-6)

@@ -191,3 +191,9 @@ def test_a_lightning_logger_argument_joins_the_callbacks():
     with pytest.raises(jl.ConfigurationError, match=r"Fit\(logger=\.\.\.\) takes True / False.*"
                                                     r"\['str'\]"):
         jl.Fit(logger="wandb", max_steps=1)
+
+
+def test_self_log_called_outside_a_step_points_to_the_guide():
+    with pytest.raises(jl.ConfigurationError, match=r"Classifier\.log\(\.\.\.\) was called outside "
+                                                    r"a step.*fit\.log_metrics.*" + GUIDE):
+        Classifier().log("x", 1.0)
