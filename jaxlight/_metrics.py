@@ -174,7 +174,6 @@ class LogSpec:
 
     def __init__(self) -> None:
         self.options: dict[str, LogOptions] = {}
-        self.weighted: set[str] = set()
 
     @property
     def prog_bar(self) -> set[str]:
@@ -231,8 +230,6 @@ def merge_training_logs(metrics: dict, logs: LogCollector, spec: LogSpec | None,
             out[name + WEIGHT] = entry.batch_size
         if spec is not None:
             spec.options[name] = entry.options
-            if entry.batch_size is not None:
-                spec.weighted.add(name)
     return out
 
 

@@ -126,3 +126,34 @@ def test_log_errors():
 
         jl.Fit("single", max_steps=1, enable_progress_bar=False, enable_model_summary=False,
                logger=False).fit(Max(), data)
+
+
+def test_on_epoch_logging_adds_no_per_step_host_read(monkeypatch):
+    """8 steps in one epoch, no log interval inside it: self.log(on_epoch=True) adds one host
+    read (the epoch's end), not one per step."""
+    import jax
+
+    reads = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(1) or real(x))
+
+    class Plain(Classifier):
+        def training_step(self, model, batch):
+            return super().training_step(model, batch)[0]
+
+    class WithLog(Plain):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)
+            self.log("train_loss", loss, prog_bar=True, on_epoch=True)
+            return loss
+
+    counts = []
+    for cls in (Plain, WithLog):
+        fit = jl.Fit("single", max_epochs=1, log_every_n_steps=100, enable_progress_bar=False,
+                     enable_model_summary=False, logger=False)
+        fit.fit(cls(), ArrayLoader(classification_data(256), 32))
+        reads.clear()
+        fit.fit(cls(), ArrayLoader(classification_data(256), 32))  # compiled: only the loop
+        counts.append(len(reads))
+        assert fit.global_step == 8
+    assert counts[1] == counts[0] + 1, counts

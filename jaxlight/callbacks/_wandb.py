@@ -111,14 +111,16 @@ class WandbLogger(Logger):
         # The directory is checked now, so that a bad one fails before anything compiles; the
         # run starts at the stage's start, after a resumed fit has read the run id it continues.
         if jax.process_index() == 0 and self.run is None:
-            self._save_path = ensure_writable(self.save_dir or fit.default_root_dir,
-                                              "WandbLogger")
+            # Absolute: wandb's service process resolves a relative dir against its own working
+            # directory (the first run's), not this process's current one.
+            self._save_path = os.path.abspath(ensure_writable(
+                self.save_dir or fit.default_root_dir, "WandbLogger"))
 
     def _start_run(self, fit, module) -> None:
         if jax.process_index() != 0 or self.run is not None:
             return
-        save_dir = self._save_path or ensure_writable(self.save_dir or fit.default_root_dir,
-                                                      "WandbLogger")
+        save_dir = self._save_path or os.path.abspath(ensure_writable(
+            self.save_dir or fit.default_root_dir, "WandbLogger"))
         mode = self.resolved_mode()
         if mode == "offline" and self.mode is None and not os.environ.get("WANDB_MODE"):
             print("jaxlight: no W&B credentials found (WANDB_API_KEY or `wandb login`), so "
