@@ -81,7 +81,7 @@ def test_measured_search_with_real_memory_also_picks_dp():
 
 
 def param_bytes(module) -> int:
-    spec = model_spec(module, build_optimizer(module, []), 0)
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(spec.abstract_state.params))
 
 
@@ -163,7 +163,7 @@ def test_budget_fsdp_cannot_meet_picks_fsdp_times_tp():
 
 def test_heads_that_do_not_divide_8_never_get_tp8():
     module = TinyLM(heads=4)  # 4 heads; every other dimension divides 8
-    spec = model_spec(module, build_optimizer(module, []), 0)
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
     abstract_batch = _abstract_global_batch(token_batches(1)[0])
     # A budget only the eighth-of-the-state layouts meet, with nothing compiled.
     auto = strategies.Auto(memory_budget=usable_budget(

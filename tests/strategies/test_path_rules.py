@@ -405,7 +405,7 @@ def test_auto_considers_tensor_parallelism_from_path_rules():
     from jaxlight._step import build_optimizer
 
     module = Classify()
-    spec = model_spec(module, build_optimizer(module, []), 0)
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
 
     def layouts(auto):
         return {c.layout for c in auto.candidates(spec.abstract_state, spec.logical_axes, 8)}
