@@ -3,7 +3,8 @@
 Per page (docs/*.md, README.md): `python` blocks run top to bottom in one namespace; each line of
 a `bash` block is a `jaxlight` command, run in this process through the CLI's `main` and required
 to exit 0; a `yaml`/`json` block right after `<!-- file: NAME -->` is written to NAME first. A
-block right after `<!-- skip: reason -->` is not run. Other fences (`text`, `sh`, `console`) are
+block right after `<!-- skip: reason -->` is not run; one after `<!-- needs: MODULE -->` runs
+wherever MODULE is installed (an optional library jaxlight does not depend on, e.g. torch). Other fences (`text`, `sh`, `console`) are
 output or shell the suite cannot run (`make test` inside the tests), and must not hide a
 `jaxlight` command.
 """
@@ -11,6 +12,7 @@ output or shell the suite cannot run (`make test` inside the tests), and must no
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import pathlib
 import re
@@ -24,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
-_MARK = re.compile(r"<!--\s*(skip|file):\s*(.*?)\s*-->\s*$")
+_MARK = re.compile(r"<!--\s*(skip|file|needs):\s*(.*?)\s*-->\s*$")
 
 
 def blocks(text: str) -> list[tuple[str, str, int, dict]]:
@@ -51,6 +53,8 @@ def run_page(path: pathlib.Path) -> None:
     for lang, body, line, marks in blocks(path.read_text()):
         where = f"{path.name}:{line}"
         if "skip" in marks:
+            continue
+        if "needs" in marks and importlib.util.find_spec(marks["needs"]) is None:
             continue
         if "file" in marks:
             pathlib.Path(marks["file"]).write_text(body)
