@@ -34,6 +34,9 @@ BENCHMARKS = {
     "overhead": ["--steps", "150", "--rounds", "9"],
     "auto": [],
     "startup": [],
+    "prefetch": [],
+    "gpt_input": [],
+    "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
 }
 
 
@@ -202,6 +205,39 @@ def summarize_startup(r):
                      f"{m['cold']['first_step_cpu_s'] / m['off']['first_step_cpu_s']:.3f}; "
                      f"{cpu / m['off']['first_step_cpu_s']:.3f}", "≤ 1; < 1", None))
     return rows
+
+
+def summarize_prefetch(r):
+    rows = []
+    for pattern, m in r["median"].items():
+        load = r["config"]["load_ms"]
+        rows.append((f"{pattern} loader ({load:g} ms/batch, measured {m['load_ms']:.1f} ms) vs "
+                     f"{m['compute_ms']:.1f} ms step: step time with prefetch "
+                     f"({m['prefetch_ms']:.1f} ms) / max(load, compute)",
+                     _fmt(m["prefetch_over_max"]), "≤ 1.10", m["prefetch_over_max"] <= 1.10))
+        rows.append((f"{pattern} loader: step time without prefetch ({m['no_prefetch_ms']:.1f} "
+                     "ms) / (load + compute)", _fmt(m["no_prefetch_over_sum"]), "≈ 1", None))
+    return rows
+
+
+def summarize_gpt_input(r):
+    m = r["median"]
+    return [(f"gpt {r['config']['preset']} tokens/s, grain with {r['config']['workers']} worker "
+             f"processes / in-memory ({m['grain_workers']['tokens_per_s']:,.0f} / "
+             f"{m['memory']['tokens_per_s']:,.0f}; {r['device']})",
+             _fmt(m["grain_workers_over_memory"]), "≥ 0.95", r["met"]),
+            ("same, grain in the training process / in-memory",
+             _fmt(m["grain_over_memory"]), "—", None)]
+
+
+def summarize_checkpoint(r):
+    a, s = r["async"], r["sync"]
+    ratio = a["loop_blocked_per_save_median_s"] / s["loop_blocked_per_save_median_s"]
+    return [(f"loop held per save, async / sync, median ({a['loop_blocked_per_save_median_s']:.3f}"
+             f" s / {s['loop_blocked_per_save_median_s']:.3f} s; {r['state_megabytes']:.0f} MB "
+             "state, verified checksums)", _fmt(ratio), "≤ 0.10", ratio <= 0.10),
+            ("restore (verifying every array's checksum)", f"{r['restore_seconds']:.2f} s", "—",
+             None)]
 
 
 def charts():
