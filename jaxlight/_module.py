@@ -112,6 +112,10 @@ class TrainModule(ModuleHooks):
         (cached until the next): its arrays are the state's, in the strategy's layout, valid
         until the next step (which donates them), so call it there, e.g. `module.model(x)`,
         and copy what you keep. Assigning to its variables does not change training.
+
+        After a multi-process fit that splits parameters across processes (FSDP), no process
+        holds a whole parameter and `jax.device_get` refuses them: read the model with
+        `jaxlight.distributed.gather(module.model)`, called on every process (a collective).
         """
         source = self._model_source
         live = source() if source is not None else None

@@ -23,10 +23,11 @@ through NCCL. A process that never arrives, or dies, ends the others within `tim
 (missing at start) or the heartbeat timeout (dead later) with an error naming what happened,
 instead of a hang.
 
-The package has three parts: `_environment` (what a launcher left in the environment:
-`detect`, `DistributedConfig`), `_connect` (joining the job: `initialize`) and `_agreement`
+The package has four parts: `_environment` (what a launcher left in the environment:
+`detect`, `DistributedConfig`), `_connect` (joining the job: `initialize`), `_agreement`
 (small host-side exchanges between processes: `all_gather_json`, `agree_stop`, version and
-device checks).
+device checks) and `_gather` (`gather`: arrays that span processes, whole on the host, e.g.
+the trained model after an FSDP fit).
 
 Example:
     >>> import jaxlight as jl
@@ -63,6 +64,7 @@ from jaxlight.distributed._environment import (
     DistributedConfig,
     detect,
 )
+from jaxlight.distributed._gather import gather
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
@@ -80,6 +82,7 @@ __all__ = [
     "check_same_across_processes",
     "check_versions",
     "detect",
+    "gather",
     "initialize",
     "is_initialized",
     "local_devices_report",

@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.experimental import multihost_utils
 
 import jaxlight as jl
 from jaxlight._errors import CheckpointError, ConfigurationError
@@ -298,14 +297,6 @@ class FineTuner(TrainModule):
 # -- base weights ----------------------------------------------------------------------------------
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def pretrained_params(config: Config) -> dict | None:
     """The base model's parameters: from `base.checkpoint`, else pretrained here, or None."""
     base_module = gpt.make_module(gpt.Config(model=config.model))
@@ -324,7 +315,7 @@ def pretrained_params(config: Config) -> dict | None:
         model = base_module.model
     else:
         return None
-    return jax.tree.map(_to_host, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return jl.distributed.gather(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 # -- greedy generation -----------------------------------------------------------------------------
@@ -354,7 +345,7 @@ def generate_answers(model: nnx.Module, words: list[str], task: TaskConfig) -> l
     tokens = np.where(known, tokens, 0)
     graphdef, state = nnx.split(model)
     out = _greedy_fill(graphdef, state, jnp.asarray(tokens), jnp.asarray(known))
-    out = np.asarray(_to_host(out)).astype(np.uint8)
+    out = np.asarray(jl.distributed.gather(out)).astype(np.uint8)
     answers = []
     for row, start in zip(out, enc["prompt_len"], strict=True):
         text = bytes(row[start:].tolist()).decode("latin-1")

@@ -1,9 +1,11 @@
 """A tiny annotated MLP trained under DataParallel, FSDP or Hybrid, in one process or several.
 
-The multi-process tests run this file in 2 processes x 4 devices (`python _train_script.py OUT
-dp fsdp hybrid`); the 1-process reference imports `train` and runs it in the pytest process
-(8 devices). Nothing here calls jax.distributed: `ArrayLoader` and `Fit` join the job from the
-launcher's variables, as a user's script would.
+After the fit, DataParallel and FSDP also evaluate a masked token-weighted loss on sequences
+(`token_data`: the same MLP applied to every position) with `self.log(batch_size=tokens)` and
+clu metrics. The multi-process tests run this file in 2 processes x 4 devices (`python
+_train_script.py OUT dp fsdp hybrid`); the 1-process reference imports `train` and runs it in
+the pytest process (8 devices). Nothing here calls jax.distributed: `ArrayLoader` and `Fit`
+join the job from the launcher's variables, as a user's script would.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 import numpy as np
 import optax
+from clu import metrics as clu_metrics
 from flax import nnx
 
 import jaxlight as jl
@@ -21,6 +24,10 @@ from jaxlight import strategies
 
 GLOBAL_BATCH = 32
 STEPS = 6
+#: Strategies that also run the masked token evaluation: 37 sequences in batches of 16, so the
+#: last batch holds 5, split 2 / 3 between two processes.
+TOKEN_STRATEGIES = ("dp", "fsdp")
+TOKEN_ROWS, TOKEN_BATCH, TOKEN_LENGTH = 37, 16, 6
 
 
 class AnnotatedMLP(nnx.Module):
@@ -63,10 +70,41 @@ class Module(jl.TrainModule):
         return {"loss": losses.mean(), "accuracy": (logits.argmax(-1) == batch["y"]).mean()}
 
 
+#: Token accuracy and loss over the unmasked tokens (clu: merged over batches).
+TokenMetrics = clu_metrics.Collection.create(accuracy=clu_metrics.Accuracy,
+                                             loss=clu_metrics.Average.from_output("loss"))
+
+
+class TokenModule(Module):
+    """Evaluates sequences (rows, positions, features) of different lengths (`mask`): every mean
+    is over real tokens, not over sequences."""
+
+    def validation_step(self, model, batch):
+        if "mask" not in batch:  # the classification evaluation (the batch's structure is static)
+            return super().validation_step(model, batch)
+        logits = model(batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        mask = batch["mask"]
+        tokens = mask.sum()
+        self.log("val_token_loss", (losses * mask).sum() / tokens, batch_size=tokens)
+        return {"clu_token_loss": clu_metrics.Average.from_model_output(losses, mask=mask > 0),
+                "tokens": TokenMetrics.single_from_model_output(
+                    logits=logits, labels=batch["y"], loss=losses, mask=mask > 0)}
+
+
 def data(n: int, seed: int):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, 16)).astype(np.float32)
     return {"x": x, "y": x[:, :4].argmax(-1).astype(np.int32)}
+
+
+def token_data(n: int, seed: int) -> dict:
+    """`n` sequences of `TOKEN_LENGTH` positions; sequence i has 1 to TOKEN_LENGTH real ones."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, TOKEN_LENGTH, 16)).astype(np.float32)
+    lengths = rng.integers(1, TOKEN_LENGTH + 1, size=n)
+    mask = (np.arange(TOKEN_LENGTH)[None] < lengths[:, None]).astype(np.float32)
+    return {"x": x, "y": x[..., :4].argmax(-1).astype(np.int32), "mask": mask}
 
 
 STRATEGIES = {
@@ -77,15 +115,13 @@ STRATEGIES = {
 
 
 def host_params(model) -> dict[str, np.ndarray]:
-    """Every parameter as a full NumPy array on every process (gathered across processes)."""
+    """Every parameter, whole, as NumPy, on every process: `jaxlight.distributed.gather`, as a
+    user reads the trained model (every process calls it: a collective)."""
     import jax
-    from jax.experimental import multihost_utils
 
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
-    if jax.process_count() > 1:
-        flat = multihost_utils.process_allgather(flat, tiled=True)
-    return {k: np.asarray(v) for k, v in flat.items()}
+    host = jl.distributed.gather(model)
+    state = nnx.to_pure_dict(nnx.state(host, nnx.Param))
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(state)}
 
 
 def first_global_batch(fit, loader) -> np.ndarray:
@@ -121,11 +157,16 @@ def train(name: str, root: str, steps: int = STEPS, *, ckpt_dir: str | None = No
     val_data = jl.data.ArrayLoader(held_out, GLOBAL_BATCH, shuffle=False, drop_remainder=False)
     fit = jl.Fit(STRATEGIES[name](), max_steps=steps, log_every_n_steps=1, callbacks=callbacks,
                  enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
-    module = Module()
+    tokens = evaluate and name in TOKEN_STRATEGIES
+    module = TokenModule() if tokens else Module()
     fit.fit(module, train_data, ckpt_path=ckpt_path)
+    kernel = module.model.up.kernel[...]
     result = {"losses": {int(k): v for k, v in losses.items()}, "val": {},
               "params": host_params(module.model), "predictions": np.zeros(0),
-              "batch": np.zeros(0)}
+              "batch": np.zeros(0), "token_val": {},
+              # (False, False) under FSDP on 2 processes: no process holds the whole kernel, so
+              # jax.device_get refuses it and gather all-gathers it.
+              "kernel_layout": [kernel.is_fully_addressable, kernel.is_fully_replicated]}
     if evaluate:
         result["val"] = fit.validate(module, val_data)
         predictions = fit.predict(module, val_data)
@@ -133,6 +174,12 @@ def train(name: str, root: str, steps: int = STEPS, *, ckpt_dir: str | None = No
         result["batch"] = first_global_batch(
             fit, jl.data.ArrayLoader(data(256, 0), GLOBAL_BATCH, seed=1))
     result["compiles"] = dict(fit.compile_counts)
+    if tokens:
+        sequences = jl.data.ArrayLoader(token_data(TOKEN_ROWS, 2), TOKEN_BATCH, shuffle=False,
+                                        drop_remainder=False)
+        result["token_val"] = fit.validate(module, sequences)
+        result["token_compiles"] = fit.compile_counts["eval:validation_step"] \
+            - result["compiles"]["eval:validation_step"]
     return result
 
 
@@ -158,8 +205,12 @@ def main(argv: list[str]) -> None:
         np.savez(os.path.join(out, f"{name}_rank{rank}.npz"), **arrays)
         with open(os.path.join(out, f"{name}_rank{rank}.json"), "w") as f:
             json.dump({"losses": result["losses"], "val": result["val"],
+                       "token_val": result["token_val"],
+                       "token_compiles": result.get("token_compiles"),
                        "compiles": result["compiles"], "process_count": jax.process_count(),
-                       "device_count": jax.device_count()}, f)
+                       "device_count": jax.device_count(), "kernel_layout": result["kernel_layout"],
+                       "host_types": sorted({type(v).__name__ for v in result["params"].values()})},
+                      f)
         print(f"{name}: losses {result['losses']}", flush=True)
 
 

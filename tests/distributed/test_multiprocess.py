@@ -86,18 +86,25 @@ def test_two_processes_match_one_process(multi, reference, name):
             "init": 1, "train": 1, "eval:validation_step": 2, "predict": 2}
 
 
-def _exact_validation(params: dict, held_out: dict) -> dict:
-    """The validation metrics of `_train_script.Module`, in float64 NumPy over all 33 rows."""
+def _exact_logits_and_losses(params: dict, x: np.ndarray, y: np.ndarray):
+    """`_train_script.AnnotatedMLP`'s logits and cross-entropies in float64 NumPy (any leading
+    dimensions: rows, or rows and positions)."""
     def p(layer, name):
         return params[f"['{layer}']['{name}']"].astype(np.float64)
 
-    x, y = held_out["x"].astype(np.float64), held_out["y"]
+    x = x.astype(np.float64)
     hidden = np.maximum(x @ p("up", "kernel") + p("up", "bias"), 0.0)
     logits = (x + hidden @ p("down", "kernel") + p("down", "bias")) @ p("head", "kernel") \
         + p("head", "bias")
     top = logits.max(-1, keepdims=True)
-    logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-    losses = logz - logits[np.arange(len(y)), y]
+    logz = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
+    return logits, logz - np.take_along_axis(logits, y[..., None], -1)[..., 0]
+
+
+def _exact_validation(params: dict, held_out: dict) -> dict:
+    """The validation metrics of `_train_script.Module`, in float64 NumPy over all 33 rows."""
+    y = held_out["y"]
+    logits, losses = _exact_logits_and_losses(params, held_out["x"], y)
     weights = y + 1.0
     return {"val_loss": losses.mean(), "val_accuracy": (logits.argmax(-1) == y).mean(),
             "val_weighted_loss": (losses * weights).sum() / weights.sum()}
@@ -112,6 +119,42 @@ def test_two_process_evaluation_is_exact(multi, name):
         exact = _exact_validation(got["params"], script.data(33, 1))
         for key, value in exact.items():
             assert got["val"][key] == pytest.approx(value, rel=1e-6), key
+
+
+@pytest.mark.parametrize("name", script.TOKEN_STRATEGIES)
+def test_masked_token_metrics_are_exact(multi, reference, name):
+    """A masked token-weighted loss (self.log weighted by the batch's token count, a clu Average
+    and a clu accuracy Collection over the real tokens) equals float64 NumPy's over all 37
+    sequences to 1e-6: in 1 process and in 2, where the last batch of 5 splits 2 / 3."""
+    _, runs = multi
+    sequences = script.token_data(script.TOKEN_ROWS, 2)
+    mask = sequences["mask"].astype(bool)
+    for got in [reference[1][name], runs[name, 0], runs[name, 1]]:
+        logits, losses = _exact_logits_and_losses(got["params"], sequences["x"], sequences["y"])
+        token_loss = losses[mask].mean()
+        # The mean of per-sequence means (a per-example evaluation) is another number.
+        assert abs(losses.mean(1, where=mask).mean() - token_loss) > 1e-3
+        for key in ("val_token_loss", "val_clu_token_loss", "val_tokens_loss"):
+            assert got["token_val"][key] == pytest.approx(token_loss, rel=1e-6), key
+        accuracy = (logits.argmax(-1) == sequences["y"])[mask].mean()
+        assert got["token_val"]["val_tokens_accuracy"] == pytest.approx(accuracy, rel=1e-6)
+        assert got["token_compiles"] == 2  # batches of 16 and the last of 5
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_gather_reads_the_trained_model_on_every_process(multi, name):
+    """`jaxlight.distributed.gather(module.model)`, called by both processes after the fit
+    (`_train_script.host_params`): the same NumPy parameters on both (the one-process run's:
+    `test_two_processes_match_one_process`)."""
+    _, runs = multi
+    first, second = runs[name, 0], runs[name, 1]
+    for got in (first, second):
+        assert got["host_types"] == ["ndarray"]
+        if name == "fsdp":  # no process held the whole kernel: a real all-gather ran
+            assert got["kernel_layout"] == [False, False]
+    assert first["params"].keys() == second["params"].keys()
+    for key, value in first["params"].items():
+        np.testing.assert_array_equal(second["params"][key], value, err_msg=key)
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
