@@ -19,11 +19,13 @@ from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState
 from jaxlight._version import __version__ as __version__
+from jaxlight.data._datamodule import DataModule
 
 __all__ = [
     "CheckpointError",
     "ConfigurationError",
     "DataError",
+    "DataModule",
     "DistributedError",
     "Fit",
     "JaxlightError",

@@ -14,7 +14,8 @@ coordinates). A step directory is complete once orbax has renamed it from
                                 `rest` without frozen parameters (see `_frozen`: a LoRA
                                 module's base weights are rebuilt by configure_model)
     <dirpath>/<step>/meta/      JSON (orbax JsonSave): step, epoch, batch index, loader position,
-                                callbacks' states, hyperparameters, monitored value, key impls
+                                callbacks' states, hyperparameters, monitored value, key impls,
+                                the DataModule's state_dict() (under "datamodule", if any)
     <dirpath>/<step>/metrics/   JSON {monitor: value} when ModelCheckpoint has a monitor
     <dirpath>/<step>/checksums/ JSON: a digest of every array in `state` (see `_verify`),
                                 checked on every restore; a damaged newest step makes
@@ -39,6 +40,7 @@ import numpy as np
 from jaxlight import _hparams
 from jaxlight._state import TrainState
 from jaxlight._version import __version__
+from jaxlight.data._datamodule import META_KEY, datamodule_state
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
@@ -179,6 +181,9 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
         "versions": {"jax": jax.__version__, "jaxlight": __version__},
         "time": time.time(),
     }
+    datamodule = getattr(fit, "datamodule", None)
+    if datamodule is not None:  # only fits with a DataModule: others' records unchanged
+        meta[META_KEY] = datamodule_state(datamodule)
     if frozen is not None:  # only for modules with frozen parameters: others' records unchanged
         meta["frozen_params"] = frozen
     lossy = _hparams.unrestorable(module.hparams)

@@ -119,6 +119,40 @@ def collect(module, names: tuple, ignore, frame) -> AttributeDict:
     return AttributeDict({k: v for k, v in found.items() if k not in ignored})
 
 
+class HyperparametersMixin:
+    """`hparams` and `save_hyperparameters()`, shared by `TrainModule` and `DataModule` (as
+    Lightning's mixin is): the constructor arguments are recorded without any call."""
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        object.__setattr__(self, "_hparams", init_arguments(cls, args, kwargs))
+        return self
+
+    def save_hyperparameters(self, *names, ignore=None) -> None:
+        """Records the `__init__` arguments as `self.hparams`, as Lightning does.
+
+        Reads the arguments of the `__init__` that calls it (and of subclass `__init__`s above
+        it) as they are at the call (an argument reassigned before the call is recorded as
+        reassigned, and `load_from_checkpoint` passes that value back to `__init__`). Without a
+        call, every constructor argument is recorded as given.
+
+        Args:
+            *names: record only these arguments; or one dict / Namespace to record as it is.
+            ignore: argument names (or one name) to leave out, e.g. a backbone module.
+        """
+        frame = inspect.currentframe().f_back
+        try:
+            object.__setattr__(self, "_hparams", collect(self, names, ignore, frame))
+        finally:
+            del frame  # no reference cycle through the caller's frame
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """The hyperparameters (constructor arguments, defaults filled in): `hparams.lr` or
+        `hparams["lr"]`. Checkpoints and loggers record them."""
+        return self._hparams
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 

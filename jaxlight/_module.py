@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import optax
@@ -17,7 +16,7 @@ Batch = Any
 Metrics = dict[str, Any]
 
 
-class TrainModule(ModuleHooks):
+class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
     """The user's side of training, with PyTorch Lightning's names.
 
     Subclass it, build the model in `configure_model`, the optimizer in `configure_optimizers`,
@@ -52,38 +51,13 @@ class TrainModule(ModuleHooks):
     trainable: Any = nnx.Param
 
     def __new__(cls, *args, **kwargs):
-        self = super().__new__(cls)
-        object.__setattr__(self, "_hparams", _hparams.init_arguments(cls, args, kwargs))
+        self = super().__new__(cls, *args, **kwargs)  # records the hyperparameters
         object.__setattr__(self, "_model", None)
         object.__setattr__(self, "_model_source", None)
         return self
 
     def __init__(self):
         pass
-
-    def save_hyperparameters(self, *names, ignore=None) -> None:
-        """Records the `__init__` arguments as `self.hparams`, as Lightning does.
-
-        Reads the arguments of the `__init__` that calls it (and of subclass `__init__`s above
-        it) as they are at the call (an argument reassigned before the call is recorded as
-        reassigned, and `load_from_checkpoint` passes that value back to `__init__`). Without a
-        call, every constructor argument is recorded as given.
-
-        Args:
-            *names: record only these arguments; or one dict / Namespace to record as it is.
-            ignore: argument names (or one name) to leave out, e.g. a backbone module.
-        """
-        frame = inspect.currentframe().f_back
-        try:
-            object.__setattr__(self, "_hparams", _hparams.collect(self, names, ignore, frame))
-        finally:
-            del frame  # no reference cycle through the caller's frame
-
-    @property
-    def hparams(self) -> _hparams.AttributeDict:
-        """The hyperparameters (constructor arguments, defaults filled in): `hparams.lr` or
-        `hparams["lr"]`. Checkpoints and loggers record them."""
-        return self._hparams
 
     @classmethod
     def load_from_checkpoint(cls, path, strategy=None, **hparams):

@@ -2,11 +2,11 @@
 
 Per page (docs/*.md, README.md): `python` blocks run top to bottom in one namespace; each line of
 a `bash` block is a `jaxlight` command, run in this process through the CLI's `main` and required
-to exit 0; a `yaml`/`json` block right after `<!-- file: NAME -->` is written to NAME first. A
-block right after `<!-- skip: reason -->` is not run; one after `<!-- needs: MODULE -->` runs
-wherever MODULE is installed (an optional library jaxlight does not depend on, e.g. torch). Other fences (`text`, `sh`, `console`) are
-output or shell the suite cannot run (`make test` inside the tests), and must not hide a
-`jaxlight` command.
+to exit 0; a block (`yaml`, `json`, `python`, ...) right after `<!-- file: NAME -->` is written to
+NAME first instead of being run. A block right after `<!-- skip: reason -->` is not run; one
+after `<!-- needs: MODULE -->` runs wherever MODULE is installed (an optional library jaxlight
+does not depend on, e.g. torch). Other fences (`text`, `sh`, `console`) are output or shell the
+suite cannot run (`make test` inside the tests), and must not hide a `jaxlight` command.
 """
 
 from __future__ import annotations

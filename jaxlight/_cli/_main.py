@@ -25,8 +25,8 @@ from jaxlight._launch import main as launch_main
 
 
 def _top_help() -> str:
-    lines = ["usage: jaxlight <command> [recipe] [options]   (jaxlight --version)", "",
-             "commands:"]
+    lines = ["usage: jaxlight <command> [recipe | PATH.py:Module --data PATH.py:Data] [options]"
+             "   (jaxlight --version)", "", "commands:"]
     lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
     lines += ["", "recipes (jaxlight fit <recipe> --help lists every option and its default):"]
     for name in recipes.names():
@@ -97,7 +97,8 @@ def _dispatch(argv: list[str]) -> int:
             return 0
         raise ConfigurationError(
             f"jaxlight {command} needs a recipe: jaxlight {command} <recipe> [options]; "
-            f"recipes are {recipes.names()}."
+            f"recipes are {recipes.names()}. Your own module: jaxlight {command} "
+            "PATH.py:Module --data PATH.py:Data [options]."
         )
     run(command, rest[0], rest[1:])
     return 0

@@ -6,23 +6,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
-import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from jaxlight import Fit, recipes
 from jaxlight._cli._build import parse_mesh_shape
+from jaxlight._cli._config_file import load_config_file, split_file_options
+from jaxlight._cli._target import (
+    TargetRecipe,
+    is_target,
+    load_target,
+    same_target,
+    take_class_paths,
+)
 from jaxlight._errors import ConfigurationError, suggest
-from jaxlight.recipes._base import apply_overrides, convert, fields, flatten, get_path, type_name
+from jaxlight.recipes._base import apply_overrides, convert, fields, get_path, type_name
 
 COMMANDS = {
-    "fit": "train a recipe (then report its final validation metrics)",
-    "validate": "run a recipe's validation data through a model (from --ckpt-path)",
-    "test": "run a recipe's test data through a model (from --ckpt-path)",
+    "fit": "train a recipe or your module (then report its final validation metrics)",
+    "validate": "run the validation data through a model (from --ckpt-path)",
+    "test": "run the test data through a model (from --ckpt-path)",
+    "predict": "run predict_step over the prediction data (from --ckpt-path); --output saves it",
     "devices": "print devices, process index and count, and the mesh a strategy builds",
     "launch": "start N local processes of a command (multi-process training on one machine)",
 }
@@ -81,9 +85,14 @@ RUN_OPTIONS: tuple[_Opt, ...] = (
     _Opt("checkpoint_every_n_steps", int | None, None,
          "save a checkpoint every N steps under <default_root_dir>/checkpoints "
          "(callbacks.ModelCheckpoint)", fit_kwarg=False),
+    _Opt("checkpoint_monitor", str | None, None,
+         "rank checkpoints by this metric (e.g. val_loss), so that --ckpt-path best finds the "
+         "best; saves at every epoch's end without --checkpoint-every-n-steps", fit_kwarg=False),
+    _Opt("checkpoint_mode", str, "min", "'min' or 'max': which --checkpoint-monitor values are "
+         "better", fit_kwarg=False),
     _Opt("ckpt_path", str | None, None,
-         "checkpoint to resume from (fit) or to evaluate (validate, test): a path, 'last' or "
-         "'best'", fit_kwarg=False),
+         "checkpoint to resume from (fit) or to run (validate, test, predict): a path, 'last' "
+         "or 'best'", fit_kwarg=False),
     _Opt("default_root_dir", str, None, "where logs and checkpoints are written"),
     _Opt("seed", int, None, "seeds parameter initialization and every nnx.Rngs stream"),
     _Opt("compilation_cache", str | None, None, "directory of the persistent compilation cache "
@@ -95,6 +104,10 @@ _CLI_ONLY = {
     "config": "read options from a YAML or JSON file (command-line options win)",
     "preset": "a named set of defaults of the recipe",
     "print_config": "print the resolved options as YAML (usable with --config) and exit",
+    "data": "your data: PATH.py:NAME or package.module:NAME, a jaxlight.DataModule subclass or "
+            "a function returning one; its __init__ arguments become --data.<name> options",
+    "output": "save the predictions to this .npz file (one array per output, batches "
+              "concatenated)",
 }
 
 
@@ -160,11 +173,14 @@ def _fmt(value: Any) -> str:
 
 
 def _recipe_parser(command: str, recipe, defaults: dict[str, Any], config_defaults: Any):
+    target = isinstance(recipe, TargetRecipe)
     parser = _Parser(
         prog=f"jaxlight {command} {recipe.name}",
         usage=f"jaxlight {command} {recipe.name} [options]",
-        description=(f"{recipe.summary}\n\n{COMMANDS[command]}. Values come from the recipe's "
-                    "defaults, then --preset, then --config FILE, then the command line."),
+        description=(f"{recipe.summary}\n\n{COMMANDS[command]}. Values come from the "
+                     f"{'signatures' if target else 'recipe'}' defaults, then "
+                     f"{'' if target else '--preset, then '}--config FILE, then the command "
+                     "line."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
         add_help=False,
@@ -177,6 +193,10 @@ def _recipe_parser(command: str, recipe, defaults: dict[str, Any], config_defaul
                              help=f"{_CLI_ONLY['preset']}: {', '.join(recipe.presets)} "
                                   "(default: none)")
     general.add_argument("--print-config", action="store_true", help=_CLI_ONLY["print_config"])
+    if target:
+        general.add_argument("--data", metavar="PATH:NAME", help=_esc(_CLI_ONLY["data"]))
+    if command == "predict":
+        general.add_argument("--output", metavar="FILE.npz", help=_CLI_ONLY["output"])
     run = parser.add_argument_group("fit options")
     for opt in RUN_OPTIONS:
         run.add_argument(_flag(opt.name), dest=opt.name, metavar=type_name(opt.type).upper()
@@ -186,7 +206,9 @@ def _recipe_parser(command: str, recipe, defaults: dict[str, Any], config_defaul
         section = dotted.split(".")[0]
         group = next((g for g in parser._action_groups if g.title == f"{section}.*"), None)
         if group is None:
-            group = parser.add_argument_group(f"{section}.*", f"recipe config section {section!r}")
+            group = parser.add_argument_group(
+                f"{section}.*", recipe.notes[section] if target
+                else f"recipe config section {section!r}")
         help_text = field.metadata.get("help", "")
         group.add_argument(_flag(dotted), dest=dotted, metavar=type_name(field.type)
                            .upper().replace(" ", ""),
@@ -210,90 +232,6 @@ def _unknown_option_error(parser: argparse.ArgumentParser, unknown: list[str]) -
     )
 
 
-# -- config files --------------------------------------------------------------------------------
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Reads a YAML or JSON options file; a syntax error names the file, line and reason."""
-    if not os.path.isfile(path):
-        raise ConfigurationError(f"--config {path}: no such file (looked in {os.getcwd()}).")
-    with open(path) as f:
-        text = f.read()
-    if path.endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigurationError(
-                f"config file {path}, line {err.lineno}, column {err.colno}: {err.msg} "
-                "(it is read as JSON because of its .json suffix)."
-            ) from None
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            reason = getattr(err, "problem", None) or str(err)
-            context = getattr(err, "context", None)
-            raise ConfigurationError(
-                f"config file {path}{where}: {reason}"
-                + (f" ({context})" if context else "") + " (read as YAML)."
-            ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigurationError(
-            f"config file {path}: the top level is a {type(data).__name__}; it must be a mapping "
-            "such as `max_steps: 100` / `model: {hidden: 128}`."
-        )
-    return data
-
-
-def _line_of(path: str, key: str) -> str:
-    """', line N' of the first line mentioning `key` in a config file (best effort)."""
-    try:
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if re.search(rf"(^|[\s{{\"',]){re.escape(key)}[\"']?\s*:", line):
-                    return f", line {i}"
-    except OSError:
-        pass
-    return ""
-
-
-def _split_file_options(path: str, data: dict[str, Any], recipe, config) -> tuple[dict, dict]:
-    """Splits a config file into run options and recipe config overrides."""
-    run_names = {o.name for o in RUN_OPTIONS} | {"preset"}
-    sections = {d.split(".")[0] for d in fields(type(config))}
-    known_fields = fields(type(config))
-    run, cfg = {}, {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name in run_names:
-            run[name] = value
-        elif name in sections and isinstance(value, dict):
-            for dotted, v in flatten(value, f"{name}.").items():
-                if dotted not in known_fields:
-                    leaf = dotted.split(".")[-1]
-                    raise ConfigurationError(
-                        f"config file {path}{_line_of(path, leaf)}: unknown field {dotted!r} of "
-                        f"recipe {recipe.name!r}.{suggest(dotted, known_fields)} Valid fields: "
-                        f"{', '.join(known_fields)}."
-                    )
-                cfg[dotted] = v
-        elif "." in name and name in known_fields:
-            cfg[name] = value
-        else:
-            valid = sorted(run_names | sections)
-            raise ConfigurationError(
-                f"config file {path}{_line_of(path, str(key))}: unknown key {key!r}."
-                f"{suggest(name, valid)} Valid top-level keys: {', '.join(valid)} (recipe "
-                f"sections hold mappings, e.g. `{sorted(sections)[0]}: {{...}}`)."
-            )
-    return run, cfg
-
-
-
 def _convert(name: str, value: Any, kind: Any, where: str) -> Any:
     """A run option's value from a flag or a config file; a mesh shape goes through the one
     mesh grammar (so YAML may give it as a real list or mapping, not only as text)."""
@@ -305,22 +243,34 @@ def _convert(name: str, value: Any, kind: Any, where: str) -> Any:
 
 
 def resolve(command: str, recipe_name: str, argv: Sequence[str]):
-    """Parses a recipe command's options: (recipe, config, options, parser, flags)."""
-    recipe = recipes.get(recipe_name)
+    """Parses a command's options: (recipe, config, options, parser, flags). `recipe_name` is a
+    registered recipe, or user code (`PATH.py:Module`, with `--data PATH.py:Data`)."""
     argv = _normalize(argv)
-    base_defaults = {**run_option_defaults(), **recipe.fit_defaults}
-    # First pass: --preset and --config decide the defaults the help shows.
+    # First pass: --preset, --config and --data decide the options and the defaults shown.
     pre = _Parser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     pre.add_argument("--config")
+    pre.add_argument("--data")
     early, _ = pre.parse_known_args(argv)
+    data = load_config_file(early.config) if early.config else {}
+    if is_target(recipe_name):
+        paths = take_class_paths(data)
+        if "model" in paths and not same_target(paths["model"], recipe_name):
+            raise ConfigurationError(
+                f"config file {early.config}: model.class_path is {paths['model']!r}, but the "
+                f"command line names {recipe_name!r}; drop one of them, or make them agree."
+            )
+        recipe = load_target(recipe_name, early.data or paths.get("data"))
+    else:
+        recipe = recipes.get(recipe_name)
+    base_defaults = {**run_option_defaults(), **recipe.fit_defaults}
     file_run: dict[str, Any] = {}
     file_cfg: dict[str, Any] = {}
     preset = early.preset
     config = recipe.config()
     if early.config:
-        data = load_config_file(early.config)
-        file_run, file_cfg = _split_file_options(early.config, data, recipe, config)
+        file_run, file_cfg = split_file_options(
+            early.config, data, recipe, config, {o.name for o in RUN_OPTIONS} | {"preset"})
         preset = preset or file_run.pop("preset", None)
         file_run.pop("preset", None)
     defaults = dict(base_defaults)

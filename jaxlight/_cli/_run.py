@@ -1,10 +1,12 @@
-"""Running a recipe command (`fit`, `validate`, `test`) in this process."""
+"""Running a command (`fit`, `validate`, `test`, `predict`) on a recipe or the user's own
+module, in this process."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +15,8 @@ import yaml
 
 from jaxlight import Fit
 from jaxlight import callbacks as cbs
+from jaxlight._ckpt_paths import resolve_checkpoint
+from jaxlight._cli import _predict
 from jaxlight._cli._build import (
     build_callbacks,
     build_loggers,
@@ -21,8 +25,10 @@ from jaxlight._cli._build import (
 )
 from jaxlight._cli._devices import _check_devices, _describe_devices, _initialize_distributed
 from jaxlight._cli._options import RUN_OPTIONS, _fit_signature_defaults, resolve
-from jaxlight._errors import ConfigurationError
-from jaxlight.recipes._base import apply_overrides, as_dict
+from jaxlight._cli._target import TargetRecipe, missing_required, printable
+from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight.data._datamodule import DataModule, defines
+from jaxlight.recipes._base import apply_overrides
 
 
 @dataclasses.dataclass
@@ -35,6 +41,8 @@ class RunResult:
     config: Any
     options: dict[str, Any]
     metrics: dict[str, Any]
+    #: `predict`'s outputs: one NumPy pytree per batch (None for the other commands).
+    predictions: list[Any] | None = None
 
 
 
@@ -47,19 +55,29 @@ def _fit_kwargs(options: dict[str, Any]) -> dict[str, Any]:
 def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult | None:
     """Runs `jaxlight <command> <recipe> [argv]` in this process and returns what it built.
 
-    `run("fit", "digits", ["--max-steps", "20"])` is `jaxlight fit digits --max-steps 20`; the
-    result holds the `Fit`, the trained module, the data, the resolved config and options, and
-    every reported metric. Returns None for `--help` and `--print-config`.
+    `run("fit", "digits", ["--max-steps", "20"])` is `jaxlight fit digits --max-steps 20`, and
+    `run("fit", "model.py:Net", ["--data", "model.py:Data"])` runs the user's own module; the
+    result holds the `Fit`, the trained module, the data (a `RecipeData` or the DataModule),
+    the resolved config and options, and every reported metric. Returns None for `--help` and
+    `--print-config`.
     """
     recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
     if flags.get("help"):
         parser.print_help()
         return None
+    if isinstance(recipe, TargetRecipe):
+        missing_required(recipe, config)
     if flags.get("print_config"):
-        printable = {**options, **as_dict(config)}
-        print(yaml.safe_dump(printable, sort_keys=False), end="")
+        print(yaml.safe_dump(printable(recipe, options, config), sort_keys=False), end="")
         return None
+    if isinstance(recipe, TargetRecipe) and "data" not in recipe.class_paths:
+        raise ConfigurationError(
+            f"jaxlight {command} {recipe.name} needs its data: add --data PATH.py:NAME naming a "
+            "jaxlight.DataModule subclass (or a function returning one), or give "
+            "`data: {class_path: PATH.py:NAME}` in the --config file."
+        )
     _check_options(command, recipe.name, options, flags)
+    _predict.check_output_path(flags.get("output"))
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
     _initialize_distributed()
     if options["devices"] is not None:
@@ -68,21 +86,23 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     strategy = build_strategy(options["strategy"], options["mesh_shape"])
     callbacks = build_callbacks(options["callbacks"])
     loggers = build_loggers(options["logger"]) if not options["fast_dev_run"] else None
-    if options["checkpoint_every_n_steps"] is not None:
-        if not hasattr(cbs, "ModelCheckpoint"):
-            raise ConfigurationError("--checkpoint-every-n-steps needs callbacks.ModelCheckpoint, "
-                                     "which this jaxlight does not have.")
+    if options["checkpoint_every_n_steps"] is not None or options["checkpoint_monitor"]:
         callbacks.append(cbs.ModelCheckpoint(
             os.path.join(os.path.abspath(options["default_root_dir"]), "checkpoints"),
-            every_n_steps=options["checkpoint_every_n_steps"]))
+            every_n_steps=options["checkpoint_every_n_steps"],
+            monitor=options["checkpoint_monitor"], mode=options["checkpoint_mode"]))
     kwargs = _fit_kwargs(options)
     kwargs["fast_dev_run"] = options["fast_dev_run"] or False
+    if command != "fit" and kwargs["max_steps"] is None and kwargs["max_epochs"] is None:
+        kwargs["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
 
     def make_fit(strategy):
         return Fit(strategy, callbacks=[*callbacks, *(loggers or []), _LastValidation()],
                    logger=loggers is not None, **kwargs)
 
     fit = make_fit(strategy)  # refuses bad Fit options before the recipe builds anything
+    if command != "fit" and options["ckpt_path"] in ("best", "last"):
+        options["ckpt_path"] = _find_checkpoint(fit, options["ckpt_path"])
     overrides = recipe.ckpt_overrides
     if callable(overrides):
         overrides = overrides(config)
@@ -90,6 +110,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         config = apply_overrides(config, overrides, f"recipe {recipe.name}")
     module, data = recipe.build(config, kwargs.get("max_steps"))
     metrics: dict[str, Any] = {}
+    predictions = None
     say = _printer()
     sized, note = size_bare_strategy(options["strategy"], options["mesh_shape"], module,
                                      fit.seed)
@@ -102,6 +123,8 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     try:
         if command == "fit":
             _fit_command(recipe, config, options, fit, module, data, metrics, say)
+        elif command == "predict":
+            predictions = _predict_command(recipe, options, flags, fit, module, data, say)
         else:
             _eval_command(command, recipe, options, fit, module, data, metrics, say)
     finally:
@@ -109,7 +132,50 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             finish = getattr(logger, "finish", None)
             if callable(finish):
                 finish()
-    return RunResult(fit, module, data, config, options, metrics)
+    return RunResult(fit, module, data, config, options, metrics, predictions)
+
+
+def _find_checkpoint(fit, which: str) -> str:
+    """The step directory `--ckpt-path best|last` names for validate/test/predict, found before
+    the model is built; a run with nothing to load is refused, not evaluated untrained."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "last" finding nothing is refused below instead
+            found = resolve_checkpoint(fit, which)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"--ckpt-path {which}: {err} On the command line: fit with --checkpoint-monitor "
+            "val_loss (--checkpoint-mode max for a metric where higher is better)."
+        ) from None
+    if found is None:
+        looked = ", ".join(loc.dirpath for loc in fit.checkpoint_locations)
+        raise CheckpointError(
+            f"--ckpt-path last: no complete checkpoint in {looked}; fit with "
+            "--checkpoint-every-n-steps N (or --checkpoint-monitor) first, with the same "
+            "--default-root-dir, or pass the path of a checkpoint."
+        )
+    if jax.process_index() == 0:
+        print(f"--ckpt-path {which}: {found}", flush=True)
+    return found
+
+
+def _stage_data(command: str, recipe, data) -> dict[str, Any]:
+    """The data keywords of `Fit.<command>`: a DataModule, or the recipe's split."""
+    if isinstance(data, DataModule):
+        return {"datamodule": data}
+    if command == "fit":
+        return {"train_data": data.train, "val_data": data.val}
+    split = {"validate": data.val, "test": data.test or data.val,
+             "predict": data.predict}[command]
+    if split is None:
+        raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
+    return {"data": split}
+
+
+def _has_val(data) -> bool:
+    if isinstance(data, DataModule):
+        return defines(data, "val_dataloader")
+    return data.val is not None
 
 
 
@@ -133,16 +199,16 @@ def _fit_command(recipe, config, options, fit, module, data, metrics, say) -> No
         _report("before training", before, say)
     last = next(cb for cb in fit.callbacks if isinstance(cb, _LastValidation))
     t0 = time.perf_counter()
-    fit.fit(module, data.train, data.val, ckpt_path=options["ckpt_path"])
+    fit.fit(module, ckpt_path=options["ckpt_path"], **_stage_data("fit", recipe, data))
     metrics["train_seconds"] = time.perf_counter() - t0
     metrics["global_step"] = fit.global_step
-    if data.val is not None:
+    if _has_val(data):
         # A fit that validated after its last step already measured (and logged) the final
         # model: validating again would log the same metrics twice at one step.
         if last.step == fit.global_step and last.metrics:
             final = dict(last.metrics)
         else:
-            final = fit.validate(module, data.val)
+            final = fit.validate(module, **_stage_data("validate", recipe, data))
         metrics.update(final)
         _report(f"final validation metrics (step {fit.global_step}, "
                 f"{metrics['train_seconds']:.1f} s)", final, say)
@@ -156,13 +222,25 @@ def _eval_command(command, recipe, options, fit, module, data, metrics, say) -> 
     if options["ckpt_path"] is None:
         say(f"warning: --ckpt-path none: {command} evaluates the model as configure_model "
             "initializes it, not a trained one")
-    split = data.val if command == "validate" else (data.test or data.val)
-    if split is None:
-        raise ConfigurationError(f"recipe {recipe.name!r} has no {command} data.")
     method = fit.validate if command == "validate" else fit.test
-    result = method(module, split, ckpt_path=options["ckpt_path"])
+    result = method(module, ckpt_path=options["ckpt_path"], **_stage_data(command, recipe, data))
     metrics.update(result)
     _report(f"{command} metrics", result, say)
+
+
+def _predict_command(recipe, options, flags, fit, module, data, say) -> list[Any]:
+    if options["ckpt_path"] is None:
+        say("warning: --ckpt-path none: predict runs the model as configure_model initializes "
+            "it, not a trained one")
+    outputs = fit.predict(module, ckpt_path=options["ckpt_path"],
+                          **_stage_data("predict", recipe, data))
+    arrays = _predict.collect(outputs)
+    for line in _predict.summarize(outputs, arrays):
+        say(line)
+    if flags.get("output"):
+        _predict.save(flags["output"], arrays)
+        say(f"saved {len(arrays)} arrays to {flags['output']}")
+    return outputs
 
 
 def _check_options(command: str, recipe_name: str, options: dict[str, Any],
@@ -177,13 +255,25 @@ def _check_options(command: str, recipe_name: str, options: dict[str, Any],
     # `--ckpt-path none` asks for the initialization on purpose (a baseline, or sft's base).
     raw = flags.get("ckpt_path")
     untrained_on_purpose = isinstance(raw, str) and raw.lower() in ("none", "null")
+    if command == "fit" and options["max_steps"] is None and options["max_epochs"] is None \
+            and not options["fast_dev_run"]:
+        raise ConfigurationError(
+            f"jaxlight fit {recipe_name} needs to know how long to train: give --max-steps N or "
+            "--max-epochs N (or max_steps / max_epochs in the --config file)."
+        )
+    if options["checkpoint_mode"] not in ("min", "max"):
+        raise ConfigurationError(
+            f"--checkpoint-mode {options['checkpoint_mode']!r}: give 'min' (lower "
+            "--checkpoint-monitor values are better, as for a loss) or 'max' (an accuracy)."
+        )
     if command != "fit" and options["ckpt_path"] is None and not untrained_on_purpose:
         root = options["default_root_dir"]
+        run_recipe = recipe_name if ":" not in recipe_name else f"{recipe_name} --data ..."
         found = os.path.isdir(os.path.join(root, "checkpoints"))
         hint = (f"--ckpt-path last (the newest checkpoint under {root}/checkpoints)" if found
                 else f"--ckpt-path PATH, a checkpoint step directory (such as "
                 f"{root}/checkpoints/100), a checkpoints directory, 'last' or 'best', as "
-                f"written by `jaxlight fit {recipe_name} --checkpoint-every-n-steps N`")
+                f"written by `jaxlight fit {run_recipe} --checkpoint-every-n-steps N`")
         raise ConfigurationError(
             f"jaxlight {command} {recipe_name} without --ckpt-path would evaluate a randomly "
             f"initialized model, not a trained one; pass {hint}. (To evaluate the "

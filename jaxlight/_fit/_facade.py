@@ -21,6 +21,7 @@ from jaxlight._checkpoint import load_checkpoint, restore_training
 from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError
 from jaxlight._fit._config import FitConfig, epoch_length
+from jaxlight._fit._data_source import DataSource, refuse_keywords
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog, assemble_callbacks, loggers_into_callbacks
 from jaxlight._fit._loop_state import LoopState
@@ -32,6 +33,7 @@ from jaxlight._module import TrainModule
 from jaxlight._porting import check_module, refuse_fit_kwargs
 from jaxlight._preemption import PreemptionHandler
 from jaxlight.callbacks._base import Callback
+from jaxlight.data._datamodule import DataModule
 from jaxlight.data._feed import TrainFeed
 
 
@@ -106,9 +108,7 @@ class Fit(FitView):
         **unknown: Any,
     ):
         if unknown:  # Lightning Trainer arguments get the jaxlight form; typos a did-you-mean
-            valid = [n for n in inspect.signature(Fit.__init__).parameters
-                     if n not in ("self", "unknown")]
-            refuse_fit_kwargs(unknown, valid)
+            refuse_fit_kwargs(unknown, _arguments(Fit.__init__))
         callbacks, logger = loggers_into_callbacks(logger, callbacks)
         # Join a launched multi-process job (jaxlight launch, torchrun, SLURM, ...) before
         # anything starts JAX's backend; a no-op for one process or when already joined.
@@ -146,6 +146,7 @@ class Fit(FitView):
         self._train_data = None
         self._val_data = None
         self._feed: TrainFeed | None = None
+        self._datamodule: DataModule | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Sends host metrics to every callback's `on_log` (loggers write them) at `step`.
@@ -202,26 +203,42 @@ class Fit(FitView):
     def fit(
         self,
         module: TrainModule,
-        train_data: Iterable,
+        train_data: Iterable | DataModule | None = None,
         val_data: Iterable | None = None,
         ckpt_path: str | None = None,
+        *,
+        datamodule: DataModule | None = None,
+        **unknown: Any,
     ) -> TrainModule:
-        """Trains `module`; afterwards `module.model` holds the trained `nnx.Module`."""
+        """Trains `module` on `train_data` (and validates on `val_data`), or on a
+        `jaxlight.DataModule`'s loaders (`datamodule=`, or in `train_data`'s place); afterwards
+        `module.model` holds the trained `nnx.Module`."""
+        if unknown:
+            refuse_keywords("fit", unknown, _arguments(Fit.fit))
+        source = DataSource.resolve("fit", train_data, datamodule, val_data)
         self._setup(module, "fit")
-        self._session.check_schedule_data(val_data)
-        self._train_data = train_data
-        self._feed = TrainFeed(train_data)
-        self._val_data = val_data
+        self._datamodule = source.datamodule
+        self._train_data = self._val_data = self._feed = None
         self._position.start(multi_process=jax.process_count() > 1)
         self._session.state = None
         self._position.move_to(0, 0, 0)
         module.attach_model_source(lambda: self._session.live_model(fresh=True))
+        source.prepare()
         self._call("setup", "fit")
         self._preemption.install()
         try:
+            restored = None
             if ckpt_path is not None:
                 self._session.choose_layout(None)  # restoring needs the layout before any batch
-                self._resume(module, ckpt_path)
+                restored = restore_training(self._session, ckpt_path, fit=self)
+            source.restore(None if restored is None else restored.meta)
+            train_data, val_data = source.loaders()
+            self._session.check_schedule_data(val_data)
+            self._train_data, self._val_data = train_data, val_data
+            self._feed = TrainFeed(train_data)
+            if restored is not None:  # None: ckpt_path="last" and nothing saved yet
+                adopt_checkpoint(restored, self, self._session, self._position, self._feed,
+                                 epoch_length(self._config, train_data), self._call)
             self._call("on_fit_start")
             TrainLoop(self._config, self._session, self._position, self._call, self._log,
                       self._evaluator, self._feed,
@@ -234,6 +251,7 @@ class Fit(FitView):
             try:
                 if self._session.state is not None:
                     module.model = self._session.model(self._session.state)
+                source.teardown()
                 self._call("teardown", "fit")
             finally:
                 self._preemption.restore()
@@ -242,31 +260,33 @@ class Fit(FitView):
 
     # -- evaluation and prediction -------------------------------------------------------------
 
-    def validate(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
-                 ) -> dict[str, float]:
-        """Runs `validation_step` over `data`; returns exact metrics over every example."""
+    def validate(self, module: TrainModule, data: Iterable | DataModule | None = None,
+                 ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
+                 **unknown: Any) -> dict[str, float]:
+        """Runs `validation_step` over `data` (or `datamodule.val_dataloader()`); returns exact
+        metrics over every example."""
         return self._stage(module, "validate", ckpt_path, "on_validation_start",
-                           "on_validation_end", lambda: self._metrics(
-                               data, "validation_step", "val", self._config.limit_val_batches,
-                               "validate"))
+                           "on_validation_end", lambda d: self._metrics(
+                               d, "validation_step", "val", self._config.limit_val_batches,
+                               "validate"), data, datamodule, unknown)
 
-    def test(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
-             ) -> dict[str, float]:
-        """Runs `test_step` over `data`; returns exact metrics over every example."""
+    def test(self, module: TrainModule, data: Iterable | DataModule | None = None,
+             ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
+             **unknown: Any) -> dict[str, float]:
+        """Runs `test_step` over `data` (or `datamodule.test_dataloader()`); returns exact
+        metrics over every example. `ckpt_path="best"`: the best checkpoint of this fit's
+        ModelCheckpoint."""
         return self._stage(module, "test", ckpt_path, "on_test_start", "on_test_end",
-                           lambda: self._metrics(data, "test_step", "test", None, "test"))
+                           lambda d: self._metrics(d, "test_step", "test", None, "test"),
+                           data, datamodule, unknown)
 
-    def predict(self, module: TrainModule, data: Iterable, ckpt_path: str | None = None
-                ) -> list[Any]:
-        """Runs `predict_step` over `data`; returns one NumPy pytree per batch (padding cut)."""
+    def predict(self, module: TrainModule, data: Iterable | DataModule | None = None,
+                ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
+                **unknown: Any) -> list[Any]:
+        """Runs `predict_step` over `data` (or `datamodule.predict_dataloader()`); returns one
+        NumPy pytree per batch (padding cut)."""
         return self._stage(module, "predict", ckpt_path, "on_predict_start", "on_predict_end",
-                           lambda: self._evaluator.predict(data))
-
-    def _resume(self, module: TrainModule, ckpt_path) -> None:
-        restored = restore_training(self._session, ckpt_path, fit=self)
-        if restored is not None:  # None: ckpt_path="last" and nothing saved yet (from scratch)
-            adopt_checkpoint(restored, self, self._session, self._position, self._feed,
-                             epoch_length(self._config, self._train_data), self._call)
+                           self._evaluator.predict, data, datamodule, unknown)
 
     def _metrics(self, data, method: str, prefix: str, limit, stage: str) -> dict[str, float]:
         metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
@@ -275,17 +295,24 @@ class Fit(FitView):
         self.log_metrics(metrics, self._position.global_step)
         return metrics
 
-    def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run):
-        """validate/test/predict: set-up, the checkpoint, start hook, `run()`, end hook."""
+    def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run, data,
+               datamodule, unknown):
+        """validate/test/predict: set-up, the checkpoint, start hook, `run(data)`, end hook."""
+        if unknown:
+            refuse_keywords(stage, unknown, _arguments(getattr(Fit, stage)))
+        source = DataSource.resolve(stage, data, datamodule)
         self._setup(module, stage)
+        self._datamodule = source.datamodule
         module.attach_model_source(lambda: self._session.live_model(fresh=False))
+        source.prepare()
         self._call("setup", stage)
         try:
             if ckpt_path is not None:
                 load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
                 self._session.state = None
+            (data,) = source.loaders()
             self._call(start)
-            out = run()
+            out = run(data)
             self._call(end)
             return out
         except BaseException as exc:
@@ -293,6 +320,12 @@ class Fit(FitView):
             raise
         finally:
             try:
+                source.teardown()
                 self._call("teardown", stage)
             finally:
                 module.attach_model_source(None)
+
+
+def _arguments(method) -> list[str]:
+    """The parameter names of a `Fit` stage method, for messages."""
+    return [n for n in inspect.signature(method).parameters if n not in ("self", "unknown")]

@@ -22,7 +22,7 @@ from jaxlight.data._feed import TrainFeed
 
 class FitView:
     """Read-only properties of `Fit` (which sets `_config`, `_session`, `_position`, `_log`,
-    `_train_data`, `_val_data` and `_feed`)."""
+    `_train_data`, `_val_data`, `_feed` and `_datamodule`)."""
 
     # -- settings (read-only) ------------------------------------------------------------------
 
@@ -101,6 +101,12 @@ class FitView:
     def val_data(self):
         """The validation data of the current `fit` (None without one)."""
         return self._val_data
+
+    @property
+    def datamodule(self):
+        """The `jaxlight.DataModule` of the current (or last) stage; None when loaders were
+        given directly."""
+        return self._datamodule
 
     @property
     def val_every_n_steps(self) -> int | None:

@@ -31,13 +31,15 @@ def section(cls: type) -> Any:
 
 @dataclasses.dataclass
 class RecipeData:
-    """A recipe's data: iterables of NumPy batches (`test` may reuse `val`)."""
+    """A recipe's data: iterables of NumPy batches (`test` may reuse `val`; `predict` is what
+    `jaxlight predict` runs `predict_step` over, None when the recipe has none)."""
 
     train: Iterable
     val: Iterable | None = None
     test: Iterable | None = None
     #: Anything else the recipe's report needs (a tokenizer, prompts, ...).
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    predict: Iterable | None = None
 
 
 @dataclasses.dataclass(frozen=True)

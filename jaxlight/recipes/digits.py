@@ -184,10 +184,12 @@ def build(config: Config | None = None, max_steps: int | None = None
         weight_decay=config.optim.weight_decay, warmup_steps=config.optim.warmup_steps,
         decay_steps=max_steps,
     )
+    test = ArrayLoader(split["test"], batch, shuffle=False, drop_remainder=False)
     data = RecipeData(
         train=ArrayLoader(split["train"], batch, shuffle=True, seed=config.data.split_seed),
         val=ArrayLoader(split["val"], batch, shuffle=False, drop_remainder=False),
-        test=ArrayLoader(split["test"], batch, shuffle=False, drop_remainder=False),
+        test=test,
+        predict=test,  # predict_step reads the images only: the predicted class of each
     )
     return module, data
 
