@@ -19,10 +19,8 @@ from jaxlight.nn._layers import annotated_param, apply_rope
 from jaxlight.nn._scan import remat_policy
 
 ROOT = pathlib.Path(jl.__file__).parent
-# Raised and caught inside jaxlight (_verify, _flops), or invariants of jaxlight's own code that
-# no user input reaches (_loss_scale, _precision): not errors a user can hit.
-INTERNAL = {("_verify.py", "ValueError"), ("_flops.py", "ValueError"),
-            ("_loss_scale.py", "ValueError"), ("_precision.py", "RuntimeError")}
+# Raised and caught inside jaxlight (_verify, _flops): not errors a user can hit.
+INTERNAL = {("_verify.py", "ValueError"), ("_flops.py", "ValueError")}
 
 
 def test_no_bare_builtin_raise_in_jaxlight():
