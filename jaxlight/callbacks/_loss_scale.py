@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._errors import ConfigurationError
+from jaxlight._optim import one_state_of
 
 
 class LossScaleState(NamedTuple):
@@ -96,19 +96,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, init_scale: float,
     return optax.GradientTransformation(init, update)
 
 
-def _is_state(x) -> bool:
-    return isinstance(x, LossScaleState)
-
-
 def find(opt_state: Any) -> LossScaleState:
     """The loss scaler in an optimizer state holding one `dynamic_loss_scale`."""
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
-    if len(found) != 1:
-        raise ConfigurationError(
-            f"MixedPrecision('16-mixed') found {len(found)} loss scales in the optimizer state "
-            "(expected 1); use one MixedPrecision per Fit."
-        )
-    return found[0]
+    return one_state_of(opt_state, LossScaleState, "MixedPrecision", "loss scales")
 
 
 @jax.custom_vjp
