@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxlight._errors import DataError, ShardingError
-from jaxlight.distributed._agreement import _nproc, all_gather_json
+from jaxlight.distributed._agreement import all_gather_json, process_count_and_index
 
 
 class BatchSignature(NamedTuple):
@@ -87,7 +87,7 @@ def check_batch_agreement(batch: Any, what: str = "training batch",
     collective, and one whose data runs out first leaves the others waiting at the next step.
     Called once, on the first batch, before compiling; `num_batches` is `len(data)` if known.
     """
-    nproc, _ = _nproc()
+    nproc, _ = process_count_and_index()
     if nproc == 1:
         return
     desc = {jax.tree_util.keystr(p): f"{tuple(np.shape(x))} {np.asarray(x).dtype}"
@@ -120,7 +120,7 @@ def check_batch_layout(shardings: Any, abstract_batch: Any, what: str = "batch")
     replicates the batch over processes, or interleaves them, needs a different feeding;
     it is refused here, before compiling, instead of training on misplaced rows.
     """
-    nproc, _ = _nproc()
+    nproc, _ = process_count_and_index()
     if nproc == 1:
         return
     leaves = jax.tree_util.tree_leaves_with_path(abstract_batch)

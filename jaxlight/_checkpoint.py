@@ -40,7 +40,7 @@ from jaxlight._ckpt_paths import (
 )
 from jaxlight._ckpt_writer import CheckpointWriter
 from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, _logical_names, abstract_model, frozen_mask
+from jaxlight._state import TrainState, abstract_model, frozen_mask, logical_names
 from jaxlight.strategies._base import Strategy
 
 __all__ = ["CheckpointError", "CheckpointLocation", "CheckpointWriter", "Restored",
@@ -243,8 +243,8 @@ def load_checkpoint(path, module, strategy=None, *, fit=None) -> nnx.Module:
     params, rest = nnx.to_pure_dict(params_state), nnx.to_pure_dict(rest_state)
     abstract = TrainState(step=jax.ShapeDtypeStruct((), np.int32), params=params, opt_state={},
                           rest=rest)
-    logical = TrainState(step=None, params=_logical_names(params_state), opt_state={},
-                         rest=_logical_names(rest_state))
+    logical = TrainState(step=None, params=logical_names(params_state), opt_state={},
+                         rest=logical_names(rest_state))
     shardings = _restore_shardings(strategy, abstract,
                                    strategy.state_shardings(abstract, logical))
     target = {"params": params, "rest": rest}

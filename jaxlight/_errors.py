@@ -58,6 +58,20 @@ class MissingDependency(JaxlightError, ModuleNotFoundError):
     """An optional package a feature needs is not installed; the message names the extra."""
 
 
+class MissingMethodError(JaxlightError, NotImplementedError):
+    """A method jaxlight needs (a `TrainModule`'s `configure_model`, `training_step`, ...) that
+    the subclass does not implement; the message names its signature."""
+
+
+class MissingAttributeError(JaxlightError, AttributeError):
+    """An attribute that is not there yet or at all (`module.model` before a fit, an unknown
+    hyperparameter); `hasattr` and `getattr(..., default)` keep working."""
+
+
+class NotSetUpError(JaxlightError, RuntimeError):
+    """An object used before the step that prepares it (a strategy's layout before `setup`)."""
+
+
 class TrainingStopped(JaxlightError, RuntimeError):
     """Training was stopped by a guard (for example too many non-finite steps in a row)."""
 

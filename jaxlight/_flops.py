@@ -21,10 +21,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Any
+
+from jaxlight._hlo_text import (
+    Instr,
+    attr_ints,
+    backend_config,
+    called_computations,
+    dims,
+    elements,
+    parse_module,
+    trip_count,
+)
 
 #: Dense bf16 peak FLOP/s per chip, from the vendors' data sheets (sparsity excluded).
 PEAK_FLOPS: dict[str, float] = {
@@ -104,10 +114,7 @@ class FlopCount:
         return sum(1 for loop in self.loops if loop.trip_count is None)
 
 
-# -- HLO text parsing -------------------------------------------------------------------------
-
-_SHAPE_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-_NAME_RE = re.compile(r"%?([\w.\-]+)")
+# -- counting ----------------------------------------------------------------------------------
 
 #: Ops XLA's cost analysis counts as one FLOP per output element.
 _ELEMENTWISE = frozenset({
@@ -119,163 +126,9 @@ _ELEMENTWISE = frozenset({
 })
 
 
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-
-
-def _split_top(text: str, sep: str = ",") -> list[str]:
-    """Splits on `sep` outside brackets and quotes."""
-    out, depth, cur, quote = [], 0, [], False
-    for ch in text:
-        if ch == '"':
-            quote = not quote
-        elif not quote and ch in "([{":
-            depth += 1
-        elif not quote and ch in ")]}":
-            depth -= 1
-        if ch == sep and depth == 0 and not quote:
-            out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        out.append("".join(cur))
-    return [p.strip() for p in out if p.strip()]
-
-
-def _balanced(text: str, start: int) -> int:
-    """Index just past the bracket group opening at `text[start]`."""
-    depth, quote = 0, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if ch == '"':
-            quote = not quote
-        elif quote:
-            continue
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-def _parse_instruction(line: str) -> _Instr | None:
-    line = line.strip()
-    if line.startswith("ROOT "):
-        line = line[5:]
-    eq = line.find(" = ")
-    if eq < 0:
-        return None
-    name = line[:eq].strip().lstrip("%")
-    rest = line[eq + 3:].lstrip()
-    if rest.startswith("("):  # tuple shape
-        end = _balanced(rest, 0)
-    else:
-        end = rest.find(" ")
-        if end < 0:
-            return None
-    shape, rest = rest[:end], rest[end:].lstrip()
-    paren = rest.find("(")
-    if paren < 0:
-        return None
-    opcode = rest[:paren].strip()
-    close = _balanced(rest, paren)
-    operands = []
-    for part in _split_top(rest[paren + 1:close - 1]):
-        # Operands print as "%name" or, in older dumps, "f32[2,3]{1,0} %name".
-        tokens = part.split()
-        if tokens:
-            operands.append(tokens[-1].lstrip("%"))
-    return _Instr(name, shape, opcode, operands, rest[close:])
-
-
-def _parse_module(text: str) -> tuple[dict[str, list[_Instr]], str | None]:
-    """Computations by name (instructions in order) and the entry computation's name."""
-    comps: dict[str, list[_Instr]] = {}
-    entry, current = None, None
-    for raw in text.splitlines():
-        line = raw.rstrip()
-        stripped = line.strip()
-        if not stripped or stripped.startswith("//") or stripped.startswith("HloModule"):
-            continue
-        if current is None:
-            if stripped.endswith("{"):
-                header = stripped[6:] if stripped.startswith("ENTRY ") else stripped
-                match = _NAME_RE.match(header)
-                if match:
-                    current = match.group(1)
-                    comps[current] = []
-                    if stripped.startswith("ENTRY "):
-                        entry = current
-            continue
-        if stripped == "}":
-            current = None
-            continue
-        instr = _parse_instruction(stripped)
-        if instr is not None:
-            comps[current].append(instr)
-    return comps, entry
-
-
-def _dims(shape: str) -> list[list[int]]:
-    """The dimensions of each array in a (possibly tuple) shape string."""
-    out = []
-    for _, dims in _SHAPE_RE.findall(shape):
-        out.append([int(d.replace("<=", "")) for d in dims.split(",") if d.strip()])
-    return out
-
-
-def _elements(shape: str) -> int:
-    arrays = _dims(shape)
-    return math.prod(arrays[0]) if arrays else 0
-
-
-def _attr_ints(attrs: str, key: str) -> list[int]:
-    match = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
-    return [int(v) for v in match.group(1).split(",") if v.strip()] if match else []
-
-
-def _called(attrs: str, key: str) -> list[str]:
-    match = re.search(rf"\b{key}=\{{([^}}]*)\}}", attrs)
-    if match:
-        return [n.strip().lstrip("%") for n in match.group(1).split(",") if n.strip()]
-    match = re.search(rf"\b{key}=%?([\w.\-]+)", attrs)
-    return [match.group(1)] if match else []
-
-
-def _backend_config(attrs: str) -> dict:
-    key = "backend_config="
-    at = attrs.find(key)
-    if at < 0:
-        return {}
-    start = at + len(key)
-    if start < len(attrs) and attrs[start] == "{":
-        try:
-            return json.loads(attrs[start:_balanced(attrs, start)])
-        except ValueError:
-            return {}
-    return {}
-
-
-def _trip_count(instr: _Instr) -> int | None:
-    config = _backend_config(instr.attrs)
-    n = config.get("known_trip_count", {}).get("n")
-    if n is not None:
-        return int(n)
-    match = re.search(r'known_trip_count[^0-9]*"?n"?\s*:\s*"?(\d+)', instr.attrs)
-    return int(match.group(1)) if match else None
-
-
 def _dot_flops(out_shape: str, lhs_shape: str | None, contracting: list[int]) -> float:
-    out = _elements(out_shape)
-    lhs = _dims(lhs_shape)[0] if lhs_shape and _dims(lhs_shape) else None
+    out = elements(out_shape)
+    lhs = dims(lhs_shape)[0] if lhs_shape and dims(lhs_shape) else None
     if lhs is None:
         return 2.0 * out
     if not contracting and lhs:
@@ -284,10 +137,10 @@ def _dot_flops(out_shape: str, lhs_shape: str | None, contracting: list[int]) ->
     return 2.0 * out * k
 
 
-def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
-    out = _elements(instr.shape)
+def _conv_flops(instr: Instr, shapes: dict[str, str]) -> float:
+    out = elements(instr.shape)
     kernel_shape = shapes.get(instr.operands[1]) if len(instr.operands) > 1 else None
-    kernel = _dims(kernel_shape)[0] if kernel_shape and _dims(kernel_shape) else None
+    kernel = dims(kernel_shape)[0] if kernel_shape and dims(kernel_shape) else None
     labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
     if kernel is None or labels is None or "o" not in labels.group(1):
         return 2.0 * out
@@ -295,24 +148,24 @@ def _conv_flops(instr: _Instr, shapes: dict[str, str]) -> float:
     return 2.0 * out * math.prod(kernel) / max(out_features, 1)
 
 
-def _custom_call_flops(instr: _Instr, shapes: dict[str, str]) -> float:
+def _custom_call_flops(instr: Instr, shapes: dict[str, str]) -> float:
     target = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
     target = target.group(1).lower() if target else ""
     if not any(word in target for word in ("gemm", "matmul", "dot")):
         return 0.0  # unknown kernels (attention, collectives) are not counted, as in XLA
-    config = _backend_config(instr.attrs)
+    config = backend_config(instr.attrs)
     numbers = (config.get("gemm_backend_config", {}).get("dot_dimension_numbers")
                or config.get("dot_dimension_numbers") or {})
     contracting = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
     lhs = shapes.get(instr.operands[0]) if instr.operands else None
     # cuBLAS custom calls return (result, workspace): the result is the first array.
-    result = _dims(instr.shape)[0] if _dims(instr.shape) else []
+    result = dims(instr.shape)[0] if dims(instr.shape) else []
     fake_out = "f32[" + ",".join(map(str, result)) + "]"
     return _dot_flops(fake_out, lhs, contracting)
 
 
 class _Counter:
-    def __init__(self, comps: dict[str, list[_Instr]]):
+    def __init__(self, comps: dict[str, list[Instr]]):
         self.comps = comps
         self.loops: list[Loop] = []
 
@@ -325,28 +178,28 @@ class _Counter:
             total += self.instr_flops(instr, shapes, multiplicity, once, record)
         return total
 
-    def instr_flops(self, instr: _Instr, shapes: dict[str, str], multiplicity: int, once: bool,
+    def instr_flops(self, instr: Instr, shapes: dict[str, str], multiplicity: int, once: bool,
                     record: bool) -> float:
         op = instr.opcode
         if op == "dot":
             lhs = shapes.get(instr.operands[0]) if instr.operands else None
-            return _dot_flops(instr.shape, lhs, _attr_ints(instr.attrs, "lhs_contracting_dims"))
+            return _dot_flops(instr.shape, lhs, attr_ints(instr.attrs, "lhs_contracting_dims"))
         if op == "convolution":
             return _conv_flops(instr, shapes)
         if op == "custom-call":
             return _custom_call_flops(instr, shapes)
         if op in _ELEMENTWISE:
-            return float(_elements(instr.shape))
+            return float(elements(instr.shape))
         if op in ("reduce", "reduce-window", "all-reduce", "reduce-scatter"):
             if op in ("all-reduce", "reduce-scatter"):
                 return 0.0  # communication, not model FLOPs (XLA agrees)
             operand = shapes.get(instr.operands[0]) if instr.operands else None
-            return float(_elements(operand)) if operand else 0.0
+            return float(elements(operand)) if operand else 0.0
         if op == "while":
-            trips = _trip_count(instr)
+            trips = trip_count(instr)
             n = 1 if (once or trips is None) else trips
-            body = _called(instr.attrs, "body")
-            cond = _called(instr.attrs, "condition")
+            body = called_computations(instr.attrs, "body")
+            cond = called_computations(instr.attrs, "condition")
             if record:  # outer loops first; nested ones are recorded by the recursion below
                 full_body = sum(self.flops(c, 1, False, False) for c in body)
                 self.loops.append(Loop(instr.name, trips, full_body, multiplicity))
@@ -356,14 +209,14 @@ class _Counter:
             # The condition runs once more than the body; XLA's once-only count runs it once.
             return n * body_flops + (1 if once else n + 1) * cond_flops
         if op == "conditional":
-            branches = (_called(instr.attrs, "branch_computations")
-                        or _called(instr.attrs, "true_computation")
-                        + _called(instr.attrs, "false_computation"))
+            branches = (called_computations(instr.attrs, "branch_computations")
+                        or called_computations(instr.attrs, "true_computation")
+                        + called_computations(instr.attrs, "false_computation"))
             return max((self.flops(c, multiplicity, once, record) for c in branches), default=0.0)
-        called = (_called(instr.attrs, "calls") if op in ("fusion", "async-start", "call")
-                  else [])
+        called = (called_computations(instr.attrs, "calls")
+                  if op in ("fusion", "async-start", "call") else [])
         if op == "call":
-            called = called or _called(instr.attrs, "to_apply")
+            called = called or called_computations(instr.attrs, "to_apply")
         return sum(self.flops(c, multiplicity, once, record) for c in called)
 
 
@@ -374,7 +227,7 @@ def hlo_flops(hlo_text: str) -> tuple[float, float, tuple[Loop, ...]]:
     contracted size`; elementwise ops one per output element; reductions one per input element;
     transcendentals, data movement and collectives nothing (as in XLA's `HloCostAnalysis`).
     """
-    comps, entry = _parse_module(hlo_text)
+    comps, entry = parse_module(hlo_text)
     if entry is None:
         raise ValueError("no ENTRY computation found in the HLO text")
     counter = _Counter(comps)

@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from jaxlight._errors import CheckpointError, ConfigurationError, suggest
+from jaxlight._errors import CheckpointError, ConfigurationError, MissingAttributeError, suggest
 
 
 class AttributeDict(dict):
@@ -25,7 +25,7 @@ class AttributeDict(dict):
         try:
             return self[name]
         except KeyError:
-            raise AttributeError(
+            raise MissingAttributeError(
                 f"no hyperparameter {name!r}; recorded: {sorted(self)}.{suggest(name, self)} "
                 "Hyperparameters are the __init__ arguments (see save_hyperparameters)."
             ) from None
@@ -37,7 +37,10 @@ class AttributeDict(dict):
         try:
             del self[name]
         except KeyError:
-            raise AttributeError(name) from None
+            raise MissingAttributeError(
+                f"no hyperparameter {name!r} to delete; recorded: {sorted(self)}."
+                f"{suggest(name, self)}"
+            ) from None
 
     def __repr__(self) -> str:
         return repr(dict(self))

@@ -8,7 +8,12 @@ import optax
 from flax import nnx
 
 from jaxlight import _checkpoint, _hparams, _metrics
-from jaxlight._errors import ConfigurationError, PortingError
+from jaxlight._errors import (
+    ConfigurationError,
+    MissingAttributeError,
+    MissingMethodError,
+    PortingError,
+)
 from jaxlight._module_hooks import ModuleHooks
 from jaxlight._porting import GUIDE
 
@@ -96,7 +101,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
         if live is not None:
             return live
         if self._model is None:
-            raise AttributeError(
+            raise MissingAttributeError(
                 f"{type(self).__name__}.model is not built yet: call Fit(...).fit(module, data) "
                 "(or jaxlight.load_checkpoint) first."
             )
@@ -188,20 +193,20 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
         """Builds the model. Called abstractly first (`nnx.eval_shape`), then materialized."""
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__} must implement configure_model(self, rngs) -> nnx.Module."
         )
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         """Returns the optax transformation; the learning rate may be a schedule."""
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__} must implement configure_optimizers(self) -> "
             "optax.GradientTransformation (for example optax.adamw(1e-3))."
         )
 
     def training_step(self, model: nnx.Module, batch: Batch):
         """Returns a scalar loss, or `(loss, {"name": scalar, ...})`."""
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__} must implement training_step(self, model, batch) -> loss "
             "or (loss, metrics)."
         )
@@ -213,7 +218,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
         evaluation) and clu metrics (merged over every batch), a clu `Collection`, or nothing
         after `self.log(...)`. Keys are prefixed `val_` (`test_` under `Fit.test`).
         """
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__} has no validation_step(self, model, batch) -> dict; "
             "implement it to pass validation data to Fit."
         )

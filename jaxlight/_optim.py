@@ -154,6 +154,26 @@ def current_factor(opt_state: Any) -> list[jax.Array]:
             if _is_schedule_state(s)]
 
 
+def one_state_of(opt_state: Any, state_type: type, callback: str, what: str) -> Any:
+    """The one sub-state of type `state_type` in an optimizer state: how a step piece finds the
+    state of its own optax transformation wherever the chain put it.
+
+    Args:
+        callback: the callback whose transformation it is, for the error (`"NonFiniteGuard"`).
+        what: what the state is, plural, for the error (`"counter states"`).
+    """
+    def is_state(x) -> bool:
+        return isinstance(x, state_type)
+
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    if len(found) != 1:
+        raise ConfigurationError(
+            f"{callback} found {len(found)} {what} in the optimizer state (expected 1); use one "
+            f"{callback} per Fit."
+        )
+    return found[0]
+
+
 def scheduler_state(opt_state: Any) -> ScheduleState | None:
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_schedule_state)
              if _is_schedule_state(s)]

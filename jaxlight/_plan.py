@@ -127,15 +127,6 @@ def _spec_text(strategy, sharding) -> str:
     return "P(" + ", ".join("None" if s is None else repr(s) for s in spec) + ")"
 
 
-def _per_device_bytes(strategy, abstract, shardings) -> int:
-    total = 0
-    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings),
-                              strict=True):
-        local = strategy.shard_shape(tuple(leaf.shape), sharding)
-        total += math.prod(local) * np.dtype(leaf.dtype).itemsize
-    return total
-
-
 def _has_path_rules(strategy) -> bool:
     return any(isinstance(r, PathRule) for r in getattr(strategy, "user_rules", ()))
 
@@ -199,8 +190,8 @@ def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
         params=tuple(params),
         param_bytes=sum(p.bytes for p in params),
         param_bytes_per_device=sum(p.bytes_per_device for p in params),
-        opt_state_bytes_per_device=_per_device_bytes(strategy, abstract.opt_state,
-                                                     shardings.opt_state),
+        opt_state_bytes_per_device=strategy.bytes_per_device(abstract.opt_state,
+                                                            shardings.opt_state),
         memory=_memory(compiled),
         collectives=found,
         collective_totals=summarize(found),

@@ -54,7 +54,7 @@ class _Axes:
         self.names = names
 
 
-def _logical_names(state: nnx.State) -> Any:
+def logical_names(state: nnx.State) -> Any:
     """Per leaf, the logical axis names from `nnx.with_partitioning`, or None."""
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
 
@@ -127,7 +127,7 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int,
     if params_transform is not None:
         params = jax.eval_shape(params_transform, params)
     abs_opt = jax.eval_shape(tx.init, params)
-    param_axes = _logical_names(params_state)
+    param_axes = logical_names(params_state)
     wrapped = jax.tree.map(_Axes, param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
     opt_axes = optax.tree_map_params(
         tx,
@@ -142,7 +142,7 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int,
         step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=abs_opt, rest=rest
     )
     logical = TrainState(step=None, params=param_axes, opt_state=opt_axes,
-                         rest=_logical_names(rest_state))
+                         rest=logical_names(rest_state))
     return ModelSpec(graphdef, eval_graphdef, abstract_state, logical, frozen_mask(rest_state))
 
 

@@ -6,7 +6,7 @@ put together from pieces that callbacks may wrap, innermost first, each piece ap
 order of `Fit.callbacks` (each callback first sees the strategy in `setup_step`;
 `transform_params` maps the parameters once, at state creation):
 
-    loss_fn(params, rest, batch) -> (loss, (metrics, rest))           transform_loss
+    loss_fn(params, rest, batch) -> (loss, (metrics, rest))           transform_loss_for_step
     grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)  transform_grad
     the gradient computation over the batch: strategy.gradient_fn     gradient_computation
         (GradientAccumulation: strategy.accumulate_gradients)
@@ -16,6 +16,16 @@ order of `Fit.callbacks` (each callback first sees the strategy in `setup_step`;
     train_step(state, batch) -> (state, metrics)                      transform_step
 
 Each callback contributes a small composable piece (optax style); none reaches into the loop.
+
+State a transform keeps on the device lives in the optimizer state, in an optax transformation
+of its own (`transform_optimizer`). The pieces inside the step may read it from the state the
+step starts from: the loss, gradient and gradient-computation pieces are composed while
+`train_step(state, batch)` is traced, and `transform_loss_for_step(loss_fn, state)` receives
+that `state` (its default applies `transform_loss(loss_fn)`). `MixedPrecision("16-mixed")`
+reads its loss scale there (its loss piece scales the backward pass and unscales the gradients
+leaving it); its optax `dynamic_loss_scale` skips overflowing updates and adjusts the scale; its
+`transform_step` reads the verdict from the old and new optimizer states. No piece keeps
+trace-time state on the callback, and no private metric carries values between pieces.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight import _frozen, _metrics, _optim
+from jaxlight import _eval_totals, _frozen, _metrics, _optim
 from jaxlight._errors import StepOutputError
 from jaxlight._layout import activation_sharding
 from jaxlight._state import TrainState
@@ -139,22 +149,27 @@ def build_train_step(
     """
     for cb in callbacks:
         cb.setup_step(strategy)
-    loss_fn = make_loss_fn(module, graphdef, log_spec)
-    for cb in callbacks:
-        loss_fn = cb.transform_loss(loss_fn)
+    user_loss_fn = make_loss_fn(module, graphdef, log_spec)
 
-    grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
-    for cb in callbacks:
-        grad_fn = cb.transform_grad(grad_fn)
-    # The strategy's own gradient layout (FSDP: gather once, reduce-scatter once), unless a
-    # callback chooses another (GradientAccumulation: a microbatch scan the strategy lays out).
-    compute = strategy.gradient_fn
-    for cb in callbacks:
-        compute = cb.gradient_computation(compute, strategy)
-    grad_fn = compute(grad_fn)
+    def gradients(state: TrainState) -> GradFn:
+        """The step's gradient function, built while the step starting from `state` is traced
+        (a loss piece may read state its callback keeps in the optimizer state)."""
+        loss_fn = user_loss_fn
+        for cb in callbacks:
+            loss_fn = cb.transform_loss_for_step(loss_fn, state)
+        grad_fn: GradFn = jax.value_and_grad(loss_fn, has_aux=True)
+        for cb in callbacks:
+            grad_fn = cb.transform_grad(grad_fn)
+        # The strategy's own gradient layout (FSDP: gather once, reduce-scatter once), unless a
+        # callback chooses another (GradientAccumulation: a microbatch scan the strategy lays
+        # out).
+        compute = strategy.gradient_fn
+        for cb in callbacks:
+            compute = cb.gradient_computation(compute, strategy)
+        return compute(grad_fn)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
-        (loss, (metrics, rest)), grads = grad_fn(state.params, state.rest, batch)
+        (loss, (metrics, rest)), grads = gradients(state)(state.params, state.rest, batch)
         metrics = {"loss": loss, **metrics}  # a self.log("loss", ...) replaces the entry
         grads = strategy.reduce_gradients(grads)
         metrics = strategy.reduce_metrics(metrics)
@@ -201,7 +216,7 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
     return tx, scheduler
 
 
-def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics.EvalSpec, *,
+def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _eval_totals.EvalSpec, *,
                     sharded: bool = True) -> tuple[Callable, Callable]:
     """`eval_step(state, batch, totals, first) -> totals`: one whole batch added to the totals.
 
@@ -224,8 +239,8 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
         rows = int(jax.tree.leaves(batch)[0].shape[0])
         with _metrics.collecting("eval", where) as logs, any_batch_size():
             out = call_user_step(user_fn, where, model, batch)
-        totals = _metrics.eval_outputs(out, logs, spec, rows, where)
-        return _metrics.gather_replicas(totals, strategy) if sharded else totals
+        totals = _eval_totals.eval_outputs(out, logs, spec, rows, where)
+        return _eval_totals.gather_replicas(totals, strategy) if sharded else totals
 
     def unconstrained(state: TrainState, batch) -> dict:
         with activation_sharding(None):
@@ -235,7 +250,7 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _metrics
 
     def eval_step(state: TrainState, batch, totals: dict, first) -> dict:
         """Adds this batch's totals to `totals` (kept on device)."""
-        return _metrics.accumulate(totals, totals_fn(state, batch), first, where)
+        return _eval_totals.accumulate(totals, totals_fn(state, batch), first, where)
 
     return eval_step, totals_fn
 

@@ -13,6 +13,7 @@ PACKAGE = ROOT / "jaxlight"
 CORE = sorted([*(PACKAGE / "_fit").glob("*.py"), PACKAGE / "_checkpoint.py",
                *PACKAGE.glob("_ckpt_*.py"), PACKAGE / "_plan.py", PACKAGE / "_step.py",
                PACKAGE / "_state.py", PACKAGE / "_module.py", PACKAGE / "_preemption.py",
+               PACKAGE / "_metrics.py", PACKAGE / "_eval_totals.py",
                PACKAGE / "callbacks" / "_base.py"])
 MAX_CORE_LINES = 400
 

@@ -3,26 +3,40 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
 import jax.numpy as jnp
+import optax
 import pytest
 from flax import nnx
 
 import jaxlight as jl
-from jaxlight import callbacks, nn
+from jaxlight import callbacks, nn, strategies
 from jaxlight._errors import JaxlightError
+from jaxlight._hparams import AttributeDict
 from jaxlight._layout import activation_sharding, constrain
 from jaxlight.callbacks._logdir import require
+from jaxlight.callbacks._loss_scale import find as find_loss_scale
 from jaxlight.nn._layers import annotated_param, apply_rope
 from jaxlight.nn._scan import remat_policy
 
 ROOT = pathlib.Path(jl.__file__).parent
-# Raised and caught inside jaxlight (_verify, _flops), or invariants of jaxlight's own code that
-# no user input reaches (_loss_scale, _precision): not errors a user can hit.
-INTERNAL = {("_verify.py", "ValueError"), ("_flops.py", "ValueError"),
-            ("_loss_scale.py", "ValueError"), ("_precision.py", "RuntimeError")}
+
+
+class _Bare(jl.TrainModule):
+    """A module that implements nothing."""
+
+
+def _two_loss_scales():
+    """The optimizer state of two MixedPrecision("16-mixed") callbacks in one Fit."""
+    tx = optax.sgd(0.1)
+    for _ in range(2):
+        tx = callbacks.MixedPrecision("16-mixed").transform_optimizer(tx)
+    return tx.init({"w": jnp.zeros(2)})
+# Raised and caught inside jaxlight (_verify, _flops): not errors a user can hit.
+INTERNAL = {("_verify.py", "ValueError"), ("_flops.py", "ValueError")}
 
 
 def test_no_bare_builtin_raise_in_jaxlight():
@@ -30,10 +44,28 @@ def test_no_bare_builtin_raise_in_jaxlight():
     for path in sorted(ROOT.rglob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             m = re.search(r"\braise (ValueError|TypeError|RuntimeError|KeyError|"
-                          r"ModuleNotFoundError|ImportError)\(", line)
+                          r"ModuleNotFoundError|ImportError|NotImplementedError|"
+                          r"AttributeError)\b", line)
             if m and (path.name, m.group(1)) not in INTERNAL:
                 bare.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not bare, "raise a JaxlightError subclass instead:\n" + "\n".join(bare)
+
+
+#: `assert` statements allowed in jaxlight: (file, the asserted expression) -> why no user input
+#: reaches them. Empty: a state a user can reach (a strategy used before setup) is a real error.
+ALLOWED_ASSERTS: dict[tuple[str, str], str] = {}
+
+
+def test_no_assert_in_jaxlight():
+    """`assert` vanishes under `python -O` and says nothing a user can act on."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assert):
+                key = (path.name, ast.unparse(node.test))
+                if key not in ALLOWED_ASSERTS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: assert {key[1]}")
+    assert not found, "raise a JaxlightError subclass instead:\n" + "\n".join(found)
 
 
 def _mesh_constrain():
@@ -62,6 +94,46 @@ CASES = {
     "constrain": (_mesh_constrain, ValueError, r"1 names \('batch',\) for a 2-d array"),
     "missing extra": (lambda: require("jaxlight_no_such_package", "x", "Thing"),
                       ModuleNotFoundError, r"pip install 'jaxlight\[x\]'"),
+    "configure_model": (lambda: _Bare().configure_model(nnx.Rngs(0)), NotImplementedError,
+                        r"_Bare must implement configure_model\(self, rngs\) -> nnx.Module"),
+    "configure_optimizers": (lambda: _Bare().configure_optimizers(), NotImplementedError,
+                             r"_Bare must implement configure_optimizers\(self\) -> "
+                             r"optax.GradientTransformation \(for example optax.adamw"),
+    "training_step": (lambda: _Bare().training_step(None, {}), NotImplementedError,
+                      r"_Bare must implement training_step\(self, model, batch\) -> loss"),
+    "validation_step": (lambda: _Bare().validation_step(None, {}), NotImplementedError,
+                        r"_Bare has no validation_step\(self, model, batch\) -> dict; "
+                        "implement it to pass validation data"),
+    "model before fit": (lambda: _Bare().model, AttributeError,
+                         r"_Bare.model is not built yet: call Fit\(...\).fit\(module, data\)"),
+    "hyperparameter": (lambda: AttributeDict(lr=0.1, hidden=8).lrr, AttributeError,
+                       r"no hyperparameter 'lrr'; recorded: \['hidden', 'lr'\]\. "
+                       r"Did you mean 'lr'\?"),
+    "del hyperparameter": (lambda: delattr(AttributeDict(lr=0.1), "lrr"), AttributeError,
+                           r"no hyperparameter 'lrr' to delete; recorded: \['lr'\]\. "
+                           r"Did you mean 'lr'\?"),
+    "DDP before setup": (lambda: strategies.DDP().num_replicas, RuntimeError,
+                         r"DDP.num_replicas needs the device mesh, which DDP.setup\(devices\) "
+                         r"builds; call strategy.setup\(\) first"),
+    "DDP batch before setup": (lambda: strategies.DDP().batch_shardings({}), RuntimeError,
+                               r"DDP.batch_shardings\(\) needs the device mesh"),
+    "DDP state before setup": (lambda: strategies.DDP().state_shardings({"w": 1}, None),
+                               RuntimeError, r"DDP.state_shardings\(\) needs the device mesh"),
+    "replicated before setup": (lambda: strategies.GPipe(2).replicated(), RuntimeError,
+                                r"GPipe.replicated\(\) needs the device mesh"),
+    "FSDP before setup": (lambda: strategies.FSDP().state_shardings(None, None), RuntimeError,
+                          r"FSDP.state_shardings\(\) needs the device mesh"),
+    "DataParallel before setup": (lambda: strategies.DataParallel().batch_shardings({}),
+                                  RuntimeError, r"DataParallel.batch_shardings\(\) needs"),
+    "data_parallel_size before setup": (lambda: strategies.FSDP().data_parallel_size,
+                                        RuntimeError, r"FSDP.batch_axes needs the device mesh"),
+    "spec_for before setup": (lambda: strategies.TensorParallel(2).spec_for("w", (4,), None),
+                              RuntimeError, r"TensorParallel.spec_for\(\) needs"),
+    "two loss scales": (lambda: find_loss_scale(_two_loss_scales()), ValueError,
+                        r"MixedPrecision found 2 loss scales in the optimizer state \(expected "
+                        r"1\); use one MixedPrecision per Fit"),
+    "axis_size before setup": (lambda: strategies.Hybrid({"data": 2}).axis_size("data"),
+                               RuntimeError, r"Hybrid.axis_size\(\) needs the device mesh"),
 }
 
 

@@ -13,13 +13,13 @@ import numpy as np
 
 from jaxlight import distributed, strategies
 from jaxlight._cli._build import build_strategy
-from jaxlight._cli._options import COMMANDS, _normalize, _Parser, _unknown_option_error
+from jaxlight._cli._options import COMMANDS, Parser, normalize_argv, unknown_option_error
 from jaxlight._errors import ConfigurationError
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-def _prescan_devices(argv: Sequence[str]) -> int | None:
+def prescan_devices(argv: Sequence[str]) -> int | None:
     """`--devices N` from raw argv (before argparse, before JAX starts)."""
     for i, token in enumerate(argv):
         if token == "--":
@@ -48,12 +48,12 @@ def simulate_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 
-def _initialize_distributed() -> None:
+def initialize_distributed() -> None:
     """Joins a multi-process run when the environment describes one (the launcher's, SLURM...)."""
     distributed.initialize()
 
 
-def _check_devices(n: int) -> None:
+def check_device_count(n: int) -> None:
     local = jax.local_device_count()
     if local != n:
         platform = jax.devices()[0].platform
@@ -97,14 +97,14 @@ def _print_devices(strategy_name: str, mesh_shape: str | None) -> None:
 
 
 
-def _describe_devices() -> str:
+def describe_devices() -> str:
     return (f"{jax.device_count()} {jax.devices()[0].platform} devices, "
             f"process {jax.process_index()} of {jax.process_count()}")
 
 
 
-def _devices_command(argv: Sequence[str]) -> None:
-    parser = _Parser(prog="jaxlight devices", description=COMMANDS["devices"],
+def devices_command(argv: Sequence[str]) -> None:
+    parser = Parser(prog="jaxlight devices", description=COMMANDS["devices"],
                      allow_abbrev=False)
     parser.add_argument("--strategy", default="auto", help="strategy whose mesh to show "
                         "(default: auto)")
@@ -112,10 +112,10 @@ def _devices_command(argv: Sequence[str]) -> None:
                         "(default: none)")
     parser.add_argument("--devices", type=int, default=None,
                         help="simulate this many CPU devices (default: as XLA_FLAGS says)")
-    args, unknown = parser.parse_known_args(_normalize(argv))
+    args, unknown = parser.parse_known_args(normalize_argv(argv))
     if unknown:
-        _unknown_option_error(parser, unknown)
-    _initialize_distributed()
+        unknown_option_error(parser, unknown)
+    initialize_distributed()
     if args.devices is not None:
-        _check_devices(args.devices)
+        check_device_count(args.devices)
     _print_devices(args.strategy, args.mesh_shape)

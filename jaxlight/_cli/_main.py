@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight import recipes
-from jaxlight._cli._devices import _devices_command, _prescan_devices, simulate_cpu_devices
+from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
 from jaxlight._cli._options import COMMANDS
 from jaxlight._cli._run import run
 from jaxlight._errors import (
@@ -85,11 +85,11 @@ def _dispatch(argv: list[str]) -> int:
             f"unknown command {command!r}; valid commands are {list(COMMANDS)} (or --version, "
             f"--help).{suggest(command, [*COMMANDS, '--version'])}"
         )
-    n = _prescan_devices(rest)
+    n = prescan_devices(rest)
     if n is not None:
         simulate_cpu_devices(n)
     if command == "devices":
-        _devices_command(rest)
+        devices_command(rest)
         return 0
     if not rest or rest[0].startswith("-"):
         if rest and rest[0] in ("-h", "--help"):

@@ -111,7 +111,7 @@ _CLI_ONLY = {
 }
 
 
-def _fit_signature_defaults() -> dict[str, Any]:
+def fit_signature_defaults() -> dict[str, Any]:
     params = inspect.signature(Fit.__init__).parameters
     return {name: p.default for name, p in params.items()
             if p.default is not inspect.Parameter.empty}
@@ -119,7 +119,7 @@ def _fit_signature_defaults() -> dict[str, Any]:
 
 def run_option_defaults() -> dict[str, Any]:
     """Every run option's default (Fit's own defaults where the table leaves them open)."""
-    fit_defaults = _fit_signature_defaults()
+    fit_defaults = fit_signature_defaults()
     out = {}
     for opt in RUN_OPTIONS:
         out[opt.name] = opt.default
@@ -131,7 +131,7 @@ def run_option_defaults() -> dict[str, Any]:
 # -- errors and argument parsing -----------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse that raises ConfigurationError instead of exiting, so messages stay ours."""
 
     def error(self, message: str):
@@ -143,7 +143,7 @@ def _flag(name: str) -> str:
     return "--" + (name if "." in name else name.replace("_", "-"))
 
 
-def _normalize(argv: Sequence[str]) -> list[str]:
+def normalize_argv(argv: Sequence[str]) -> list[str]:
     """Accepts `--max_steps` and `--model.num-layers` as well as the canonical spellings."""
     out = []
     for token in argv:
@@ -174,7 +174,7 @@ def _fmt(value: Any) -> str:
 
 def _recipe_parser(command: str, recipe, defaults: dict[str, Any], config_defaults: Any):
     target = isinstance(recipe, TargetRecipe)
-    parser = _Parser(
+    parser = Parser(
         prog=f"jaxlight {command} {recipe.name}",
         usage=f"jaxlight {command} {recipe.name} [options]",
         description=(f"{recipe.summary}\n\n{COMMANDS[command]}. Values come from the "
@@ -217,7 +217,7 @@ def _recipe_parser(command: str, recipe, defaults: dict[str, Any], config_defaul
     return parser
 
 
-def _unknown_option_error(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+def unknown_option_error(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     options = sorted(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
     bad = next((u for u in unknown if u.startswith("-")), unknown[0])
     name = bad.split("=")[0]
@@ -245,9 +245,9 @@ def _convert(name: str, value: Any, kind: Any, where: str) -> Any:
 def resolve(command: str, recipe_name: str, argv: Sequence[str]):
     """Parses a command's options: (recipe, config, options, parser, flags). `recipe_name` is a
     registered recipe, or user code (`PATH.py:Module`, with `--data PATH.py:Data`)."""
-    argv = _normalize(argv)
+    argv = normalize_argv(argv)
     # First pass: --preset, --config and --data decide the options and the defaults shown.
-    pre = _Parser(add_help=False, allow_abbrev=False)
+    pre = Parser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset")
     pre.add_argument("--config")
     pre.add_argument("--data")
@@ -286,7 +286,7 @@ def resolve(command: str, recipe_name: str, argv: Sequence[str]):
     parser = _recipe_parser(command, recipe, defaults, config)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        _unknown_option_error(parser, unknown)
+        unknown_option_error(parser, unknown)
     flags = vars(args)
     options = dict(defaults)
     for opt in RUN_OPTIONS:

@@ -23,8 +23,8 @@ from jaxlight._cli._build import (
     build_strategy,
     size_bare_strategy,
 )
-from jaxlight._cli._devices import _check_devices, _describe_devices, _initialize_distributed
-from jaxlight._cli._options import RUN_OPTIONS, _fit_signature_defaults, resolve
+from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
+from jaxlight._cli._options import RUN_OPTIONS, fit_signature_defaults, resolve
 from jaxlight._cli._target import TargetRecipe, missing_required, printable
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight.data._datamodule import DataModule, defines
@@ -47,7 +47,7 @@ class RunResult:
 
 
 def _fit_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    fit_params = _fit_signature_defaults()
+    fit_params = fit_signature_defaults()
     return {o.name: options[o.name] for o in RUN_OPTIONS
             if o.fit_kwarg and o.name in fit_params}
 
@@ -79,9 +79,9 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     _check_options(command, recipe.name, options, flags)
     _predict.check_output_path(flags.get("output"))
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
-    _initialize_distributed()
+    initialize_distributed()
     if options["devices"] is not None:
-        _check_devices(options["devices"])
+        check_device_count(options["devices"])
 
     strategy = build_strategy(options["strategy"], options["mesh_shape"])
     callbacks = build_callbacks(options["callbacks"])
@@ -117,7 +117,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     if sized is not None:
         strategy = sized
         fit = make_fit(strategy)
-    say(f"{command} {recipe.name}: strategy {strategy.name}, {_describe_devices()}")
+    say(f"{command} {recipe.name}: strategy {strategy.name}, {describe_devices()}")
     if note:
         say(note)
     try:

@@ -9,8 +9,5 @@ from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import MAX_IN_FLIGHT, StepOutput
 
-# The name tests/distributed/_train_script.py imported before the split.
-_abstract_global_batch = abstract_global_batch
-
 __all__ = ["MAX_IN_FLIGHT", "Fit", "FitConfig", "LoopState", "Session", "StepOutput",
            "abstract_global_batch"]

@@ -8,7 +8,7 @@ the data-parallel degree divides is sharded like a training batch; any other (a 
 batch: 100 examples on 8 devices end with 4) is given whole to every device, which all compute
 the same result (`_step.build_eval_step(sharded=False)`). Results are exact either way: scalar
 means weighted by each batch's examples (or `self.log(batch_size=...)`), clu metrics merged on
-device (`jaxlight._metrics`), read once at the end.
+device (`jaxlight._eval_totals`), read once at the end.
 
 With several processes, the processes agree on each batch's per-process row counts (one small
 host exchange per evaluation batch); unequal shares of a last batch are gathered onto every
@@ -26,7 +26,7 @@ import jax
 import jax.experimental.multihost_utils
 import numpy as np
 
-from jaxlight import _metrics
+from jaxlight import _eval_totals
 from jaxlight import distributed as _distributed
 from jaxlight._errors import DataError, StepOutputError
 from jaxlight._fit._config import FitConfig, batch_limit
@@ -183,7 +183,7 @@ class Evaluator:
             idx += 1
         if totals is None:
             raise DataError(f"the {prefix} data yielded no batch; pass a non-empty iterable.")
-        return _metrics.finish(jax.device_get(totals), self.session.eval_spec(method, prefix),
+        return _eval_totals.finish(jax.device_get(totals), self.session.eval_spec(method, prefix),
                                where)
 
     def _flag(self, value: bool) -> jax.Array:

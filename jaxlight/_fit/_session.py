@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight import _batch, _metrics
+from jaxlight import _batch, _eval_totals, _metrics
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError
 from jaxlight._module import TrainModule
@@ -82,7 +82,7 @@ class Session:
         self._compiled: dict[Any, Any] = {}
         #: What `self.log` in the training step reports (filled when the step is traced).
         self.log_spec = _metrics.LogSpec()
-        self._eval_specs: dict[str, _metrics.EvalSpec] = {}
+        self._eval_specs: dict[str, _eval_totals.EvalSpec] = {}
         self._current: tuple[TrainState, nnx.Module] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -274,10 +274,10 @@ class Session:
                 in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
                 out_shardings=self._shardings, donate_argnums=(0,))
 
-    def eval_spec(self, method: str, prefix: str) -> _metrics.EvalSpec:
+    def eval_spec(self, method: str, prefix: str) -> _eval_totals.EvalSpec:
         """What `method` reports (filled when it is traced); kept with its compiled steps."""
         if method not in self._eval_specs:
-            self._eval_specs[method] = _metrics.EvalSpec(prefix)
+            self._eval_specs[method] = _eval_totals.EvalSpec(prefix)
         return self._eval_specs[method]
 
     def compile_eval_step(self, method: str, prefix: str, abstract_batch: Any, state: TrainState,

@@ -13,15 +13,20 @@ class StepTransform:
     """The pieces a callback may contribute to the compiled training step (identity by default).
 
     `jaxlight/_step.py` composes them, and nothing else does, in this order (innermost first):
-    `transform_params` at state creation; `transform_loss`, `transform_grad`,
+    `transform_params` at state creation; `transform_loss_for_step` (`transform_loss`),
+    `transform_grad`,
     `gradient_computation`, then the strategy's reduction, `process_gradients`,
     `transform_optimizer` and `transform_step` (the module docstring of `_step.py` shows the
     whole step). Each callback's pieces apply in the order of `Fit.callbacks`. They run once,
-    before the step is compiled, and never reach into the loop (optax style).
+    before the step is compiled (the loss, gradient and gradient-computation pieces while it is
+    traced), and never reach into the loop (optax style).
 
     A transform that keeps state on device keeps it where the step keeps all state: in the
-    optimizer state through its own optax transformation (`NonFiniteGuard`), so checkpoints
-    carry it and every strategy shards it like the rest.
+    optimizer state through its own optax transformation (`NonFiniteGuard`'s
+    `skip_nonfinite`, `MixedPrecision("16-mixed")`'s `dynamic_loss_scale`), so checkpoints
+    carry it and every strategy shards it like the rest. Pieces read it from the states they
+    are given (`transform_loss_for_step`, `transform_step`), never from attributes set while
+    tracing.
     """
 
     def setup_step(self, strategy) -> None:
@@ -44,6 +49,17 @@ class StepTransform:
     def transform_loss(self, loss_fn: Callable) -> Callable:
         """Wraps `loss_fn(params, rest, batch) -> (loss, (metrics, rest))`."""
         return loss_fn
+
+    def transform_loss_for_step(self, loss_fn: Callable, state: Any) -> Callable:
+        """Wraps `loss_fn` for the step that starts from `state` (a traced `TrainState`).
+
+        For a loss piece that depends on state this callback keeps in its own optax
+        transformation: read it from `state.opt_state` (`MixedPrecision("16-mixed")` reads
+        its loss scale). The step calls this, not `transform_loss`, while it is traced; the
+        default applies `transform_loss(loss_fn)`, so override either.
+        """
+        del state
+        return self.transform_loss(loss_fn)
 
     def transform_grad(self, grad_fn: Callable) -> Callable:
         """Wraps `grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.

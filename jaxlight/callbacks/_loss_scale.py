@@ -1,27 +1,30 @@
-"""Dynamic loss scaling for float16 training ("16-mixed"), kept on device in the train state.
+"""Dynamic loss scaling for float16 training ("16-mixed"): one optax transformation and the loss
+piece that reads its scale.
 
-float16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Multiplying the loss by a
-large scale S before the backward pass lifts them into range; gradients are divided by S
-before anything reads them. When S is too large the backward pass overflows (Inf or NaN): that
-step is skipped (parameters and optimizer state kept bit for bit) and S is halved; after
-`growth_interval` finite steps in a row S doubles. These are torch's `GradScaler` rules and
-defaults.
+float16 has 5 exponent bits: gradients below ~6e-8 flush to zero. Multiplying the loss's
+cotangent by a large scale S lifts the backward pass into range; the gradients are divided by
+S as they leave it, before anything reads them. When S is too large the backward pass
+overflows (Inf or NaN): that step is skipped (parameters and optimizer state kept bit for bit)
+and S is halved; after `growth_interval` finite steps in a row S doubles. These are torch's
+`GradScaler` rules and defaults.
 
-The scale and its counter live in the optimizer state (`LossScaleState`, via an optax piece
-that only holds it), so they are sharded, donated, checkpointed and resumed with everything
-else, and the host never reads them except as logged metrics.
+The scale, its growth counter and the skip decision live in the state of one optax
+transformation, `dynamic_loss_scale(inner)` (`ScaledState`), so they are sharded, donated,
+checkpointed and resumed with everything else, and the host never reads them except as logged
+metrics. The loss piece (`scaled_loss`) takes the scale as an argument: the step reads it from
+the optimizer state it starts from (`find`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-#: Private metric carrying the step's verdict from `process_gradients` to `transform_step`.
-FINITE = "__loss_scale_finite__"
+from jaxlight._optim import one_state_of
 
 
 class LossScaleState(NamedTuple):
@@ -36,34 +39,11 @@ class LossScaleState(NamedTuple):
     skipped: jax.Array
 
 
-def holder(init_scale: float) -> optax.GradientTransformation:
-    """An optax piece that only holds `LossScaleState`; the step wrapper updates it."""
+class ScaledState(NamedTuple):
+    """The optax state of `dynamic_loss_scale(inner)`: the scaler and `inner`'s own state."""
 
-    def init(params):
-        del params
-        zero = jnp.zeros((), jnp.int32)
-        return LossScaleState(jnp.asarray(init_scale, jnp.float32), zero, zero)
-
-    def update(updates, state, params=None):
-        del params
-        return updates, state
-
-    return optax.GradientTransformation(init, update)
-
-
-def _is_state(x) -> bool:
-    return isinstance(x, LossScaleState)
-
-
-def find(opt_state: Any) -> LossScaleState:
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
-    if len(found) != 1:
-        raise ValueError(f"expected one LossScaleState in the optimizer state, found {len(found)}")
-    return found[0]
-
-
-def replace(opt_state: Any, new: LossScaleState) -> Any:
-    return jax.tree.map(lambda x: new if _is_state(x) else x, opt_state, is_leaf=_is_state)
+    scaler: LossScaleState
+    inner: Any
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -85,3 +65,72 @@ def next_state(old: LossScaleState, finite: jax.Array, growth_interval: int,
     good = jnp.where(grow, 0, good).astype(jnp.int32)
     skipped = (old.skipped + jnp.logical_not(finite)).astype(jnp.int32)
     return LossScaleState(scale, good, skipped)
+
+
+def dynamic_loss_scale(inner: optax.GradientTransformation, init_scale: float,
+                       growth_interval: int, growth_factor: float,
+                       backoff_factor: float) -> optax.GradientTransformation:
+    """`inner`, skipping overflowing steps and adjusting the loss scale it keeps (optax style).
+
+    The gradients it receives are already unscaled (`scaled_loss` divides them by the scale in
+    the backward pass, so clipping and metrics read true gradients). A step whose gradients
+    hold Inf or NaN applies a zero update, keeps `inner`'s state as it was and backs the scale
+    off; a finite step applies `inner` and may grow the scale (`next_state`).
+    """
+
+    def init(params):
+        zero = jnp.zeros((), jnp.int32)
+        scaler = LossScaleState(jnp.asarray(init_scale, jnp.float32), zero, zero)
+        return ScaledState(scaler, inner.init(params))
+
+    def update(grads, state, params=None):
+        finite = all_finite(grads)
+        updates, inner_state = inner.update(grads, state.inner, params)
+        inner_state = jax.tree.map(lambda new, old: jax.lax.select(finite, new, old),
+                                   inner_state, state.inner)
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        scaler = next_state(state.scaler, finite, growth_interval, growth_factor,
+                            backoff_factor)
+        return updates, ScaledState(scaler, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def find(opt_state: Any) -> LossScaleState:
+    """The loss scaler in an optimizer state holding one `dynamic_loss_scale`."""
+    return one_state_of(opt_state, LossScaleState, "MixedPrecision", "loss scales")
+
+
+@jax.custom_vjp
+def _scale_cotangent(x: Any, factor: jax.Array) -> Any:
+    """The identity on `x`, whose cotangent is multiplied by `factor` on the way back."""
+    del factor
+    return x
+
+
+def _scale_cotangent_fwd(x, factor):
+    return x, factor
+
+
+def _scale_cotangent_bwd(factor, cotangent):
+    scaled = jax.tree.map(lambda c: (c * factor).astype(c.dtype), cotangent)
+    return scaled, jnp.zeros_like(factor)
+
+
+_scale_cotangent.defvjp(_scale_cotangent_fwd, _scale_cotangent_bwd)
+
+
+def scaled_loss(loss_fn: Callable, scale: jax.Array) -> Callable:
+    """`loss_fn` whose backward pass runs `scale` times larger, its gradients unscaled.
+
+    The loss value is unchanged; its cotangent starts at `scale` (float32), flows through the
+    float16 backward pass, and the parameters' cotangents are multiplied by `1 / scale` as they
+    leave it, in the parameters' dtype (float32 master weights).
+    """
+    inverse = 1.0 / scale
+
+    def loss_scaled_backward(params, rest, batch):
+        loss, aux = loss_fn(_scale_cotangent(params, inverse), rest, batch)
+        return _scale_cotangent(loss, scale), aux
+
+    return loss_scaled_backward

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight._errors import ConfigurationError
+from jaxlight._optim import one_state_of
 from jaxlight.callbacks._base import Callback
 
 
@@ -76,13 +77,7 @@ def _is_state(x) -> bool:
 
 
 def _find(opt_state) -> GuardedState:
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
-    if len(found) != 1:
-        raise ConfigurationError(
-            f"NonFiniteGuard found {len(found)} counter states in the optimizer state (expected "
-            "1); use one NonFiniteGuard per Fit."
-        )
-    return found[0]
+    return one_state_of(opt_state, GuardedState, "NonFiniteGuard", "counter states")
 
 
 def _replace(opt_state, new: GuardedState):

@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks import _loss_scale
@@ -63,12 +62,15 @@ class MixedPrecision(Callback):
       state is too; half the memory of "bf16-mixed", at the cost of bfloat16 updates.
     - `"16-mixed"`: as "bf16-mixed" with float16 compute, for GPUs without bfloat16. float16's
       narrow range needs dynamic loss scaling (`jaxlight.callbacks._loss_scale`, torch's
-      `GradScaler` rules): the loss is multiplied by a scale before the backward pass and the
-      gradients divided by it after, before clipping or anything else reads them; a step whose
-      gradients overflow (Inf/NaN) is skipped (parameters and optimizer state kept bit for bit)
-      and the scale multiplied by `backoff_factor`; after `growth_interval` finite steps in a
-      row it is multiplied by `growth_factor`. The scale lives in the optimizer state, so
-      checkpoints carry it; the metrics `loss_scale` (the scale this step used) and
+      `GradScaler` rules): the loss's cotangent is multiplied by a scale at the start of the
+      backward pass and the gradients divided by it as they leave it, before clipping or
+      anything else reads them; a step whose gradients overflow (Inf/NaN) is skipped
+      (parameters and optimizer state kept bit for bit) and the scale multiplied by
+      `backoff_factor`; after `growth_interval` finite steps in a row it is multiplied by
+      `growth_factor`. The scale, its counter and the skip live in one optax transformation
+      wrapping the optimizer (`_loss_scale.dynamic_loss_scale`), so checkpoints carry them;
+      the loss reads this step's scale from the optimizer state the step starts from
+      (`transform_loss_for_step`). The metrics `loss_scale` (the scale this step used) and
       `overflow_skipped` (steps skipped so far) report it. With `NonFiniteGuard`, overflow
       steps count as non-finite steps.
     - `"32-true"`: nothing changes.
@@ -120,24 +122,16 @@ class MixedPrecision(Callback):
         self.growth_interval = growth_interval
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
-        # The loss scale of the step being traced (a tracer), set by transform_step's wrapper
-        # around the step and read by the loss and gradient wrappers traced inside it.
-        self._trace_scale = None
 
     @property
     def loss_scaling(self) -> bool:
         return self.precision == "16-mixed"
 
-    def _scale(self):
-        if self._trace_scale is None:
-            raise RuntimeError("MixedPrecision('16-mixed'): the loss was traced outside the "
-                               "training step, so no loss scale is known.")
-        return self._trace_scale
-
     def transform_optimizer(self, tx):
         if not self.loss_scaling:
             return tx
-        return optax.chain(tx, _loss_scale.holder(self.init_scale))
+        return _loss_scale.dynamic_loss_scale(tx, self.init_scale, self.growth_interval,
+                                              self.growth_factor, self.backoff_factor)
 
     def transform_params(self, params: Any) -> Any:
         if self.precision != "bf16-true":
@@ -153,30 +147,16 @@ class MixedPrecision(Callback):
             loss, (metrics, new_rest) = loss_fn(
                 _cast_floats(params, compute), rest, _cast_floats(batch, compute)
             )
-            loss = loss.astype(jnp.float32)
-            if scaling:
-                loss = loss * self._scale()
-            return loss, (metrics, _cast_like(new_rest, rest))
+            return loss.astype(jnp.float32), (metrics, _cast_like(new_rest, rest))
 
-        scaling = self.loss_scaling
         return loss_in_compute_dtype
 
-    def transform_grad(self, grad_fn: Callable) -> Callable:
+    def transform_loss_for_step(self, loss_fn: Callable, state) -> Callable:
+        loss_fn = self.transform_loss(loss_fn)
         if not self.loss_scaling:
-            return grad_fn
-
-        def unscaled(params, rest, batch):
-            (loss, aux), grads = grad_fn(params, rest, batch)
-            inv = 1.0 / self._scale()
-            grads = jax.tree.map(lambda g: (g * inv).astype(g.dtype), grads)
-            return (loss * inv, aux), grads
-
-        return unscaled
-
-    def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
-        if not self.loss_scaling:
-            return grads, metrics
-        return grads, {**metrics, _loss_scale.FINITE: _loss_scale.all_finite(grads)}
+            return loss_fn
+        # The scale this step uses is the one its starting optimizer state holds.
+        return _loss_scale.scaled_loss(loss_fn, _loss_scale.find(state.opt_state).scale)
 
     def transform_step(self, step_fn: Callable) -> Callable:
         if self.precision == "32-true":
@@ -192,28 +172,18 @@ class MixedPrecision(Callback):
             return dtype_stable_step
 
         def loss_scaled_step(state, batch):
-            old = _loss_scale.find(state.opt_state)
-            self._trace_scale = old.scale
-            try:
-                new_state, metrics = dtype_stable_step(state, batch)
-            finally:
-                self._trace_scale = None
-            metrics = dict(metrics)
-            finite = metrics.pop(_loss_scale.FINITE)
-
-            def keep(new, prev):
-                return jax.lax.select(finite, new, prev)
-
-            # An overflowing step changes nothing but the scale (a select, bit for bit); the
-            # model's other variables (batch statistics) advance as in torch's GradScaler.
-            params = jax.tree.map(keep, new_state.params, state.params)
-            opt_state = jax.tree.map(keep, new_state.opt_state, state.opt_state)
-            scaler = _loss_scale.next_state(old, finite, self.growth_interval,
-                                            self.growth_factor, self.backoff_factor)
-            opt_state = _loss_scale.replace(opt_state, scaler)
-            metrics.update(loss_scale=old.scale,
-                           overflow_skipped=scaler.skipped.astype(jnp.float32))
-            return new_state.replace(params=params, opt_state=opt_state), metrics
+            new_state, metrics = dtype_stable_step(state, batch)
+            old, new = _loss_scale.find(state.opt_state), _loss_scale.find(new_state.opt_state)
+            # `dynamic_loss_scale` skipped this step exactly when it counted one more skip; it
+            # applied a zero update, and the select keeps the parameters bit for bit (p + 0
+            # would turn -0.0 into 0.0). The model's other variables (batch statistics)
+            # advance, as in torch's GradScaler.
+            applied = new.skipped == old.skipped
+            params = jax.tree.map(lambda p_new, p_old: jax.lax.select(applied, p_new, p_old),
+                                  new_state.params, state.params)
+            metrics = {**metrics, "loss_scale": old.scale,
+                       "overflow_skipped": new.skipped.astype(jnp.float32)}
+            return new_state.replace(params=params), metrics
 
         return loss_scaled_step
 

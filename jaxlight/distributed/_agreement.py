@@ -29,7 +29,7 @@ def set_timeout(seconds: float) -> None:
     _settings["timeout"] = float(seconds)
 
 
-def _nproc() -> tuple[int, int]:
+def process_count_and_index() -> tuple[int, int]:
     """(process count, process index) of the distributed runtime, without starting a backend."""
     state = jd.global_state
     if state.client is None:
@@ -58,7 +58,7 @@ def all_gather_json(tag: str, value: Any, timeout: float | None = None) -> list[
         >>> all_gather_json("batch_size", 16)
         [16]
     """
-    nproc, pid = _nproc()
+    nproc, pid = process_count_and_index()
     if nproc == 1:
         return [value]
     client = _client()
@@ -139,7 +139,7 @@ def check_devices(report: Mapping[str, Any] | None = None) -> None:
     what its shardings, the data split per process and compiled programs assume.
     `report` replaces this process's `local_devices_report()` (for tests of the check itself).
     """
-    if _nproc()[0] == 1:
+    if process_count_and_index()[0] == 1:
         return  # nothing to compare, and one process need not start its backend here
     mine = dict(local_devices_report() if report is None else report)
     values = all_gather_json("devices", mine)
@@ -174,7 +174,7 @@ def agree_stop(reason: str | None) -> str | None:
         >>> agree_stop(None) is None
         True
     """
-    nproc, pid = _nproc()
+    nproc, pid = process_count_and_index()
     if nproc == 1:
         return reason
     client = _client()
@@ -206,7 +206,7 @@ def reached_preemption_sync_point(step: int) -> bool:
     After `jax.distributed.initialize`, JAX catches SIGTERM itself and agrees on a step through
     its coordination service; polling this each step is a local check until then.
     """
-    if _nproc()[0] == 1 or jd.global_state.preemption_sync_manager is None:
+    if process_count_and_index()[0] == 1 or jd.global_state.preemption_sync_manager is None:
         return False
     return bool(multihost_utils.reached_preemption_sync_point(step))
 

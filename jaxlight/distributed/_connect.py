@@ -23,8 +23,8 @@ from jaxlight.distributed._environment import (
     ENV_HEARTBEAT,
     ENV_TIMEOUT,
     DistributedConfig,
-    _split_address,
     detect,
+    split_address,
 )
 
 logger = logging.getLogger("jaxlight.distributed")
@@ -160,7 +160,7 @@ def _connect(config: DistributedConfig, timeout: float, heartbeat: float) -> Non
             )
         addr = config.coordinator_address
         if addr is not None:
-            host, port = _split_address(addr)
+            host, port = split_address(addr)
             if not _reachable(host, port):
                 raise DistributedError(
                     f"process {pid} could not reach the coordinator at {addr} within "
@@ -306,7 +306,7 @@ def initialize(
                 "processes with `jaxlight launch --nprocs N -- python train.py`."
             )
         if config.coordinator_address is not None:
-            host, port = _split_address(config.coordinator_address, config._name("addr"))
+            host, port = split_address(config.coordinator_address, config._name("addr"))
             if config.process_id == 0:
                 check_port_free(port, f"coordinator port {port} ({config._name('addr')}="
                                       f"{config.coordinator_address})")

@@ -142,7 +142,7 @@ class DistributedConfig:
                     f"run 0 ... {per_node - 1}."
                 )
         if self.coordinator_address is not None:
-            _split_address(self.coordinator_address, self._name("addr"))
+            split_address(self.coordinator_address, self._name("addr"))
         return self
 
     def describe(self) -> str:
@@ -157,7 +157,7 @@ class DistributedConfig:
                 f"{_SOURCE_TEXT.get(self.source, self.source)}")
 
 
-def _split_address(address: str, name: str = "coordinator_address") -> tuple[str, int]:
+def split_address(address: str, name: str = "coordinator_address") -> tuple[str, int]:
     host, sep, port = str(address).rpartition(":")
     host = host.strip("[]")
     if not sep or not host:

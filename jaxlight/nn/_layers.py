@@ -238,7 +238,7 @@ ATTENTION_IMPLEMENTATIONS = {
 }
 
 
-def _check_attention_name(choice: str) -> None:
+def check_attention_name(choice: str) -> None:
     if choice not in ATTENTION_IMPLEMENTATIONS:
         raise ConfigurationError(
             f"attention={choice!r} is not an attention implementation; use one of "
@@ -263,7 +263,7 @@ def attention_implementation(choice: str, backend: str, dtype: Any, head_dim: in
         >>> attention_implementation("auto", "gpu", jnp.float32, 128)
         'xla'
     """
-    _check_attention_name(choice)
+    check_attention_name(choice)
     fits_cudnn = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
                   and head_dim % 8 == 0 and head_dim <= 128)
     if choice == "cudnn":
@@ -344,7 +344,7 @@ class MultiHeadAttention(nnx.Module):
                  rope_theta: float = 10_000.0, dtype: Any = None,
                  param_dtype: Any = jnp.float32, attention: str = "auto", rngs: nnx.Rngs):
         head_dim = head_dim or features // num_heads
-        _check_attention_name(attention)
+        check_attention_name(attention)
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.qkv = Dense(features, (3, num_heads, head_dim), axes=("embed", None, "heads", "kv"),
                          kernel_init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(2, 3)),

@@ -22,7 +22,7 @@ from jaxlight.nn._layers import (
     Embed,
     MultiHeadAttention,
     RMSNorm,
-    _check_attention_name,
+    check_attention_name,
 )
 from jaxlight.nn._stacked import Stacked, remat_policy
 
@@ -66,7 +66,7 @@ class TransformerConfig:
 
     def __post_init__(self):
         remat_policy(self.remat)
-        _check_attention_name(self.attention)
+        check_attention_name(self.attention)
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

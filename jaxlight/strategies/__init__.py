@@ -25,10 +25,12 @@ from collections.abc import Callable
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.strategies import rules
-from jaxlight.strategies._auto import DEVICE_TABLE, Auto, AutoChoice, DeviceSpec
+from jaxlight.strategies._auto import Auto
+from jaxlight.strategies._auto_choice import AutoChoice
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._ddp import DDP
 from jaxlight.strategies._gpipe import GPipe
+from jaxlight.strategies._roofline import DEVICE_TABLE, DeviceSpec
 from jaxlight.strategies._rules import DEFAULT_RULES
 from jaxlight.strategies._spmd import (
     FSDP,

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxlight._errors import NotSetUpError
 from jaxlight._layout import require_divisible
 from jaxlight._microbatch import accumulate_locally
 
@@ -106,10 +108,30 @@ class Strategy(abc.ABC):
         """The part of a canonical array of `shape` one device holds under `sharding`."""
         return tuple(sharding.shard_shape(tuple(shape)))
 
+    def require_mesh(self, what: str) -> Any:
+        """The device mesh, or a `NotSetUpError` naming `what` needed it before `setup`."""
+        if self.mesh is None:
+            name = type(self).__name__
+            raise NotSetUpError(
+                f"{name}.{what} needs the device mesh, which {name}.setup(devices) builds; "
+                f"call strategy.setup() first (Fit does it before it trains, evaluates or "
+                "plans), or pass the strategy to jaxlight.Fit and let it set up."
+            )
+        return self.mesh
+
+    def bytes_per_device(self, abstract: Any, shardings: Any) -> int:
+        """Bytes one device holds of `abstract` (ShapeDtypeStructs) laid out by `shardings`."""
+        total = 0
+        for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings),
+                                  strict=True):
+            local = self.shard_shape(tuple(leaf.shape), sharding)
+            total += math.prod(local) * np.dtype(leaf.dtype).itemsize
+        return total
+
     def replicated(self) -> jax.sharding.Sharding:
         """The sharding of a value every device holds whole (metrics, scalars)."""
-        assert self.mesh is not None, "call setup() first"
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.sharding.NamedSharding(self.require_mesh("replicated()"),
+                                          jax.sharding.PartitionSpec())
 
     def replicated_like(self, tree: Any) -> Any:
         return jax.tree.map(lambda _: self.replicated(), tree)

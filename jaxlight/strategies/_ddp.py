@@ -117,7 +117,7 @@ class DDP(Strategy):
 
     @property
     def num_replicas(self) -> int:
-        assert self.mesh is not None, "call setup() first"
+        self.require_mesh("num_replicas")
         return len(self.devices)
 
     @property
@@ -130,16 +130,16 @@ class DDP(Strategy):
     # entries). `compile` tells the two apart by that length.
 
     def _stacked(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(AXIS))
+        return NamedSharding(self.require_mesh("state_shardings()"), PartitionSpec(AXIS))
 
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
         del logical_axes  # every replica holds everything
         return jax.tree.map(lambda _: self._stacked(), abstract_state)
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
-        assert self.mesh is not None, "call setup() first"
+        mesh = self.require_mesh("batch_shardings()")
         return jax.tree.map(
-            lambda x: NamedSharding(self.mesh, PartitionSpec(AXIS, *([None] * np.ndim(x)))),
+            lambda x: NamedSharding(mesh, PartitionSpec(AXIS, *([None] * np.ndim(x)))),
             abstract_batch,
         )
 

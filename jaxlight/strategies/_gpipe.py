@@ -18,7 +18,7 @@ import jax
 from jaxlight._errors import ConfigurationError
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import normalize_rules
-from jaxlight.strategies._spmd import SpmdStrategy, _with_defaults
+from jaxlight.strategies._spmd import SpmdStrategy, with_default_rules
 
 
 class GPipe(Pipelined, SpmdStrategy):
@@ -81,7 +81,7 @@ class GPipe(Pipelined, SpmdStrategy):
                 "GPipe: the 'layers' axis of Stacked blocks always maps to the 'pipe' axis "
                 "(that is what splits the stages over devices); remove the 'layers' rule."
             )
-        user, full = _with_defaults(user, "GPipe")
+        user, full = with_default_rules(user, "GPipe")
         shape = {"pipe": -1} if stages is None else {"data": -1, "pipe": stages}
         super().__init__(shape, (("layers", "pipe"), *full),
                          override_annotations=override_annotations, devices=devices)

@@ -92,13 +92,13 @@ class SpmdStrategy(Strategy):
         self.mesh = Mesh(device_grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
 
     def axis_size(self, axes) -> int:
-        assert self.mesh is not None
-        return math.prod(self.mesh.shape.get(a, 1) for a in axes_of(axes))
+        mesh = self.require_mesh("axis_size()")
+        return math.prod(mesh.shape.get(a, 1) for a in axes_of(axes))
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        assert self.mesh is not None, "call setup() first"
-        return tuple(a for a in BATCH_AXES if self.mesh.shape.get(a, 1) > 1)
+        mesh = self.require_mesh("batch_axes")
+        return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
 
     @property
     def data_parallel_size(self) -> int:
@@ -122,8 +122,8 @@ class SpmdStrategy(Strategy):
 
         `source` says what gave the logical axes (a path rule), for error messages.
         """
-        assert self.mesh is not None
-        spec = partition_spec(dict(self.mesh.shape), self.rules, shape, logical, path=path,
+        mesh = self.require_mesh("spec_for()")
+        spec = partition_spec(dict(mesh.shape), self.rules, shape, logical, path=path,
                               source=source if source.startswith("path rule") else "")
         if self.shard_unannotated is not None and logical is None:
             return PartitionSpec(*self._fallback_spec(shape))
@@ -153,21 +153,21 @@ class SpmdStrategy(Strategy):
                      user_rules=self.user_rules)
 
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
-        assert self.mesh is not None
+        mesh = self.require_mesh("state_shardings()")
         placement = self.place(abstract_state, logical_axes)
         warn_unused(type(self).__name__, self.user_rules, placement)
         return placement.treedef.unflatten([
-            NamedSharding(self.mesh, self.spec_for(jax.tree_util.keystr(path),
-                                                   tuple(leaf.shape), logical, source))
+            NamedSharding(mesh, self.spec_for(jax.tree_util.keystr(path),
+                                              tuple(leaf.shape), logical, source))
             for path, leaf, logical, source in placement.leaves
         ])
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
-        assert self.mesh is not None
+        mesh = self.require_mesh("batch_shardings()")
         axes = self.batch_axes
         lead = axes[0] if len(axes) == 1 else (axes or None)
         return jax.tree.map(
-            lambda x: NamedSharding(self.mesh, PartitionSpec(lead, *([None] * (np.ndim(x) - 1)))),
+            lambda x: NamedSharding(mesh, PartitionSpec(lead, *([None] * (np.ndim(x) - 1)))),
             abstract_batch,
         )
 
@@ -265,7 +265,7 @@ class DataParallel(SpmdStrategy):
 # -- sharded strategies (FSDP, TensorParallel, Hybrid): the same machinery, other rules --------
 
 
-def _with_defaults(rules, who: str) -> tuple[tuple, tuple]:
+def with_default_rules(rules, who: str) -> tuple[tuple, tuple]:
     """(user rules, user rules in front of DEFAULT_RULES): the first matching rule wins."""
     user = normalize_rules(rules, who)
     check_path_rules(user + DEFAULT_RULES, who)
@@ -343,7 +343,7 @@ class FSDP(SpmdStrategy):
     def __init__(self, *, rules=None, min_shard_size: int = 2**12,
                  reshard_after_forward: bool = False, override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
-        user, full = _with_defaults(rules, "FSDP")
+        user, full = with_default_rules(rules, "FSDP")
         super().__init__({"fsdp": -1}, full, shard_unannotated="fsdp",
                          min_shard_size=min_shard_size,
                          override_annotations=override_annotations, devices=devices)
@@ -399,7 +399,7 @@ class TensorParallel(SpmdStrategy):
                  devices: Sequence[jax.Device] | None = None):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigurationError(f"TensorParallel(size) needs a positive int, got {size!r}.")
-        user, full = _with_defaults(rules, "TensorParallel")
+        user, full = with_default_rules(rules, "TensorParallel")
         if overlap:
             full = user + OVERLAP_RULES + full[len(user):]
         shape = {"tp": -1} if size is None else {"data": -1, "tp": size}
@@ -453,7 +453,7 @@ class Hybrid(Pipelined, SpmdStrategy):
                  override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
-        user, full = _with_defaults(rules, "Hybrid")
+        user, full = with_default_rules(rules, "Hybrid")
         if "pipe" in shape:
             full = (("layers", "pipe"), *full)  # each stage holds its own layers
         super().__init__(shape, full, shard_unannotated="fsdp", min_shard_size=min_shard_size,

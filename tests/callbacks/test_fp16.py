@@ -139,7 +139,7 @@ def test_bad_loss_scaling_arguments_are_refused():
     assert callbacks.MixedPrecision(16).precision == "16-mixed"
 
 
-def test_optax_state_is_untouched_by_the_holder():
+def test_the_optimizer_state_holds_one_loss_scale():
     tx = callbacks.MixedPrecision("16-mixed").transform_optimizer(optax.sgd(0.1))
     state = tx.init({"w": np.zeros(2, np.float32)})
     assert isinstance(find(state), LossScaleState)

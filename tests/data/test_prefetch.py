@@ -88,7 +88,8 @@ def test_a_loader_error_reaches_the_caller_and_stops_the_thread():
 
 
 def test_a_mismatched_batch_names_its_own_index():
-    with pytest.raises(jl.DataError, match=r"training batch 4 of epoch 0 has leaf \['x'\] of shape \(16, 16\)"):
+    with pytest.raises(jl.DataError,
+                       match=r"training batch 4 of epoch 0 has leaf \['x'\] of shape \(16, 16\)"):
         make_fit("single", 8).fit(Classifier(), Counting(bad_at=4))
     assert not _prefetch_threads()
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import nn, strategies
-from jaxlight._fit import _abstract_global_batch
+from jaxlight._fit import abstract_global_batch
 from jaxlight._state import model_spec
 from jaxlight._step import build_optimizer
 from tests.models import Classifier, classification_data
@@ -164,7 +164,7 @@ def test_budget_fsdp_cannot_meet_picks_fsdp_times_tp():
 def test_heads_that_do_not_divide_8_never_get_tp8():
     module = TinyLM(heads=4)  # 4 heads; every other dimension divides 8
     spec = model_spec(module, build_optimizer(module, [])[0], 0)
-    abstract_batch = _abstract_global_batch(token_batches(1)[0])
+    abstract_batch = abstract_global_batch(token_batches(1)[0])
     # A budget only the eighth-of-the-state layouts meet, with nothing compiled.
     auto = strategies.Auto(memory_budget=usable_budget(
         sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(spec.abstract_state)) / 6))

@@ -1,0 +1,156 @@
+"""Auto's candidate layouts: every `data × fsdp × tp × pipe` factorization of the devices the
+model allows, and the screen that refuses or sizes each one without compiling."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxlight._errors import JaxlightError
+from jaxlight._layout import axes_of
+from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._paths import place
+from jaxlight.strategies._rules import DEFAULT_RULES
+from jaxlight.strategies._spmd import FSDP, DataParallel, Hybrid, SingleDevice
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One layout Auto considered, and what it learned about it.
+
+    Attributes:
+        layout: `"data=4,fsdp=2"`-style mesh (plus `reshard` for FSDP's per-layer variant).
+        strategy: the strategy that implements it.
+        status: `chosen`, `fits`, `too big`, `args exceed budget`, `not compiled`, or
+            `refused` (its layout cannot hold the model or the batch; see `reason`).
+        reason: why it was skipped or refused ("" otherwise).
+        argument_bytes: parameters, optimizer state and batch per device (exact, before
+            compiling; equals `memory_analysis().argument_size_in_bytes`).
+        bytes_per_device: compiled arguments + outputs + temporaries - aliased (None: not
+            compiled).
+        collective_bytes: ring traffic of the step's collectives per device (None: not
+            compiled).
+        flops: FLOPs per device and step (None: not compiled).
+        predicted_s: the roofline's step time (None: not compiled).
+        fits: bytes_per_device within the usable budget (None: not compiled).
+        compile_s: seconds its compile took.
+        memory: `compiled.memory_analysis()` per device (`argument`, `output`, `temp`,
+            `alias`), when compiled.
+    """
+
+    layout: str
+    strategy: Strategy
+    status: str = "pending"
+    reason: str = ""
+    argument_bytes: int | None = None
+    bytes_per_device: int | None = None
+    collective_bytes: float | None = None
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    predicted_s: float | None = None
+    fits: bool | None = None
+    compile_s: float = 0.0
+    memory: dict[str, int] | None = None
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("strategy")
+        return out
+
+
+def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abstract_state,
+                         logical_axes, num_devices: int) -> list[Candidate]:
+    """Every layout of `num_devices` the model's annotations allow, least sharded first.
+
+    `user_rules` are Auto's own rules (before the defaults); `layouts`, when given, keeps only
+    these sorted '+'-joined mesh-axes sets (`"fsdp+tp"`).
+    """
+    rules = user_rules + DEFAULT_RULES
+    # Logical names from annotations and from path rules (rules=strategies.rules.NNX).
+    names = {n for p in place(rules, abstract_state, logical_axes).arrays
+             if p.collection == "params" and p.logical for n in p.logical if n is not None}
+    first = {}
+    for name, target in rules:
+        if isinstance(name, str):
+            first.setdefault(name, axes_of(target))
+    tp_ok = any("tp" in first.get(n, ()) for n in names)
+    layers = stacked_layers(abstract_state.params, logical_axes.params)
+    out: list[Candidate] = []
+    n = num_devices
+    for tp in divisors(n) if tp_ok else [1]:
+        for pipe in divisors(n // tp) if layers else [1]:
+            if layers and layers % pipe:
+                continue
+            for data in divisors(n // (tp * pipe)):
+                fsdp = n // (tp * pipe * data)
+                mesh = {a: s for a, s in (("data", data), ("pipe", pipe), ("fsdp", fsdp),
+                                          ("tp", tp)) if s > 1}
+                out.extend(layouts_of_mesh(mesh, user_rules or None))
+    if layouts is not None:
+        out = [c for c in out if "+".join(sorted(axes_key(c.layout))) in layouts]
+    # Least sharded first: data parallelism communicates least when it fits; then more
+    # fsdp (gathers added), then tensor parallelism (activation all-reduces), then pipes.
+    def rank(c: Candidate):
+        mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
+        return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
+                "reshard" in c.layout)
+    return sorted(out, key=rank)
+
+
+def layouts_of_mesh(mesh: dict[str, int], rules) -> list[Candidate]:
+    """The candidates of one mesh (FSDP alone has two: gather once, or per layer)."""
+    text = ",".join(f"{a}={s}" for a, s in mesh.items()) or "single"
+    if not mesh:
+        return [Candidate("single", SingleDevice())]
+    if list(mesh) == ["data"]:
+        return [Candidate(text, DataParallel(devices=None))]
+    if list(mesh) == ["fsdp"]:
+        return [Candidate(text, FSDP(rules=rules)),
+                Candidate(text + " reshard", FSDP(rules=rules, reshard_after_forward=True))]
+    return [Candidate(text, Hybrid(mesh, rules=rules))]
+
+
+def screen(c: Candidate, devices, abstract_state, logical_axes, abstract_batch,
+           usable: int) -> None:
+    """Refuses what cannot hold the model or batch; exact argument bytes, no compile."""
+    s = c.strategy
+    try:
+        s.setup(devices)
+        shardings = s.state_shardings(abstract_state, logical_axes)
+        state_bytes = s.bytes_per_device(abstract_state, shardings)
+        batch_bytes = 0
+        if abstract_batch is not None:
+            s.check_batch(abstract_batch)
+            batch_bytes = s.bytes_per_device(abstract_batch, s.batch_shardings(abstract_batch))
+    except JaxlightError as err:
+        c.status, c.reason = "refused", first_sentence(str(err))
+        return
+    c.argument_bytes = state_bytes + batch_bytes
+    if c.argument_bytes > usable:
+        c.status = "args exceed budget"
+
+
+def first_sentence(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    cut = line.find(". ")
+    return line if cut < 0 else line[:cut + 1]
+
+
+def axes_key(layout: str) -> list[str]:
+    return [part.split("=")[0] for part in layout.split(" ")[0].split(",") if "=" in part]
+
+
+def stacked_layers(params, logical) -> int:
+    """The layer count of the model's `Stacked` blocks (their `layers` axis), 0 if none."""
+    sizes = set()
+    flat_axes = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    for leaf, names in zip(jax.tree.leaves(params), flat_axes, strict=True):
+        if isinstance(names, tuple) and "layers" in names:
+            sizes.add(leaf.shape[names.index("layers")])
+    return math.gcd(*sizes) if sizes else 0
