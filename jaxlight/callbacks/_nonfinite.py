@@ -12,6 +12,7 @@ import optax
 from jaxlight._errors import ConfigurationError
 from jaxlight._optim import one_state_of
 from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._loss_scale import LossScaleState, ScaledState
 
 
 class NonFiniteState(NamedTuple):
@@ -47,6 +48,12 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     zero update and keeps `inner`'s state as it was; `NonFiniteState` counts such steps. The
     step wrapper of `NonFiniteGuard` sets `tripped_step` (it knows the step number) and keeps
     the parameters and other variables bit for bit on a skipped step.
+
+    When `inner` holds a dynamic loss scale (`MixedPrecision("16-mixed")`), a non-finite step
+    at a scale of 1 or more is float16 overflow of the scaled loss: it is the loss scale's to
+    handle (it skips the update and backs off), so the guard lets `inner` run and neither
+    counts nor resets the streak. At a scale below 1 the gradients are not finite even
+    unscaled: the guard counts and skips the step as it would in float32.
     """
 
     def init(params):
@@ -57,13 +64,20 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     def update(grads, state, params=None):
         finite = all_finite(grads)
         counters = state.counters
-        apply = jnp.logical_and(finite, counters.tripped_step < 0)
+        scaler = _loss_scale_in(state.inner)
+        counted = jnp.logical_not(finite)
+        if scaler is not None:
+            counted = jnp.logical_and(counted, scaler.scale < 1)
+        apply = jnp.logical_and(jnp.logical_not(counted), counters.tripped_step < 0)
         updates, inner_state = inner.update(grads, state.inner, params)
         inner_state = jax.tree.map(lambda new, old: jax.lax.select(apply, new, old),
                                    inner_state, state.inner)
         updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+        # An overflow the loss scale handles neither counts nor ends a streak.
+        consecutive = jnp.where(counted, counters.consecutive + 1,
+                                jnp.where(finite, 0, counters.consecutive))
         counters = NonFiniteState(
-            consecutive=jnp.where(finite, 0, counters.consecutive + 1).astype(jnp.int32),
+            consecutive=consecutive.astype(jnp.int32),
             skipped=(counters.skipped + jnp.logical_not(apply)).astype(jnp.int32),
             tripped_step=counters.tripped_step,
         )
@@ -74,6 +88,28 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 def _is_state(x) -> bool:
     return isinstance(x, GuardedState)
+
+
+def _of_type(tree, kind) -> list:
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+            if isinstance(x, kind)]
+
+
+def _loss_scale_in(inner_state) -> LossScaleState | None:
+    found = _of_type(inner_state, LossScaleState)
+    return found[0] if found else None
+
+
+def _check_nesting(opt_state) -> None:
+    """Refuses a loss scale wrapping the guard: the guard would never see an overflow."""
+    if any(_of_type(s.inner, GuardedState) for s in _of_type(opt_state, ScaledState)):
+        raise ConfigurationError(
+            "NonFiniteGuard comes before MixedPrecision('16-mixed') in callbacks, so the loss "
+            "scale wraps the guard: the guard would never see a non-finite step, and a run "
+            "whose loss stays NaN would skip steps forever. List MixedPrecision first and "
+            "NonFiniteGuard after it (Fit(precision='16-mixed') already adds MixedPrecision "
+            "first)."
+        )
 
 
 def _find(opt_state) -> GuardedState:
@@ -102,6 +138,13 @@ class NonFiniteGuard(Callback):
     only looks every `log_every_n_steps` steps cannot miss a streak, and the parameters the fit
     ends with (`module.model`) are those from before the streak, whenever the host noticed.
 
+    With `precision="16-mixed"`, an overflowing step is the loss scale's, as with PyTorch's
+    GradScaler: it skips the step and lowers the scale (`overflow_skipped` counts it), and the
+    guard does not count it, so the overflows with which dynamic loss scaling finds its scale
+    at the start of training never stop a run. Once the scale is below 1, non-finite gradients
+    are not overflow of the scaled loss, and the guard counts them as in float32. List
+    `NonFiniteGuard` after `MixedPrecision` (the other order is refused).
+
     Args:
         max_consecutive: non-finite steps in a row that stop the fit (>= 1).
 
@@ -126,6 +169,7 @@ class NonFiniteGuard(Callback):
         limit = self.max_consecutive
 
         def guarded_step(state, batch):
+            _check_nesting(state.opt_state)
             new_state, metrics = step_fn(state, batch)
             old, new = _find(state.opt_state), _find(new_state.opt_state)
             # The optimizer skipped this step exactly when it counted one more skip.

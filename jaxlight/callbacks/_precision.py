@@ -71,8 +71,9 @@ class MixedPrecision(Callback):
       wrapping the optimizer (`_loss_scale.dynamic_loss_scale`), so checkpoints carry them;
       the loss reads this step's scale from the optimizer state the step starts from
       (`transform_loss_for_step`). The metrics `loss_scale` (the scale this step used) and
-      `overflow_skipped` (steps skipped so far) report it. With `NonFiniteGuard`, overflow
-      steps count as non-finite steps.
+      `overflow_skipped` (steps skipped so far) report it. A `NonFiniteGuard` listed after
+      this callback leaves overflow steps to the loss scale and counts only non-finite steps
+      at a scale below 1 (see `NonFiniteGuard`).
     - `"32-true"`: nothing changes.
 
     Non-trainable variables (`rest`: batch statistics, frozen weights) keep their stored dtype

@@ -143,3 +143,34 @@ def test_the_optimizer_state_holds_one_loss_scale():
     tx = callbacks.MixedPrecision("16-mixed").transform_optimizer(optax.sgd(0.1))
     state = tx.init({"w": np.zeros(2, np.float32)})
     assert isinstance(find(state), LossScaleState)
+
+
+# -- with NonFiniteGuard -------------------------------------------------------------------------
+
+
+def test_overflows_while_the_scale_is_found_do_not_trip_the_guard():
+    # 2**20 overflows float16 five times (2**20 .. 2**16) before 2**15 fits: the loss scale's
+    # business, as with torch's GradScaler; a guard stopping after 2 must not count them.
+    cbs = [callbacks.MixedPrecision("16-mixed", init_scale=2.0**20), callbacks.NonFiniteGuard(2)]
+    _, fit, logs = _train(_batches(8), cbs)
+    assert [m["loss_scale"] for m in logs] == [2.0**k for k in (20, 19, 18, 17, 16, 15, 15, 15)]
+    assert logs[-1]["overflow_skipped"] == 5.0
+    assert [m["nonfinite_skipped"] for m in logs] == [0.0] * 8
+    assert [m["nonfinite_consecutive"] for m in logs] == [0.0] * 8
+    assert int(fit.global_step) == 8
+
+
+def test_a_loss_that_stays_nan_still_trips_the_guard_under_16_mixed():
+    # NaN inputs: the gradients are NaN at every scale. The scale backs off 4 -> 2 -> 1 -> 0.5
+    # (overflow handling); below 1 the guard counts: steps 4 and 5 trip max_consecutive=2.
+    nan = [dict(b, x=np.full_like(b["x"], np.nan)) for b in _batches(6)]
+    cbs = [callbacks.MixedPrecision("16-mixed", init_scale=4.0), callbacks.NonFiniteGuard(2)]
+    with pytest.raises(jl.TrainingStopped, match=r"2 training steps in a row \(steps 4 to 5\)"):
+        _train(nan, cbs)
+
+
+def test_a_guard_inside_the_loss_scale_is_refused():
+    cbs = [callbacks.NonFiniteGuard(2), callbacks.MixedPrecision("16-mixed")]
+    with pytest.raises(jl.ConfigurationError,
+                       match=r"NonFiniteGuard comes before MixedPrecision\('16-mixed'\)"):
+        _train(_batches(1), cbs)
