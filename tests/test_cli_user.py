@@ -330,3 +330,44 @@ def test_fit_needs_a_length(capsys):
     assert _err(capsys) == (
         "jaxlight: error: jaxlight fit user.py:Regressor needs to know how long to train: give "
         "--max-steps N or --max-epochs N (or max_steps / max_epochs in the --config file).\n")
+
+
+# -- your own callback ---------------------------------------------------------------------------
+
+
+def test_your_own_callback_by_path_runs_with_its_arguments(capsys):
+    pathlib.Path("counter.py").write_text(textwrap.dedent('''
+        import jaxlight as jl
+
+
+        class CountSteps(jl.callbacks.Callback):
+            def __init__(self, label: str = "steps", every: int = 1):
+                self.label, self.every = label, every
+
+            def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
+                if fit.global_step % self.every == 0:
+                    print(f"{self.label} {fit.global_step}")
+    '''))
+    assert main(["fit", *TARGET, "--model.features", "4", "--max-steps", "4",
+                 "--callbacks",
+                 "counter.py:CountSteps(label='seen', every=2), LearningRateMonitor()",
+                 "--enable-progress-bar", "false", "--logger", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "seen 2" in out and "seen 4" in out and "seen 1" not in out
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("user.py:Sums()", r"--callbacks 'user.py:Sums' is type <class '.*Sums'>, not a subclass of "
+                       r"jaxlight.callbacks.Callback\."),
+    ("user.py:Summs()", r"--callbacks 'user.py:Summs': user.py has no 'Summs'\. Did you mean "
+                        r"'Sums'\?"),
+    ("nowhere.py:Sampler()", r"no such file 'nowhere.py'"),
+    ("EarlyStoping()", r"unknown callback 'EarlyStoping'.*Your own callback class: "
+                       r"PATH\.py:Name\(\.\.\.\)\."),
+])
+def test_a_bad_callback_by_path_says_what_it_found(capsys, spec, message):
+    import re
+
+    assert main(["fit", *TARGET, "--model.features", "4", "--max-steps", "1",
+                 "--callbacks", spec]) == 2
+    assert re.search(message, _err(capsys)), _err(capsys)

@@ -3,10 +3,12 @@
 Per page (docs/*.md, README.md): `python` blocks run top to bottom in one namespace; each line of
 a `bash` block is a `jaxlight` command, run in this process through the CLI's `main` and required
 to exit 0; a block (`yaml`, `json`, `python`, ...) right after `<!-- file: NAME -->` is written to
-NAME first instead of being run. A block right after `<!-- skip: reason -->` is not run; one
-after `<!-- needs: MODULE -->` runs wherever MODULE is installed (an optional library jaxlight
-does not depend on, e.g. torch). Other fences (`text`, `sh`, `console`) are output or shell the
-suite cannot run (`make test` inside the tests), and must not hide a `jaxlight` command.
+NAME first instead of being run; one after `<!-- save: NAME -->` is written to NAME and run (the
+page's folder is importable, as a script's is). A block right after `<!-- skip: reason -->` is
+not run; one after `<!-- needs: MODULE -->` runs wherever MODULE is installed (an optional
+library jaxlight does not depend on, e.g. torch). Other fences (`text`, `sh`, `console`) are
+output or shell the suite cannot run (`make test` inside the tests), and must not hide a
+`jaxlight` command.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import os
 import pathlib
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -26,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 _FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
-_MARK = re.compile(r"<!--\s*(skip|file|needs):\s*(.*?)\s*-->\s*$")
+_MARK = re.compile(r"<!--\s*(skip|file|save|needs):\s*(.*?)\s*-->\s*$")
 
 
 def blocks(text: str) -> list[tuple[str, str, int, dict]]:
@@ -49,6 +53,16 @@ def commands(body: str) -> list[str]:
 
 
 def run_page(path: pathlib.Path) -> None:
+    # The page runs in a fresh folder that is importable, as a script's folder is, so a block
+    # saved as a module (`<!-- save: NAME -->`) can be imported by the next ones.
+    sys.path.insert(0, os.getcwd())
+    try:
+        _run_blocks(path)
+    finally:
+        sys.path.remove(os.getcwd())
+
+
+def _run_blocks(path: pathlib.Path) -> None:
     namespace: dict = {"__name__": f"docs_{path.stem}"}
     for lang, body, line, marks in blocks(path.read_text()):
         where = f"{path.name}:{line}"
@@ -59,6 +73,8 @@ def run_page(path: pathlib.Path) -> None:
         if "file" in marks:
             pathlib.Path(marks["file"]).write_text(body)
             continue
+        if "save" in marks:
+            pathlib.Path(marks["save"]).write_text(body)
         if lang == "python":
             exec(compile(body, where, "exec"), namespace)  # noqa: S102 - the docs' own code
         elif lang == "bash":

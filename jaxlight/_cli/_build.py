@@ -11,6 +11,7 @@ import jax
 import optax
 
 from jaxlight import callbacks, strategies
+from jaxlight._cli._target import import_object
 from jaxlight._errors import ConfigurationError, ShardingError, suggest
 from jaxlight._state import model_spec
 from jaxlight.callbacks._base import Logger
@@ -194,17 +195,33 @@ def build_loggers(text: str | None) -> list | None:
 
 
 def build_callbacks(text: str | None) -> list:
-    """Callbacks from `"EarlyStopping(monitor='val_loss'), LearningRateMonitor()"`."""
+    """Callbacks from `"EarlyStopping(monitor='val_loss'), LearningRateMonitor()"`.
+
+    A name is a `jaxlight.callbacks` class; your own callback class is named by where it lives,
+    as the module and data are: `"sampler.py:ImageSampler(num_samples=4)"` or
+    `"package.module:ImageSampler"`.
+    """
     if not text:
         return []
     valid = [n for n in getattr(callbacks, "__all__", ()) if n not in ("Callback",)]
     out = []
     for part in _split_calls(text):
-        name, args, kwargs = _parse_call(part, "--callbacks")
-        cls = getattr(callbacks, name, None)
-        if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
-            raise ConfigurationError(
-                f"unknown callback {name!r}; jaxlight.callbacks has {valid}.{suggest(name, valid)}"
-            )
+        head, paren, rest = part.partition("(")
+        if ":" in head:  # PATH.py:Name(...) or package.module:Name(...)
+            cls = import_object(head.strip(), "--callbacks")
+            _, args, kwargs = _parse_call("cls" + paren + rest, f"--callbacks {part!r}:")
+            if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+                raise ConfigurationError(
+                    f"--callbacks {head.strip()!r} is {type(cls).__name__} {cls!r}, not a "
+                    "subclass of jaxlight.callbacks.Callback."
+                )
+        else:
+            name, args, kwargs = _parse_call(part, "--callbacks")
+            cls = getattr(callbacks, name, None)
+            if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+                raise ConfigurationError(
+                    f"unknown callback {name!r}; jaxlight.callbacks has {valid}."
+                    f"{suggest(name, valid)} Your own callback class: PATH.py:Name(...)."
+                )
         out.append(_call(cls, args, kwargs, f"--callbacks {part}"))
     return out

@@ -81,7 +81,7 @@ def _load_file(path: str, spec: str):
     return module
 
 
-def _import(spec: str, what: str) -> Any:
+def import_object(spec: str, what: str) -> Any:
     """The object `PATH.py:NAME` or `package.module:NAME` names."""
     where, _, attr = spec.rpartition(":")
     if not where or not attr.isidentifier():
@@ -217,7 +217,7 @@ class TargetRecipe(Recipe):
 
 def load_target(spec: str, data_spec: str | None) -> TargetRecipe:
     """The recipe of `jaxlight <command> spec --data data_spec`."""
-    cls = _import(spec, "target")
+    cls = import_object(spec, "target")
     if not (inspect.isclass(cls) and issubclass(cls, TrainModule)):
         raise ConfigurationError(
             f"target {spec!r} is {_describe(cls)}, not a jaxlight.TrainModule subclass; name a "
@@ -227,7 +227,7 @@ def load_target(spec: str, data_spec: str | None) -> TargetRecipe:
     paths = {"model": spec}
     data = None
     if data_spec is not None:
-        data = _import(data_spec, "--data")
+        data = import_object(data_spec, "--data")
         if not (inspect.isclass(data) and issubclass(data, DataModule)) and not (
                 inspect.isfunction(data)):
             raise ConfigurationError(
