@@ -1,6 +1,8 @@
 """8 simulated CPU devices for every test, set before JAX starts."""
 
 import os
+import shutil
+import tempfile
 
 # The suite is dominated by XLA compiling small programs; LLVM's optimizations of the CPU code
 # cost more than they save here (2.5x faster on tests/strategies/test_equivalence.py). HLO
@@ -12,8 +14,17 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tests never write the user's persistent compilation cache (tests/test_cache.py uses its own).
-os.environ["JAXLIGHT_COMPILATION_CACHE"] = "off"
+# The suite never writes the user's persistent compilation cache: it shares one of its own, a
+# fresh directory per run, which the test processes it starts inherit. Many tests compile the
+# same programs (the same small models under the same strategies); each compiles once per run.
+# tests/test_cache.py uses directories of its own; a test that counts XLA's compiles turns the
+# cache off for its fits (Fit(compilation_cache=False)).
+if "JAXLIGHT_TEST_XLA_CACHE" not in os.environ:
+    os.environ["JAXLIGHT_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxlight-test-xla-")
+    _OWN_CACHE = True
+else:  # a worker or child of a run that made it
+    _OWN_CACHE = False
+os.environ["JAXLIGHT_COMPILATION_CACHE"] = os.environ["JAXLIGHT_TEST_XLA_CACHE"]
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -23,6 +34,11 @@ import pytest  # noqa: E402
 def _chdir_tmp(tmp_path, monkeypatch):
     """Default log and checkpoint directories land in the test's temporary folder."""
     monkeypatch.chdir(tmp_path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAXLIGHT_TEST_XLA_CACHE"], ignore_errors=True)
 
 
 def pytest_report_header(config):
