@@ -301,8 +301,13 @@ def refuse_fit_kwargs(unknown: dict[str, Any], valid: list[str]) -> None:
                 f"Fit({name}=...) is a Lightning Trainer argument jaxlight does not take: "
                 f"{TRAINER_ARGS[name]}. See {GUIDE}."
             )
+    raise unknown_keywords("Fit", unknown, valid)
+
+
+def unknown_keywords(who: str, unknown, valid: list[str]) -> ConfigurationError:
+    """The error for keyword arguments `who` does not take, each with a did-you-mean."""
     names = sorted(unknown)
     hints = "".join(suggest(n, valid) for n in names)
-    raise ConfigurationError(
-        f"Fit got unknown keyword argument(s) {names}.{hints} Fit takes {', '.join(valid)}."
+    return ConfigurationError(
+        f"{who} got unknown keyword argument(s) {names}.{hints} {who} takes {', '.join(valid)}."
     )

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxlight import distributed as _distributed
-from jaxlight._errors import ConfigurationError, suggest
-from jaxlight._porting import GUIDE
+from jaxlight._errors import ConfigurationError
+from jaxlight._porting import GUIDE, unknown_keywords
 from jaxlight.data._datamodule import LOADERS, META_KEY, DataModule, defines
 
 #: Lightning's keyword names for the data arguments, and jaxlight's for each stage.
@@ -34,12 +34,7 @@ def refuse_keywords(stage: str, unknown: dict[str, Any], valid: list[str]) -> No
                 f"(Fit.{stage}({', '.join(valid)})), or datamodule=dm for a jaxlight.DataModule. "
                 f"See {GUIDE}."
             )
-    names = sorted(unknown)
-    hints = "".join(suggest(n, valid) for n in names)
-    raise ConfigurationError(
-        f"Fit.{stage} got unknown keyword argument(s) {names}.{hints} It takes "
-        f"{', '.join(valid)}."
-    )
+    raise unknown_keywords(f"Fit.{stage}", unknown, valid)
 
 
 def _describe(value: Any) -> str:
