@@ -154,6 +154,14 @@ def current_factor(opt_state: Any) -> list[jax.Array]:
             if _is_schedule_state(s)]
 
 
+def states_of(tree: Any, state_type: type) -> list:
+    """Every sub-state of type `state_type` in `tree` (an optimizer state or part of one)."""
+    def is_state(x) -> bool:
+        return isinstance(x, state_type)
+
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
 def one_state_of(opt_state: Any, state_type: type, callback: str, what: str) -> Any:
     """The one sub-state of type `state_type` in an optimizer state: how a step piece finds the
     state of its own optax transformation wherever the chain put it.
@@ -162,10 +170,7 @@ def one_state_of(opt_state: Any, state_type: type, callback: str, what: str) -> 
         callback: the callback whose transformation it is, for the error (`"NonFiniteGuard"`).
         what: what the state is, plural, for the error (`"counter states"`).
     """
-    def is_state(x) -> bool:
-        return isinstance(x, state_type)
-
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    found = states_of(opt_state, state_type)
     if len(found) != 1:
         raise ConfigurationError(
             f"{callback} found {len(found)} {what} in the optimizer state (expected 1); use one "

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._optim import one_state_of
+from jaxlight._optim import one_state_of, states_of
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._loss_scale import LossScaleState, ScaledState
 
@@ -90,19 +90,14 @@ def _is_state(x) -> bool:
     return isinstance(x, GuardedState)
 
 
-def _of_type(tree, kind) -> list:
-    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-            if isinstance(x, kind)]
-
-
 def _loss_scale_in(inner_state) -> LossScaleState | None:
-    found = _of_type(inner_state, LossScaleState)
+    found = states_of(inner_state, LossScaleState)
     return found[0] if found else None
 
 
 def _check_nesting(opt_state) -> None:
     """Refuses a loss scale wrapping the guard: the guard would never see an overflow."""
-    if any(_of_type(s.inner, GuardedState) for s in _of_type(opt_state, ScaledState)):
+    if any(states_of(s.inner, GuardedState) for s in states_of(opt_state, ScaledState)):
         raise ConfigurationError(
             "NonFiniteGuard comes before MixedPrecision('16-mixed') in callbacks, so the loss "
             "scale wraps the guard: the guard would never see a non-finite step, and a run "
