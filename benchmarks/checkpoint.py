@@ -1,9 +1,12 @@
 """Checkpoint cost: how long a save blocks the training loop, async vs sync, and resume time.
 
 Trains an MLP (`--width` wide, `--layers` deep, Adam: 3x the parameters in state) for `--steps`
-steps three times: without checkpoints, with an asynchronous ModelCheckpoint every `--every`
-steps, and with a synchronous one. Reports seconds per step, the time each save held the loop
-(inside ModelCheckpoint's hook), the time for the last save to commit, and the time to restore.
+steps four times: without checkpoints, with an asynchronous ModelCheckpoint every `--every`
+steps, with a synchronous one, and with an asynchronous one whose previous save is waited for
+outside the timed region (`async_writer_idle`: what a save costs the loop when the writer keeps
+up; in `async` a save also waits for the previous one when writing takes longer than `--every`
+steps). Reports seconds per step, the time each save held the loop (inside ModelCheckpoint's
+hook) and the time to restore.
 
     python benchmarks/checkpoint.py --devices 8 --strategy fsdp --width 1024 --layers 4
 """
@@ -29,7 +32,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -72,9 +75,13 @@ def main() -> None:
     class TimedCheckpoint(callbacks.ModelCheckpoint):
         blocked: list
 
+        idle_writer = False
+
         def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
             # The step itself must finish before its state can be copied; time only the save.
             jax.block_until_ready(fit.state)
+            if self.idle_writer and self._writer is not None:
+                self._writer.wait()  # the previous save has committed: not timed
             start = time.perf_counter()
             super().on_train_batch_end(fit, module, outputs, batch, batch_idx)
             if fit.global_step % self.every_n_steps == 0:
@@ -98,8 +105,9 @@ def main() -> None:
         ckpt = None
         if mode != "none":
             ckpt = TimedCheckpoint(os.path.join(root, mode), every_n_steps=args.every,
-                                   save_top_k=1, async_save=(mode == "async"))
+                                   save_top_k=1, async_save=(mode != "sync"))
             ckpt.blocked = []
+            ckpt.idle_writer = mode == "async_writer_idle"
             cbs.append(ckpt)
         cbs.append(callbacks.LambdaCallback(on_train_batch_end=tick))
         fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=cbs,
@@ -127,8 +135,13 @@ def main() -> None:
             nnx.state(nnx.eval_shape(lambda: module.configure_model(nnx.Rngs(0))), nnx.Param)))
         report["parameters"] = int(params)
         report["state_megabytes"] = round(params * 4 * 3 / 2**20, 1)  # params + Adam mu, nu
-        for mode in ("none", "async", "sync"):
+        for mode in ("none", "async", "sync", "async_writer_idle"):
             report[mode] = run(mode, root)
+        sync = report["sync"]["loop_blocked_per_save_median_s"]
+        report["async_over_sync_hold"] = round(
+            report["async"]["loop_blocked_per_save_median_s"] / sync, 4)
+        report["async_writer_idle_over_sync_hold"] = round(
+            report["async_writer_idle"]["loop_blocked_per_save_median_s"] / sync, 4)
         # Restore cost: resume the async run's last checkpoint for one more step.
         fit = jl.Fit(make_strategy(), max_steps=args.steps + 1, enable_progress_bar=False,
                      enable_model_summary=False, logger=False)

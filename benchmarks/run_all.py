@@ -248,6 +248,8 @@ def summarize_checkpoint(r):
     return [(f"loop held per save, async / sync, median ({a['loop_blocked_per_save_median_s']:.3f}"
              f" s / {s['loop_blocked_per_save_median_s']:.3f} s; {r['state_megabytes']:.0f} MB "
              "state, verified checksums)", _fmt(ratio), "≤ 0.10", ratio <= 0.10),
+            ("same, the previous save committed before each save (writer idle)",
+             _fmt(r["async_writer_idle_over_sync_hold"]), "—", None),
             ("restore (verifying every array's checksum)", f"{r['restore_seconds']:.2f} s", "—",
              None)]
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
+
+import jax
 
 from jaxlight import _frozen, _verify
 from jaxlight._ckpt_format import (
@@ -72,12 +75,18 @@ class Retention:
 class CheckpointWriter:
     """An orbax `CheckpointManager` over one directory with jaxlight's retention policy.
 
-    Saves are asynchronous by default: `save` returns once this process's shards of the state
-    have been copied to host memory (orbax's synchronous device-to-host transfer), so the next
-    step may reuse (donate) the device buffers; the write and the commit (a rename) happen in a
-    background thread. At most one save is in flight: orbax waits for the previous one before
-    starting the next, so the host memory held by checkpointing is bounded by one copy of this
-    process's shards.
+    Saves are asynchronous by default. In a single process, `save` dispatches a device-side
+    snapshot of the state (a jitted copy, so the next step may donate the state's buffers)
+    and its checksums, and hands the rest to a background thread: orbax's device-to-host copy of
+    the snapshot, its write and its commit (a rename). The loop waits only for dispatches. With
+    several processes, orbax's save synchronizes the processes with device collectives, which
+    must not interleave with the training step's, so `save` runs orbax's blocking part (the copy
+    to host) in the loop, as a synchronous transfer, and only the write and commit in the
+    background.
+
+    At most one save is in flight: a new save first waits for the previous one's copy to host
+    (and orbax, before it copies, for the previous commit), so checkpointing holds at most one
+    device snapshot and one host copy of this process's shards.
     """
 
     def __init__(self, dirpath: str, *, monitor: str | None = None, mode: str = "min",
@@ -104,6 +113,10 @@ class CheckpointWriter:
         self._moved_aside_seen = _verify.moved_aside_count
         self._warned_exists: set[int] = set()
         self._failed = False
+        # orbax's blocking part of an asynchronous save runs here (single process only).
+        self._thread = (concurrent.futures.ThreadPoolExecutor(1, "jaxlight-checkpoint")
+                        if async_save and jax.process_count() == 1 else None)
+        self._handing_over: concurrent.futures.Future | None = None
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.dirpath, str(step))
@@ -115,6 +128,7 @@ class CheckpointWriter:
         step = int(fit.global_step)
         if step == self.last_saved_step:
             return False
+        self._wait_handed_over()  # the manager is not touched by two threads at once
         if self._moved_aside_seen != _verify.moved_aside_count:
             # A resume moved a damaged step aside: re-list, so that step is written again.
             self._moved_aside_seen = _verify.moved_aside_count
@@ -128,7 +142,6 @@ class CheckpointWriter:
             return False
         if fit.state is None:
             return False
-        self.wait()  # orbax would wait too; waiting here reports a failed earlier save as such
         tree = state_tree(fit.strategy.to_canonical(fit.state))
         mask, frozen = fit.session.spec.frozen, None
         if _frozen.has_frozen(mask):
@@ -136,8 +149,11 @@ class CheckpointWriter:
             frozen = _frozen.records(_frozen.select(tree["rest"], mask, True))
             tree["rest"] = _frozen.select(tree["rest"], mask, False)
         tree, key_impls = unwrap_keys(tree)
-        # Dispatched now, read by orbax's writer thread: the loop does not wait for it.
-        digests = _verify.start_digests(tree)
+        # Dispatched now, read by orbax's writer thread: the loop does not wait for them.
+        if self._thread is not None:
+            tree, digests = _verify.snapshot_with_digests(tree)
+        else:
+            digests = _verify.start_digests(tree)
         record = None
         if self.monitor is not None:
             record = {"name": self.monitor, "value": monitor_value,
@@ -149,25 +165,45 @@ class CheckpointWriter:
             metrics = {} if monitor_value is None else {self.monitor: monitor_value}
         if pin:
             self.retention.pinned.add(step)
+        args = orbax.args.Composite(**{STATE_ITEM: orbax.args.StandardSave(tree),
+                                       META_ITEM: orbax.args.JsonSave(meta),
+                                       _verify.CHECKSUM_ITEM: _verify.save_args(digests)})
+        if self._thread is not None:
+            self._handing_over = self._thread.submit(self._hand_over, step, args, metrics)
+        else:
+            self._hand_over(step, args, metrics)
+        self.last_saved_step = step
+        return True
+
+    def _hand_over(self, step: int, args, metrics) -> None:
+        """orbax's save: waits for the previous commit, copies the state to host, and starts the
+        write and commit in orbax's own thread (all of it, when saving synchronously)."""
+        self._wait_committed()  # orbax would wait too; this reports a failed save as such
         try:
-            self.manager.save(
-                step,
-                args=orbax.args.Composite(**{STATE_ITEM: orbax.args.StandardSave(tree),
-                                           META_ITEM: orbax.args.JsonSave(meta),
-                                           _verify.CHECKSUM_ITEM: _verify.save_args(digests)}),
-                metrics=metrics,
-                force=True,
-            )
+            self.manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise CheckpointError(
                 f"saving checkpoint step {step} to {self.dirpath} failed: {exc}. Checkpoints "
                 f"saved before are untouched: {complete_steps(self.dirpath)}."
             ) from exc
-        self.last_saved_step = step
-        return True
+
+    def _wait_handed_over(self) -> None:
+        """Blocks until the save handed to the background thread reached orbax; raises its
+        CheckpointError if it failed there."""
+        pending, self._handing_over = self._handing_over, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:
+                self._failed = True
+                raise
 
     def wait(self) -> None:
         """Blocks until the save in flight has committed; raises CheckpointError if it failed."""
+        self._wait_handed_over()
+        self._wait_committed()
+
+    def _wait_committed(self) -> None:
         try:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
@@ -192,8 +228,11 @@ class CheckpointWriter:
             if not reported:
                 raise
         finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
             try:
                 self.manager.close()
             except Exception:  # noqa: BLE001 - the failure was reported by wait()
                 if not self._failed:
                     raise
+

@@ -23,8 +23,13 @@ from tests.models import Classifier  # noqa: E402
 def on_step(fit, module, outputs, batch, batch_idx):
     step = fit.global_step
     if step == cfg.get("selfkill_at"):
-        # ModelCheckpoint (earlier in the list) has just started this step's asynchronous save,
-        # which takes far longer than getting here: die in the middle of it.
+        # ModelCheckpoint (earlier in the list) has just handed this step's save to its
+        # background thread: die in the middle of it, once orbax has created the step's
+        # temporary directory and before the commit renames it.
+        unfinished = os.path.join(os.path.abspath(cfg["dir"]), f"{step}.orbax-checkpoint-tmp")
+        deadline = time.monotonic() + 60
+        while not os.path.isdir(unfinished) and time.monotonic() < deadline:
+            time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
     print(f"STEP {step}", flush=True)
     if step == cfg.get("pause_at"):

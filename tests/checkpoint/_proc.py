@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +26,7 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, script, json.dumps(cfg)], cwd=workdir, stdout=subprocess.PIPE,
             stderr=self._stderr, text=True, env=dict(os.environ) if env is None else env,
+            start_new_session=True,  # its own process group: kill_group() ends its workers too
         )
         Child.started.append(self)
         self.lines: list[str] = []
@@ -47,6 +50,12 @@ class Child:
         raise AssertionError(f"child never printed {prefix!r}; stdout {self.lines[-5:]}, "
                              f"stderr tail {self.stderr()[-2000:]}")
 
+    def kill_group(self) -> None:
+        """SIGKILLs the child and every process it started (grain's worker processes outlive a
+        parent killed alone, as they would on a node where only the trainer was killed)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def finish(self, timeout: float = 180.0) -> int:
         try:
             rc = self.proc.wait(timeout)
@@ -64,8 +73,7 @@ def kill_leftovers() -> None:
     """SIGKILLs every child still running (a test failed before it ended them)."""
     while Child.started:
         child = Child.started.pop()
-        if child.proc.poll() is None:
-            child.proc.kill()
-            child.proc.wait()
+        child.kill_group()
+        child.proc.wait()
         if not child._stderr.closed:
             child._stderr.close()

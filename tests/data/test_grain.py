@@ -83,7 +83,7 @@ def _kill_and_resume(kind: str, nprocs: int, tmp_path, records: str) -> None:
     for child in killed:
         child.wait_for("PAUSED", timeout=300)
     for child in killed:
-        os.kill(child.proc.pid, signal.SIGKILL)
+        child.kill_group()
     assert [c.finish() for c in killed] == [-signal.SIGKILL] * nprocs
     _finish(reference)
     log = str(tmp_path / "resumed_reads")
