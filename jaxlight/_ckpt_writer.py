@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -79,10 +80,10 @@ class CheckpointWriter:
     snapshot of the state (a jitted copy, so the next step may donate the state's buffers)
     and its checksums, and hands the rest to a background thread: orbax's device-to-host copy of
     the snapshot, its write and its commit (a rename). The loop waits only for dispatches. With
-    several processes, orbax's save synchronizes the processes with device collectives, which
-    must not interleave with the training step's, so `save` runs orbax's blocking part (the copy
-    to host) in the loop, as a synchronous transfer, and only the write and commit in the
-    background.
+    several processes (orbax's save synchronizes the processes with device collectives, which
+    must not interleave with the training step's), or when a device lacks the free memory for
+    the snapshot, `save` runs orbax's blocking part (the copy to host) in the loop and only the
+    write and commit in the background.
 
     At most one save is in flight: a new save first waits for the previous one's copy to host
     (and orbax, before it copies, for the previous commit), so checkpointing holds at most one
@@ -150,7 +151,8 @@ class CheckpointWriter:
             tree["rest"] = _frozen.select(tree["rest"], mask, False)
         tree, key_impls = unwrap_keys(tree)
         # Dispatched now, read by orbax's writer thread: the loop does not wait for them.
-        if self._thread is not None:
+        in_background = self._thread is not None and room_for_snapshot(tree)
+        if in_background:
             tree, digests = _verify.snapshot_with_digests(tree)
         else:
             digests = _verify.start_digests(tree)
@@ -168,7 +170,7 @@ class CheckpointWriter:
         args = orbax.args.Composite(**{STATE_ITEM: orbax.args.StandardSave(tree),
                                        META_ITEM: orbax.args.JsonSave(meta),
                                        _verify.CHECKSUM_ITEM: _verify.save_args(digests)})
-        if self._thread is not None:
+        if in_background:
             self._handing_over = self._thread.submit(self._hand_over, step, args, metrics)
         else:
             self._hand_over(step, args, metrics)
@@ -236,3 +238,25 @@ class CheckpointWriter:
                 if not self._failed:
                     raise
 
+
+
+#: A device-side snapshot is taken only where it fits in this fraction of the free memory.
+SNAPSHOT_HEADROOM = 0.9
+
+
+def room_for_snapshot(tree: Any) -> bool:
+    """Whether every device has the free memory for a copy of its shards of `tree`. Devices
+    that report no memory statistics (CPU: the copy is host memory) always have."""
+    need: dict = {}
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array):
+            shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for device in x.sharding.device_set:
+                need[device] = need.get(device, 0) + shard
+    for device, nbytes in need.items():
+        stats = device.memory_stats()
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            if nbytes > SNAPSHOT_HEADROOM * free:
+                return False
+    return True
