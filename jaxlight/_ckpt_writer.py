@@ -239,7 +239,6 @@ class CheckpointWriter:
                     raise
 
 
-
 #: A device-side snapshot is taken only where it fits in this fraction of the free memory.
 SNAPSHOT_HEADROOM = 0.9
 

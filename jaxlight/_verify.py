@@ -30,6 +30,7 @@ from jax.experimental import multihost_utils
 
 from jaxlight._ckpt_format import normalized, ocp
 from jaxlight._errors import CheckpointError
+from jaxlight.distributed import gather
 
 #: The checkpoint item holding the digests (`<step>/checksums/metadata`, plain JSON).
 CHECKSUM_ITEM = "checksums"
@@ -104,14 +105,6 @@ def _flat(tree: Any) -> tuple[list[str], list[Any]]:
     return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(x)
-    if x.is_fully_replicated:  # a reduction's result: every process holds all of it
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(multihost_utils.process_allgather(x))
-
-
 @dataclasses.dataclass
 class PendingDigests:
     """Digests being computed on device; `record()` waits for them (in the writer thread)."""
@@ -120,7 +113,7 @@ class PendingDigests:
     values: jax.Array
 
     def record(self) -> dict:
-        values = _to_host(self.values)
+        values = gather(self.values)
         return {"algorithm": ALGORITHM,
                 "arrays": {p: [int(a), int(b)] for p, (a, b) in zip(self.paths, values,
                                                                      strict=True)}}
@@ -209,7 +202,7 @@ def verify(step_dir: str, restored: Any, record: dict | None) -> None:
     if record is None:
         return
     paths, leaves = _flat(restored)
-    values = _to_host(_digests(leaves))
+    values = gather(_digests(leaves))
     saved = record["arrays"]
     missing = [p for p in paths if p not in saved]
     bad = [p for p, v in zip(paths, values, strict=True)
