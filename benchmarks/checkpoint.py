@@ -6,7 +6,7 @@ steps, with a synchronous one, and with an asynchronous one whose previous save 
 outside the timed region (`async_writer_idle`: what a save costs the loop when the writer keeps
 up; in `async` a save also waits for the previous one when writing takes longer than `--every`
 steps). Reports seconds per step, the time each save held the loop (inside ModelCheckpoint's
-hook) and the time to restore.
+hook), the bytes of the last checkpoint and the time to restore.
 
     python benchmarks/checkpoint.py --devices 8 --strategy fsdp --width 1024 --layers 4
 """
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--compress", action="store_true",
+                        help="ModelCheckpoint(compress=True): orbax's zstd on the array data")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     setup_devices(args.devices)
@@ -105,7 +107,8 @@ def main() -> None:
         ckpt = None
         if mode != "none":
             ckpt = TimedCheckpoint(os.path.join(root, mode), every_n_steps=args.every,
-                                   save_top_k=1, async_save=(mode != "sync"))
+                                   save_top_k=1, async_save=(mode != "sync"),
+                                   compress=args.compress)
             ckpt.blocked = []
             ckpt.idle_writer = mode == "async_writer_idle"
             cbs.append(ckpt)
@@ -152,6 +155,10 @@ def main() -> None:
         restored = restore_training(fit.session, os.path.join(root, "async"))
         jax.block_until_ready(restored.state)
         report["restore_seconds"] = round(time.perf_counter() - start, 3)
+        last = os.path.join(root, "async", str(args.steps), "state")
+        report["checkpoint_megabytes"] = round(sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(last)
+            for f in files) / 2**20, 1)
         write_result("checkpoint", report, args.out)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -245,9 +245,12 @@ def summarize_gpt_input(r):
 def summarize_checkpoint(r):
     a, s = r["async"], r["sync"]
     ratio = a["loop_blocked_per_save_median_s"] / s["loop_blocked_per_save_median_s"]
-    return [(f"loop held per save, async / sync, median ({a['loop_blocked_per_save_median_s']:.3f}"
+    every = r["config"]["every"]
+    stored = "zstd" if r["config"].get("compress") else "uncompressed"
+    return [(f"loop held per save, async / sync, median ({a['loop_blocked_per_save_median_s']:.4f}"
              f" s / {s['loop_blocked_per_save_median_s']:.3f} s; {r['state_megabytes']:.0f} MB "
-             "state, verified checksums)", _fmt(ratio), "≤ 0.10", ratio <= 0.10),
+             f"state saved every {every} steps, {stored}, verified checksums)", _fmt(ratio),
+             "≤ 0.10", ratio <= 0.10),
             ("same, the previous save committed before each save (writer idle)",
              _fmt(r["async_writer_idle_over_sync_hold"]), "—", None),
             ("restore (verifying every array's checksum)", f"{r['restore_seconds']:.2f} s", "—",

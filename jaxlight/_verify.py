@@ -141,7 +141,7 @@ def snapshot_with_digests(tree: Any) -> tuple[Any, PendingDigests]:
 # -- writing: an orbax item whose value is copied to the host in the background --------------
 
 
-def _handler_class():
+def _define_classes():
     orbax = ocp()
 
     class ChecksumHandler(orbax.JsonCheckpointHandler):
@@ -162,18 +162,27 @@ def _handler_class():
     class ChecksumRestore(orbax.args.CheckpointArgs):  # orbax wants one; jaxlight reads the file
         item: Any = None
 
-    return ChecksumSave
+    return ChecksumHandler, ChecksumSave
 
 
-_SAVE_ARGS = None
+_CLASSES = None
+
+
+def _classes():
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _define_classes()
+    return _CLASSES
+
+
+def handler():
+    """A handler for the `checksums` item (the checkpoint manager is given one per item)."""
+    return _classes()[0]()
 
 
 def save_args(pending: PendingDigests):
     """The orbax `CheckpointArgs` that write `pending` as the `checksums` item."""
-    global _SAVE_ARGS
-    if _SAVE_ARGS is None:
-        _SAVE_ARGS = _handler_class()
-    return _SAVE_ARGS(pending)
+    return _classes()[1](pending)
 
 
 # -- verifying -----------------------------------------------------------------------------------

@@ -57,6 +57,9 @@ class ModelCheckpoint(Callback):
         save_top_k: how many ranked checkpoints to keep (-1: all).
         save_last: always keep the newest checkpoint, and save the final state at the end.
         async_save: write in a background thread while training continues.
+        compress: compress the array data with orbax's zstd: about 8% fewer bytes for a
+            float32 train state, for about a quarter more CPU time per save (more for
+            compressible arrays; restores read either).
 
     Example:
         >>> from jaxlight import callbacks
@@ -73,6 +76,7 @@ class ModelCheckpoint(Callback):
         save_top_k: int = 1,
         save_last: bool = True,
         async_save: bool = True,
+        compress: bool = False,
     ):
         _positive_or_none("every_n_steps", every_n_steps)
         _positive_or_none("every_n_epochs", every_n_epochs)
@@ -89,6 +93,9 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(save_top_k={save_top_k!r}): give -1 (keep all), 0 or a "
                 "positive number."
             )
+        for name, flag in (("async_save", async_save), ("compress", compress)):
+            if not isinstance(flag, bool):
+                raise ConfigurationError(f"ModelCheckpoint({name}={flag!r}): give True or False.")
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs
@@ -97,6 +104,7 @@ class ModelCheckpoint(Callback):
         self.save_top_k = save_top_k
         self.save_last = save_last
         self.async_save = async_save
+        self.compress = compress
         #: The best monitored value saved so far, its step and step directory.
         self.best_model_score: float | None = None
         self.best_step: int | None = None
@@ -138,7 +146,8 @@ class ModelCheckpoint(Callback):
             return
         self._writer = CheckpointWriter(
             self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
-            save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save)
+            save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save,
+            compress=self.compress)
 
     def teardown(self, fit, module, stage: str) -> None:
         if stage == "fit" and self._writer is not None:

@@ -1,6 +1,7 @@
 """Exact resume after SIGKILL (real subprocesses), a kill during a save, a failed save."""
 
 import os
+import re
 import signal
 
 import jaxlight as jl
@@ -48,9 +49,10 @@ def _self_killing(strategy, ckpt_dir, step, tmp_path, ckpt_path=None):
 def _check_killed_during_save(child, ckpt_dir, step):
     assert child.finish() == -signal.SIGKILL, child.stderr()[-3000:]
     assert child.lines[-1] == f"STEP {step - 1}"
-    # The interrupted save is still unfinished on disk; the step before it is complete.
+    # The interrupted save is still unfinished on disk; the step before it is complete (and
+    # possibly the one before that, whose deletion runs in orbax's background thread).
     assert os.path.isdir(os.path.join(ckpt_dir, f"{step}.orbax-checkpoint-tmp"))
-    assert complete_steps(ckpt_dir) == [step - 1]
+    assert complete_steps(ckpt_dir) in ([step - 1], [step - 2, step - 1])
 
 
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
@@ -60,12 +62,14 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
                 "dp": _pausing("dp", dp, 5, tmp_path),
                 "fsdp": _self_killing("fsdp", fsdp, 6, tmp_path)}
     _kill_when_paused(children["single"])
-    assert complete_steps(single) == [3]
+    # Older steps are deleted in orbax's background thread: a kill right after a commit may
+    # leave the previous step too (the next run's retention deletes it, checked below).
+    assert complete_steps(single) in ([3], [2, 3])
     # Resumed from 3, then killed in the middle of saving step 9: step 8 (the last batch of
     # epoch 0) is the newest complete checkpoint, so the next resume starts epoch 1.
     second = _self_killing("single", single, 9, tmp_path, ckpt_path="last")
     _kill_when_paused(children["dp"])
-    assert complete_steps(dp) == [5]
+    assert complete_steps(dp) in ([5], [4, 5])
     _check_killed_during_save(children["fsdp"], fsdp, 6)
     _check_killed_during_save(second, single, 9)
 
@@ -84,6 +88,7 @@ def test_a_failed_save_deletes_nothing_and_says_so(tmp_path):
     assert child.finish() == 3, child.stderr()[-3000:]
     line = child.wait_for("CHECKPOINT_ERROR")
     assert "checkpoint save to" in line and "failed" in line and "File too large" in line
-    assert "Checkpoints saved before are untouched: steps [3]" in line
+    # Step 2 may still be listed: older steps are deleted in orbax's background thread.
+    assert re.search(r"Checkpoints saved before are untouched: steps \[(2, )?3\]\.", line), line
     assert complete_steps(ckpt_dir) == [3]
     jl.load_checkpoint(ckpt_dir, Classifier())  # still readable
