@@ -9,7 +9,8 @@ step, written by an orbax `CheckpointManager` (each process writes its own shard
 coordinates). A step directory is complete once orbax has renamed it from
 `<step>.orbax-checkpoint-tmp` to `<step>`:
 
-    <dirpath>/<step>/state/     the train state in canonical layout (orbax StandardSave):
+    <dirpath>/<step>/state/     the train state in canonical layout (orbax PyTreeSave, the
+                                format StandardSave writes; zstd only with compress=True):
                                 {"step", "params", "opt_state", "rest"}; PRNG keys as key data;
                                 `rest` without frozen parameters (see `_frozen`: a LoRA
                                 module's base weights are rebuilt by configure_model)

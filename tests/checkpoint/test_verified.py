@@ -43,8 +43,9 @@ def _flip_bytes(step_dir: str, every_data_file: bool = False) -> None:
     """XORs 4 bytes at 15 evenly spaced offsets of the largest array-data file of the step (or
     of every data file over 64 KiB: which arrays share a file varies from save to save), as a
     bad disk would, keeping the flips that orbax reads back without complaint: the silent load
-    jaxlight's checksums exist for. (A flip that breaks a zstd frame makes orbax's own read
-    fail instead; those are undone, so that the test always exercises the checksums.)"""
+    jaxlight's checksums exist for. (A flip that orbax's own read notices, such as one that
+    breaks a zstd frame of a `compress=True` checkpoint, is undone, so that the test always
+    exercises the checksums.)"""
     intact = _restore_plain(step_dir)
     files = [os.path.join(d, f) for d, _, names in os.walk(os.path.join(step_dir, "state"))
              for f in names]
