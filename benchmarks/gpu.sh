@@ -1,25 +1,42 @@
 #!/usr/bin/env bash
 # The accelerator benchmarks in one command, for one NVIDIA GPU (H100/H200):
-#   bash benchmarks/gpu.sh            # results in benchmarks/results/mfu_*_<device>.json
+#   bash benchmarks/gpu.sh            # results in benchmarks/results/{mfu_*,gpu_paths}_<device>.json
 # Runs from a checkout without installing it (PYTHONPATH), with the machine's own jax, flax,
 # optax and orbax (jaxlight's other dependencies are imported only by callbacks this run does
-# not use). Copies the JSON files and the log to $OUT when it is set (the device machine's
-# output folder). Takes about 5 minutes on an H100: two presets, Fit and a hand-written loop
-# alternated three times each.
+# not use). Copies the JSON files, one profiler trace and the log to $OUT when it is set (the
+# device machine's output folder). Sized for a 15-minute lease (about 8 minutes on an H200):
+# the ~1B preset first (the MFU target), then the GPU-only code paths, then 125M; Fit and a
+# hand-written loop alternated twice per preset, each part under its own time limit so that a
+# slow or failing part does not take the others with it. ROUNDS=3 for a longer lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Later rounds load their compiled steps from the persistent cache instead of compiling again.
+export JAXLIGHT_COMPILATION_CACHE="${JAXLIGHT_COMPILATION_CACHE:-/tmp/jaxlight_xla_cache}"
+# JAX's default pool is 75% of the card; the ~1B step's 44 GiB activation buffer did not find
+# a contiguous free block in it on an H200 (BFC fragmentation), so give it 95%.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
+rounds="${ROUNDS:-2}"
 out="${OUT:-}"
 log="${out:-/tmp}/gpu_bench.log"
+prof=/tmp/jaxlight_profile_1b
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv || true
   python3 -c "import jax, flax, optax, orbax.checkpoint; print('jax', jax.__version__, \
 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())" || exit 1
   status=0
-  python3 benchmarks/mfu.py --preset 125m --compare-hand --rounds 3 || status=1
-  # ~1B at batch 8 x 2048 tokens: fits without recomputation on 80 GB.
-  python3 benchmarks/mfu.py --preset 1b --batch 8 --remat none --compare-hand --rounds 3 \
+  # ~1B at batch 8 x 2048 tokens: fits without recomputation on 80 GB. One more Fit round is
+  # traced (not timed) with the Profiler callback, for reading where the step's time goes.
+  timeout 330 python3 benchmarks/mfu.py --preset 1b --batch 8 --remat none --compare-hand \
+    --rounds "$rounds" --steps 20 --profile-dir "$prof" || status=1
+  timeout 150 python3 benchmarks/gpu_paths.py || status=1
+  timeout 120 python3 benchmarks/mfu.py --preset 125m --compare-hand --rounds "$rounds" \
     || status=1
-  if [ -n "$out" ]; then cp benchmarks/results/mfu_*.json "$out"/ 2>/dev/null; fi
+  if [ -n "$out" ]; then
+    cp benchmarks/results/mfu_*_nvidia*.json benchmarks/results/gpu_paths_*.json "$out"/ \
+      2>/dev/null
+    trace=$(find "$prof" -name '*.trace.json.gz' -size -15M 2>/dev/null | head -n 1)
+    [ -n "$trace" ] && cp "$trace" "$out"/trace_1b.json.gz
+  fi
   exit $status
 } 2>&1 | tee "$log"

@@ -46,6 +46,9 @@ def main(argv=None):
     p.add_argument("--peak-flops", type=float, default=None, help="per device, overrides table")
     p.add_argument("--compare-hand", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile-dir", default=None,
+                   help="trace steps warmup+1..warmup+2 of the last Fit round with the Profiler "
+                        "callback into this directory (its host timing goes into the JSON)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -83,14 +86,15 @@ def main(argv=None):
             yield batches[i % len(batches)]
             i += 1
 
-    def fit_round():
+    def fit_round(profiler=None):
         module = gpt.make_module(config, max_steps=args.steps)
         monitor = callbacks.ThroughputMonitor(peak_flops_per_device=args.peak_flops)
         stamps = []
         rec = callbacks.LambdaCallback(
             on_train_batch_end=lambda f, m, o, b, i: stamps.append(time.perf_counter()))
+        extra = [profiler] if profiler is not None else []
         fit = jl.Fit(args.strategy, max_steps=args.steps, precision=args.precision,
-                     callbacks=[monitor, rec], log_every_n_steps=max(1, args.steps // 3),
+                     callbacks=[monitor, rec, *extra], log_every_n_steps=max(1, args.steps // 3),
                      enable_progress_bar=False, enable_model_summary=False, logger=False)
         fit.fit(module, loader())
         params = jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
@@ -130,7 +134,7 @@ def main(argv=None):
         return float(np.median(np.diff(stamps[args.warmup:])))
 
     rounds = []
-    fit = monitor = None
+    fit = monitor = profiler = None
     for _ in range(args.rounds if args.compare_hand else 1):
         fit, monitor, f_stamps, _, module = fit_round()
         row = {"fit_step_s": median_step(f_stamps)}
@@ -138,6 +142,11 @@ def main(argv=None):
             row["hand_step_s"] = median_step(hand_round(module))
             row["ratio"] = row["fit_step_s"] / row["hand_step_s"]
         rounds.append(row)
+    if args.profile_dir:
+        # One more Fit round, traced: traced steps wait for the device, so it is not timed.
+        profiler = callbacks.Profiler(start_step=args.warmup + 1, num_steps=2,
+                                      logdir=args.profile_dir)
+        fit_round(profiler)
     device = jax.devices()[0]
     step_s = float(np.median([r["fit_step_s"] for r in rounds]))
     tokens = batch * seq
@@ -182,6 +191,9 @@ def main(argv=None):
         "target_mfu_1b": 0.45,
         "target_overhead": 1.02,
     }
+    if profiler is not None:
+        report["profile"] = {"trace_dir": profiler.trace_dir, "host_timing": profiler.step_timings,
+                             "compile_times": profiler.compile_times}
     if args.compare_hand:
         report["median_overhead_ratio"] = float(np.median([r["ratio"] for r in rounds]))
     name = re.sub(r"[^A-Za-z0-9]+", "_", device.device_kind).strip("_").lower()

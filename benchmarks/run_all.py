@@ -13,6 +13,7 @@ table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of REA
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -257,6 +258,44 @@ def summarize_checkpoint(r):
              None)]
 
 
+# -- accelerator results (benchmarks/gpu.sh on a GPU; not run by this driver) --------------------
+
+
+def summarize_mfu(r):
+    met = r["mfu"] >= r["target_mfu_1b"] if r["preset"] == "1b" else None
+    rows = [(f"gpt {r['preset']} ({r['parameters'] / 1e6:,.0f}M params) MFU, {r['precision']}, "
+             f"batch {r['global_batch']} x {r['seq_len']}, {r['attention']} attention, remat "
+             f"{r['remat']} ({r['tokens_per_s']:,.0f} tokens/s; {r['device']}, jax {r['jax']})",
+             _fmt(r["mfu"]), "≥ 0.45" if r["preset"] == "1b" else "—", met)]
+    if "median_overhead_ratio" in r:
+        rows.append((f"gpt {r['preset']}: Fit / hand-written median step time ("
+                     f"{r['median_step_s'] * 1e3:.1f} ms/step; {r['device']})",
+                     _fmt(r["median_overhead_ratio"], 4), "≤ 1.02",
+                     r["median_overhead_ratio"] <= r["target_overhead"]))
+    return rows
+
+
+def summarize_gpu_paths(r):
+    ran = [p["path"] for p in r["paths"] if p["ok"]]
+    return [(f"GPU-only code paths run once ({r['device']}): " + ", ".join(ran),
+             f"{len(ran)} / {len(r['paths'])} ran", "all", r["all_ok"])]
+
+
+def accelerator_rows() -> list[str]:
+    lines = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        kind = "mfu" if name.startswith("mfu_") else (
+            "gpu_paths" if name.startswith("gpu_paths_") else None)
+        report = _load(name)
+        if kind is None or report is None or report.get("platform") != "gpu":
+            continue
+        for what, measured, target, met in globals()[f"summarize_{kind}"](report):
+            lines.append(f"| {kind} | {what} | {measured} | {target} | "
+                         f"{'—' if met is None else _fmt(bool(met))} |")
+    return lines
+
+
 def charts():
     try:
         import matplotlib
@@ -326,7 +365,7 @@ def table() -> str:
         for what, measured, target, met in globals()[f"summarize_{name}"](report):
             lines.append(f"| {name} | {what} | {measured} | {target} | "
                          f"{'—' if met is None else _fmt(bool(met))} |")
-    return "\n".join(lines)
+    return "\n".join(lines + accelerator_rows())
 
 
 def update_readme(text: str) -> None:

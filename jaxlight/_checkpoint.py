@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from etils import epath
 from flax import nnx
+from jax.tree_util import keystr
 
 from jaxlight import _frozen, _hparams, _verify
 from jaxlight import strategies as _strategies
@@ -104,6 +105,15 @@ def _restore(step_dir: str, target: dict, partial: bool, meta: dict) -> dict:
         raise _verify.DamagedCheckpoint(
             f"checkpoint {step_dir} lost its checksum record "
             f"({os.path.join(step_dir, _verify.CHECKSUM_ITEM)} is missing).")
+    # Arrays are read in the dtype they were saved in (a bf16-true model's bfloat16), so that
+    # their checksums can be checked, and only then cast to the target's dtype (a module built
+    # in float32 loading them for inference): orbax's own cast on read would make every
+    # checksum differ.
+    wanted = target
+    stored = _stored_dtypes(step_dir, target)
+    target = jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.ShapeDtypeStruct(x.shape, stored[_saved_key(p)], sharding=x.sharding)
+        if _saved_key(p) in stored else x, target)
     restore_args = orbax.checkpoint_utils.construct_restore_args(target)
     try:
         with orbax.PyTreeCheckpointer() as checkpointer:
@@ -115,7 +125,30 @@ def _restore(step_dir: str, target: dict, partial: bool, meta: dict) -> dict:
         warnings.warn(f"checkpoint {step_dir} has no checksums (written by an older jaxlight): "
                       "its array values are not verified.", stacklevel=4)
     _verify.verify(step_dir, restored, record)
-    return restored
+    if not stored:
+        return restored
+    return jax.tree.map(lambda x, w: x.astype(w.dtype) if x.dtype != w.dtype else x,
+                        restored, wanted)
+
+
+def _saved_key(path: tuple) -> str:
+    """The keystr of a leaf's path as orbax's metadata names it (`_ckpt_format.normalized`:
+    namedtuple fields and dict keys as string keys)."""
+    tu = jax.tree_util
+    return keystr(tuple(tu.DictKey(p.name) if isinstance(p, tu.GetAttrKey)
+                        else tu.DictKey(str(p.key)) if isinstance(p, tu.DictKey) else p
+                        for p in path))
+
+
+def _stored_dtypes(step_dir: str, target: Any) -> dict[str, Any]:
+    """keystr path -> saved dtype, for the leaves of `target` saved in another dtype."""
+    saved = _saved_shapes(step_dir)
+    out = {}
+    for p, x in jax.tree_util.tree_flatten_with_path(target)[0]:
+        key = _saved_key(p)
+        if key in saved and hasattr(x, "dtype") and np.dtype(saved[key][1]) != x.dtype:
+            out[key] = np.dtype(saved[key][1])
+    return out
 
 
 def _restore_shardings(strategy, abstract: Any, shardings: Any) -> Any:

@@ -59,23 +59,34 @@ def device_peak_flops(device: Any) -> float | None:
         >>> device_peak_flops("cpu") is None
         True
     """
+    entry = device_peak_entry(device)
+    return None if entry is None else PEAK_FLOPS[entry]
+
+
+def device_peak_entry(device: Any) -> str | None:
+    """The row of `PEAK_FLOPS` that `device` (a `jax.Device` or its `device_kind`) reads.
+
+    Example:
+        >>> device_peak_entry("NVIDIA H200")
+        'H200'
+    """
     kind = (device if isinstance(device, str) else getattr(device, "device_kind", "")).lower()
     if "h200" in kind:
-        return PEAK_FLOPS["H200"]
+        return "H200"
     if "h100" in kind:
         if "pcie" in kind:
-            return PEAK_FLOPS["H100 PCIe"]
-        return PEAK_FLOPS["H100 NVL" if "nvl" in kind else "H100 SXM"]
+            return "H100 PCIe"
+        return "H100 NVL" if "nvl" in kind else "H100 SXM"
     if "a100" in kind:
-        return PEAK_FLOPS["A100"]
+        return "A100"
     # TPU device_kind strings: "TPU v4", "TPU v5 lite" (v5e), "TPU v5" / "TPU v5p", "TPU v6 lite".
     if "tpu" in kind:
         if "v6" in kind:
-            return PEAK_FLOPS["TPU v6e"]
+            return "TPU v6e"
         if "v5" in kind:
-            return PEAK_FLOPS["TPU v5e" if ("lite" in kind or "v5e" in kind) else "TPU v5p"]
+            return "TPU v5e" if ("lite" in kind or "v5e" in kind) else "TPU v5p"
         if "v4" in kind:
-            return PEAK_FLOPS["TPU v4"]
+            return "TPU v4"
     return None
 
 

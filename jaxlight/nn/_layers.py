@@ -264,16 +264,18 @@ def attention_implementation(choice: str, backend: str, dtype: Any, head_dim: in
         'xla'
     """
     check_attention_name(choice)
+    fits_width = head_dim % 8 == 0 and head_dim <= 128
     fits_cudnn = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-                  and head_dim % 8 == 0 and head_dim <= 128)
+                  and fits_width)
     if choice == "cudnn":
+        # float32 inputs (evaluation under bf16-mixed computes in float32) are cast to bfloat16
+        # for the kernel by `causal_attention`: "cudnn" insists on the kernel, not the dtype.
         problems = []
         if backend not in ("gpu", "cuda"):
             problems.append(f"the step compiles for {backend!r}, not a CUDA GPU")
-        if not fits_cudnn:
-            problems.append(f"cuDNN flash attention needs bfloat16 or float16 inputs and a head "
-                            f"width that is a multiple of 8, at most 128; got "
-                            f"{jnp.dtype(dtype).name} and {head_dim}")
+        if not fits_width:
+            problems.append(f"cuDNN flash attention needs a head width that is a multiple of "
+                            f"8, at most 128; got {head_dim}")
         if problems:
             raise ConfigurationError(
                 f"attention='cudnn' cannot run here: {'; '.join(problems)}. Use "
@@ -291,11 +293,15 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, implementation: s
 
     "xla" computes the scores in the inputs' dtype, the softmax in float32 and the output in
     the inputs' dtype; "cudnn" is `jax.nn.dot_product_attention`'s fused kernel (the same
-    function, computed blockwise).
+    function, computed blockwise) in half precision: float32 inputs are cast to bfloat16 for
+    it and its output back to float32.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if implementation == "cudnn":
-        return _dot_product_attention(q, k, v, scale, "cudnn")
+        dtype = q.dtype
+        if dtype not in (jnp.bfloat16, jnp.float16):  # the kernel is half precision only
+            q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+        return _dot_product_attention(q, k, v, scale, "cudnn").astype(dtype)
     length = q.shape[-3]
     scores = jnp.einsum("...qhd,...khd->...hqk", q, k).astype(jnp.float32) * scale
     causal = jnp.tril(jnp.ones((length, length), bool))

@@ -285,3 +285,21 @@ def test_a_failed_background_deletion_is_reported_with_the_steps_kept(tmp_path, 
                        r"failed: OSError: .*Read-only file system.* nothing saved is lost: "
                        r"the complete checkpoints there are steps \[2, 4, 6\]"):
         fit.fit(Classifier(), loader())
+
+
+def test_a_bf16_true_checkpoint_loads_into_a_float32_module(tmp_path):
+    # A bf16-true fit saves bfloat16 parameters; a module built as usual (float32) must load
+    # them for inference with their values, checked against the bfloat16 checksums. Before,
+    # orbax cast on read and every checksum differed: DamagedCheckpoint on a sound checkpoint.
+    ckpt = callbacks.ModelCheckpoint(str(tmp_path / "ckpt"), every_n_steps=3)
+    fit = make_fit("single", 3, [ckpt], precision="bf16-true")
+    module = Classifier()
+    fit.fit(module, loader())
+    trained = params_of(module.model)
+    assert {x.dtype for x in jax.tree.leaves(trained)} == {np.dtype(jax.numpy.bfloat16)}
+    for loaded in (Classifier.load_from_checkpoint(ckpt.last_model_path).model,
+                   jl.load_checkpoint(ckpt.last_model_path, Classifier())):
+        back = params_of(loaded)
+        assert {x.dtype for x in jax.tree.leaves(back)} == {np.dtype(np.float32)}
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a, np.float32), b),
+                     trained, back)

@@ -143,8 +143,10 @@ def test_attention_implementation_choice():
     assert pick("cudnn", "gpu", jnp.bfloat16, 128) == "cudnn"
     with pytest.raises(ValueError, match=r"compiles for 'cpu', not a CUDA GPU.*'auto'"):
         pick("cudnn", "cpu", jnp.bfloat16, 128)
-    with pytest.raises(ValueError, match="got float32 and 128"):
-        pick("cudnn", "gpu", jnp.float32, 128)
+    # float32 (evaluation under bf16-mixed) runs the kernel in bfloat16 (causal_attention).
+    assert pick("cudnn", "gpu", jnp.float32, 128) == "cudnn"
+    with pytest.raises(ValueError, match="multiple of 8, at most 128; got 256"):
+        pick("cudnn", "gpu", jnp.bfloat16, 256)
     with pytest.raises(ValueError, match=r"attention='flash'.*'auto', 'xla', 'cudnn'"):
         nn.MultiHeadAttention(8, 2, attention="flash", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="attention='flash'"):
@@ -167,6 +169,29 @@ def test_xla_attention_equals_dot_product_attention(dtype, tol):
     # Causal: the first query sees only the first value.
     np.testing.assert_allclose(np.asarray(ours[:, 0], np.float32),
                                np.asarray(v[:, 0], np.float32), rtol=tol, atol=tol)
+
+
+def test_cudnn_attention_runs_float32_inputs_in_bfloat16(monkeypatch):
+    """Evaluation under bf16-mixed computes in float32: attention='cudnn' must still run (its
+    kernel takes half precision), casting for the kernel and back. On the CPU the kernel is
+    replaced by JAX's portable formulation of the same call; the GPU run is in
+    benchmarks/gpu_paths.py (cudnn_attention)."""
+    from jaxlight.nn import _layers
+
+    seen = []
+
+    def kernel(q, k, v, scale, implementation):
+        seen.append((q.dtype, k.dtype, v.dtype, implementation))
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True)
+
+    monkeypatch.setattr(_layers, "_dot_product_attention", kernel)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 16, 4, 8), jnp.float32) for key in keys)
+    out = nn.causal_attention(q, k, v, "cudnn", scale=0.3)
+    assert seen == [(jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, "cudnn")]
+    assert out.dtype == jnp.float32
+    reference = nn.causal_attention(q, k, v, "xla", scale=0.3)
+    np.testing.assert_allclose(out, reference, atol=3e-2)
 
 
 def test_auto_attention_is_the_xla_path_on_cpu():
