@@ -39,7 +39,8 @@ class ModelCheckpoint(Callback):
     When it saves: every `every_n_steps` optimizer steps (the state after that step; if a
     validation runs at that step, after it, so the monitored value is fresh), or every
     `every_n_epochs` epochs at the epoch's end (after its validation, as in Lightning); with
-    neither, at the end of every epoch. With `save_last`, the final state is also saved when training ends.
+    neither, at the end of every epoch. With `save_last`, the final state is also saved when
+    training ends.
 
     Which it keeps: with `monitor`, the `save_top_k` best by the monitored value: a training
     metric of the saved step itself for `every_n_steps` saves, else the latest value in
