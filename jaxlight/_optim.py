@@ -10,8 +10,10 @@ way), or Lightning's dict:
 `s` is either an optax schedule, read as the factor the optimizer's learning rate is multiplied
 by (torch's `LambdaLR`: `optax.exponential_decay(1.0, 1, 0.5)` halves the rate every interval),
 indexed by optimizer steps (`"step"`) or completed epochs (`"epoch"`), divided by `frequency`;
-or `optax.contrib.reduce_on_plateau(...)`, which multiplies the rate by `factor` when the
-`monitor`ed validation metric stops improving for `patience` updates.
+or a plateau scheduler: `jaxlight.schedules.ReduceLROnPlateau(...)` (torch's arguments and
+counting: lowers the rate after more than `patience` bad values) or
+`optax.contrib.reduce_on_plateau(...)` (after `patience` bad values), which multiply the rate by
+`factor` when the `monitor`ed validation metric stops improving.
 
 Everything a scheduler keeps lives in the optimizer state (`ScheduleState`), so it is sharded,
 donated and checkpointed with the train state and resumes bit for bit. The training step only

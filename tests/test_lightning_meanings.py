@@ -163,3 +163,71 @@ def test_load_from_checkpoint_returns_an_eval_mode_model(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded.model(x)), np.asarray(loaded.model(x)))
     loaded.model.train()
     assert not np.array_equal(np.asarray(loaded.model(x)), np.asarray(loaded.model(x)))
+
+
+# -- item 1: accumulate_grad_batches=k is k loader batches per optimizer step --------------------
+
+
+class FixedRegression(Regression):
+    """Starts from w = 0.1, b = 0, as the Lightning run this test mirrors."""
+
+    def configure_model(self, rngs):
+        model = nnx.Linear(3, 1, rngs=rngs)
+        model.kernel[...] = np.full((3, 1), 0.1, np.float32)
+        model.bias[...] = np.zeros(1, np.float32)
+        return model
+
+
+def _lightning_accumulation(x, y, batch, k, epochs, max_steps=None, lr=0.1):
+    """SGD as Lightning 2.6 runs accumulate_grad_batches=k: each batch's loss divided by k, a
+    step every k batches and at an epoch's last batch (r < k left: still divided by k)."""
+    w, b, steps = np.full((3, 1), 0.1), 0.0, 0
+    n = len(x) // batch
+    for _ in range(epochs):
+        for start in range(0, n, k):
+            gw, gb = np.zeros_like(w), 0.0
+            for i in range(start, min(start + k, n)):
+                xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+                r = xb @ w + b - yb
+                gw, gb = gw + 2 * xb.T @ r / len(xb), gb + 2 * r.mean()
+            w, b, steps = w - lr * gw / k, b - lr * gb / k, steps + 1
+            if steps == max_steps:
+                return w, b, steps
+    return w, b, steps
+
+
+@pytest.mark.parametrize("strategy", ["single", "dp", "ddp"])
+@pytest.mark.parametrize("limits", [{"max_epochs": 2}, {"max_steps": 3, "max_epochs": 5}],
+                         ids=["epochs", "max_steps"])
+def test_accumulate_grad_batches_counts_loader_batches(strategy, limits):
+    # 9 batches of 4 per epoch, k = 4: steps after batches 4, 8 and 9 (Lightning 2.6: 3 steps
+    # per epoch, 6 in 2 epochs, weights equal to this replay to 1e-7).
+    arrays = _arrays(36)
+    module = FixedRegression()
+    fit = _fit(strategy, accumulate_grad_batches=4, devices=1 if strategy == "single" else 4,
+               **limits)
+    fit.fit(module, jl.data.ArrayLoader(arrays, 4, shuffle=False))
+    x, y = arrays["x"].astype(np.float64), arrays["y"].astype(np.float64)
+    w, b, steps = _lightning_accumulation(x, y, 4, 4, 2, limits.get("max_steps"))
+    assert fit.global_step == steps == (6 if "max_steps" not in limits else 3)
+    np.testing.assert_allclose(np.asarray(module.model.kernel[...]), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(module.model.bias[...]), [b], rtol=1e-5, atol=1e-6)
+    assert fit.compile_counts["train"] == 1  # the short last group too
+
+
+# -- item 10: Lightning's trainer.test(dataloaders=..., ckpt_path="best") after a fit -----------
+
+
+def test_test_after_fit_takes_lightnings_form(tmp_path):
+    ckpt = callbacks.ModelCheckpoint(tmp_path / "ckpt", monitor="val_loss", save_top_k=1,
+                                     async_save=False)
+    module = Regression()
+    fit = _fit(max_epochs=3, callbacks=[ckpt])
+    fit.fit(module, train_dataloaders=_loader(), val_dataloaders=_loader(seed=1))
+    best = fit.test(dataloaders=_loader(seed=1), ckpt_path="best")["test_loss"]
+    assert best == pytest.approx(ckpt.best_model_score, rel=1e-5)  # the best epoch's weights
+    # A Fit that only evaluates needs no max_steps/max_epochs, as a Lightning Trainer.
+    again = _fit().validate(module, dataloaders=_loader(seed=1), ckpt_path=ckpt.best_model_path)
+    assert again["val_loss"] == pytest.approx(ckpt.best_model_score, rel=1e-5)
+    with pytest.raises(jl.ConfigurationError, match=r"Fit.test\(\) got no module"):
+        _fit().test(dataloaders=_loader())
