@@ -231,3 +231,41 @@ def test_test_after_fit_takes_lightnings_form(tmp_path):
     assert again["val_loss"] == pytest.approx(ckpt.best_model_score, rel=1e-5)
     with pytest.raises(jl.ConfigurationError, match=r"Fit.test\(\) got no module"):
         _fit().test(dataloaders=_loader())
+
+
+# -- item 4: ModelCheckpoint with ties keeps what Lightning keeps --------------------------------
+
+
+class Scored(Regression):
+    """Validation reports a fixed score per epoch (read from the epoch's data)."""
+
+    def validation_step(self, model, batch):
+        return {"score": batch["score"].mean()}
+
+    test_step = validation_step
+
+
+@pytest.mark.parametrize("scores, kept, best", [
+    # Lightning 2.6.6 (run with the same scores, save_top_k=2, 4 epochs; there of 4 steps,
+    # kept steps 4, 8 and 8, 12; here of 2 steps):
+    ([1.0, 1.0, 1.0, 1.0], [2, 4], 2),  # ties: the first two stay, best is the first
+    ([2.0, 2.0, 1.0, 3.0], [4, 6], 6),  # the first of equally worst ones is replaced
+], ids=["ties", "worst_ties"])
+def test_model_checkpoint_ties_keep_lightnings_checkpoints(tmp_path, scores, kept, best):
+    class PerEpoch(callbacks.Callback):
+        def on_validation_start(self, fit, module):
+            val.arrays["score"][:] = scores[fit.current_epoch]
+
+    val = jl.data.ArrayLoader({"score": np.zeros(8, np.float32)}, 8, shuffle=False)
+    ckpt = callbacks.ModelCheckpoint(tmp_path / "ckpt", monitor="val_score", save_top_k=2,
+                                     save_last=False, async_save=False)
+    fit = _fit("fsdp", max_epochs=4, callbacks=[PerEpoch(), ckpt])
+    fit.fit(Scored(), _loader(16, batch=8), val)
+    on_disk = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert on_disk == kept
+    assert ckpt.best_model_path == str(tmp_path / "ckpt" / str(best))
+    assert ckpt.best_k_models == {str(tmp_path / "ckpt" / str(s)): scores[s // 2 - 1]
+                                  for s in kept}
+    assert ckpt.last_model_path is None  # save_last=False, as Lightning's ""
+    Scored.load_from_checkpoint(ckpt.best_model_path)
+    assert fit.test(dataloaders=val, ckpt_path="best")["test_score"] == scores[-1]  # it loads
