@@ -269,3 +269,32 @@ def test_model_checkpoint_ties_keep_lightnings_checkpoints(tmp_path, scores, kep
     assert ckpt.last_model_path is None  # save_last=False, as Lightning's ""
     Scored.load_from_checkpoint(ckpt.best_model_path)
     assert fit.test(dataloaders=val, ckpt_path="best")["test_score"] == scores[-1]  # it loads
+
+
+# -- item 9: Lightning's training_step_outputs.append(loss) pattern is refused before training ---
+
+
+class CollectsOutputs(Regression):
+    def __init__(self):
+        super().__init__()
+        self.training_step_outputs = []
+
+    def training_step(self, model, batch):
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        self.training_step_outputs.append(loss)
+        return loss
+
+    def on_train_epoch_end(self):
+        self.epoch_mean = sum(self.training_step_outputs) / len(self.training_step_outputs)
+
+
+def test_collecting_step_outputs_on_self_is_refused_with_the_jaxlight_way():
+    steps = []
+    fit = _fit(max_epochs=1, callbacks=[callbacks.LambdaCallback(
+        on_train_batch_start=lambda *a: steps.append(1))])
+    with pytest.raises(jl.PortingError,
+                       match=r"CollectsOutputs.training_step uses "
+                             r"self.training_step_outputs.append\(...\) \(line \d+\).*"
+                             r"self.log\('name', value, on_epoch=True\)"):
+        fit.fit(CollectsOutputs(), _loader())
+    assert steps == []  # before any training
