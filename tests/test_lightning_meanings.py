@@ -298,3 +298,32 @@ def test_collecting_step_outputs_on_self_is_refused_with_the_jaxlight_way():
                              r"self.log\('name', value, on_epoch=True\)"):
         fit.fit(CollectsOutputs(), _loader())
     assert steps == []  # before any training
+
+
+# -- item 11: module hooks reach the run ---------------------------------------------------------
+
+
+class ReadsTheRun(Regression):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_epoch_end(self):
+        self.seen.append((self.trainer.current_epoch, self.current_epoch, self.global_step,
+                          self.trainer.callback_metrics["val_loss"], type(self.logger).__name__))
+
+
+class StepReadsGlobalStep(Regression):
+    def training_step(self, model, batch):
+        return super().training_step(model, batch) * (self.global_step + 1)
+
+
+def test_module_hooks_reach_the_run(tmp_path):
+    module = ReadsTheRun()
+    fit = _fit(max_epochs=2, logger=callbacks.CSVLogger(tmp_path))
+    fit.fit(module, _loader(), _loader(seed=1))
+    assert [s[:3] for s in module.seen] == [(0, 0, 8), (1, 1, 16)]
+    assert all(np.isfinite(s[3]) and s[4] == "CSVLogger" for s in module.seen)
+    assert module.trainer is fit and module.global_step == 16
+    with pytest.raises(jl.PortingError, match="global_step was read inside a step"):
+        _fit(max_steps=1).fit(StepReadsGlobalStep(), _loader())

@@ -182,6 +182,7 @@ class Fit(FitView):
             )
         check_module(module)  # Lightning habits that cannot run, refused before tracing
         self._call.module = module
+        module.attach_trainer(self)  # self.trainer, self.global_step, ... in module hooks
         self._session.setup(module, stage)
 
     def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
