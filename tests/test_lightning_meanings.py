@@ -327,3 +327,34 @@ def test_module_hooks_reach_the_run(tmp_path):
     assert module.trainer is fit and module.global_step == 16
     with pytest.raises(jl.PortingError, match="global_step was read inside a step"):
         _fit(max_steps=1).fit(StepReadsGlobalStep(), _loader())
+
+
+# -- item 13: *_dataloader methods on the module give the data -----------------------------------
+
+
+class OwnLoaders(Regression):
+    def setup(self, stage):
+        self.stage_set_up = stage
+
+    def train_dataloader(self):
+        return _loader()
+
+    def val_dataloader(self):
+        return _loader(seed=1)
+
+    def test_dataloader(self):
+        return _loader(seed=2)
+
+
+def test_loaders_defined_on_the_module_are_used():
+    module = OwnLoaders()
+    fit = _fit(max_epochs=1)
+    fit.fit(module)
+    assert fit.global_step == 8 and "val_loss" in fit.callback_metrics
+    assert module.stage_set_up == "fit"
+    tested = fit.test(module)["test_loss"]
+    x, y = _arrays(seed=2).values()
+    assert tested == pytest.approx(float(((np.asarray(module.model(x)) - y) ** 2).mean()),
+                                   rel=1e-5)
+    with pytest.raises(jl.ConfigurationError, match="or define predict_dataloader"):
+        fit.predict(module)

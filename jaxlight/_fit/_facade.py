@@ -219,7 +219,7 @@ class Fit(FitView):
         if unknown:
             refuse_keywords("fit", unknown, _arguments(Fit.fit))
         self._config.require_length()
-        source = DataSource.resolve("fit", train_data, datamodule, val_data)
+        source = DataSource.resolve("fit", train_data, datamodule, val_data, module)
         self._setup(module, "fit")
         self._datamodule = source.datamodule
         self._train_data = self._val_data = self._feed = None
@@ -318,7 +318,7 @@ class Fit(FitView):
                     f"Fit.{stage}() got no module, and this Fit has run none: pass it, "
                     f"Fit.{stage}(module, data) (Lightning's trainer.{stage}(model, "
                     "dataloaders)).")
-        source = DataSource.resolve(stage, data, datamodule)
+        source = DataSource.resolve(stage, data, datamodule, module=module)
         self._setup(module, stage)
         self._datamodule = source.datamodule
         module.attach_model_source(lambda: self._session.live_model(fresh=False))
