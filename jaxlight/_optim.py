@@ -266,11 +266,19 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None
     if isinstance(out, optax.GradientTransformation):
         return out, None
     if isinstance(out, tuple | list):
+        # (An optax transformation is a NamedTuple: a tuple, but not a list of them.)
+        pair = len(out) == 2 and all(isinstance(x, tuple | list)
+                                     and not isinstance(x, optax.GradientTransformation)
+                                     for x in out)
+        form = ("Lightning's ([optimizers], [schedulers]) pair" if pair else
+                f"{len(out)} optimizer{'s' if len(out) != 1 else ''}, Lightning's form for "
+                "several optimizers")
         raise PortingError(
-            f"{where} returned a {type(out).__name__} of {len(out)} items, Lightning's "
-            "([optimizers], [schedulers]) form; jaxlight trains one optax transformation: "
-            "return it, or {'optimizer': tx, 'lr_scheduler': {'scheduler': ..., 'interval': "
-            f"...}}}} (combine several with optax.multi_transform). See {GUIDE}."
+            f"{where} returned a {type(out).__name__} of {len(out)} items ({form}); jaxlight "
+            "trains one optax "
+            "transformation here: return it, or {'optimizer': tx, 'lr_scheduler': "
+            "{'scheduler': ..., 'interval': ...}}; to give parts of the model their own "
+            f"optimizer, combine them with optax.multi_transform. See {GUIDE}."
         )
     if not isinstance(out, dict):
         torch_hint = (" A torch optimizer has no JAX counterpart: return optax.adam(lr) (no "

@@ -358,3 +358,25 @@ def test_loaders_defined_on_the_module_are_used():
                                    rel=1e-5)
     with pytest.raises(jl.ConfigurationError, match="or define predict_dataloader"):
         fit.predict(module)
+
+
+# -- item 14: the tuple-of-optimizers message says what was returned -----------------------------
+
+
+class TwoOptimizers(Regression):
+    def configure_optimizers(self):
+        return optax.sgd(0.1), optax.adam(0.1)
+
+
+class OptimizersAndSchedulers(Regression):
+    def configure_optimizers(self):
+        return [optax.sgd(0.1)], [optax.constant_schedule(1.0)]
+
+
+def test_a_tuple_of_optimizers_is_named_for_what_it_is():
+    with pytest.raises(jl.PortingError, match=r"a tuple of 2 items \(2 optimizers, Lightning's "
+                                              r"form for several optimizers\)"):
+        _fit(max_steps=1).fit(TwoOptimizers(), _loader())
+    with pytest.raises(jl.PortingError, match=r"\(Lightning's \(\[optimizers\], \[schedulers\]\) "
+                                              r"pair\)"):
+        _fit(max_steps=1).fit(OptimizersAndSchedulers(), _loader())
