@@ -163,18 +163,19 @@ GOLDEN_FIT_HOOKS = [
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",  # on_log: step 1, one step late
     "on_log",  # step 2 (log_every_n_steps=1), retired at epoch end
-    "on_train_epoch_end",
+    # The epoch's validation before its on_train_epoch_end, as Lightning 2.x runs it.
     "on_validation_start", "on_validation_epoch_start",
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
+    "on_train_epoch_end",
     "on_train_epoch_start",
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",
     "on_log",
-    "on_train_epoch_end",
     "on_validation_start", "on_validation_epoch_start",
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
+    "on_train_epoch_end",
     "on_train_end", "on_fit_end", "teardown",
 ]
 
@@ -304,9 +305,10 @@ def test_error_batch_not_divisible_by_data_parallel_degree(data):
     assert "train" not in fit.compile_counts
 
 
-def test_error_no_length_given():
-    with pytest.raises(jl.ConfigurationError, match="max_steps or max_epochs"):
-        jl.Fit("single")
+def test_error_no_length_given(data):
+    fit = jl.Fit("single")  # enough to validate, test or predict (as a Lightning Trainer)
+    with pytest.raises(jl.ConfigurationError, match="Fit.fit needs max_steps or max_epochs"):
+        fit.fit(Classifier(), _loader(data))
 
 
 @pytest.mark.parametrize("bad, match", [

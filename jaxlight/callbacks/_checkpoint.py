@@ -38,8 +38,9 @@ class ModelCheckpoint(Callback):
 
     When it saves: every `every_n_steps` optimizer steps (the state after that step; if a
     validation runs at that step, after it, so the monitored value is fresh), or every
-    `every_n_epochs` epochs after the epoch's validation; with neither, at the end of every
-    epoch. With `save_last`, the final state is also saved when training ends.
+    `every_n_epochs` epochs at the epoch's end (after its validation, as in Lightning); with
+    neither, at the end of every epoch. With `save_last`, the final state is also saved when
+    training ends.
 
     Which it keeps: with `monitor`, the `save_top_k` best by the monitored value: a training
     metric of the saved step itself for `every_n_steps` saves, else the latest value in
@@ -109,12 +110,25 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.best_step: int | None = None
         self.best_model_path: str | None = None
-        #: The step directory of the newest save.
+        #: The step directory of the newest save, with `save_last` (None without, as Lightning's
+        #: is empty).
         self.last_model_path: str | None = None
         self._writer = None
+        self._retention = None  # the writer's retention policy (kept after the writer closes)
         self._stage: str | None = None
         self._deferred = False  # a step save waiting for this step's validation
-        self._epoch_pending = False  # an epoch save waiting for the epoch's validation
+
+    @property
+    def best_k_models(self) -> dict[str, float]:
+        """Lightning's `best_k_models`: step directory -> monitored value of the kept best
+        `save_top_k` checkpoints (empty without `monitor`), as of the last committed save."""
+        if self._retention is None or self.monitor is None:
+            return {}
+        step_dir = self._retention_dir
+        return {step_dir(step): value for step, value in self._retention.best_k.items()}
+
+    def _retention_dir(self, step: int) -> str:
+        return os.path.join(self._dirpath_used, str(step))
 
     @property
     def state_key(self) -> str:
@@ -148,6 +162,8 @@ class ModelCheckpoint(Callback):
             self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
             save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save,
             compress=self.compress)
+        self._retention = self._writer.retention
+        self._dirpath_used = self._writer.dirpath
 
     def teardown(self, fit, module, stage: str) -> None:
         if stage == "fit" and self._writer is not None:
@@ -155,7 +171,7 @@ class ModelCheckpoint(Callback):
             writer.close()
 
     def on_train_start(self, fit, module) -> None:
-        self._deferred = self._epoch_pending = False
+        self._deferred = False
         if (self.monitor is not None and self.monitor.startswith("val_")
                 and fit.val_data is None):
             raise ConfigurationError(
@@ -180,25 +196,22 @@ class ModelCheckpoint(Callback):
     def on_validation_end(self, fit, module) -> None:
         if self._stage != "fit":
             return
-        if self._deferred or self._epoch_pending:
-            self._deferred = self._epoch_pending = False
+        if self._deferred:
+            self._deferred = False
             self._save(fit, module)
 
     def on_train_epoch_end(self, fit, module) -> None:
+        # The epoch's validation (if one ran) came before this hook, as in Lightning: the
+        # monitored value is this epoch's.
         every = self.every_n_epochs
         if every is None and self.every_n_steps is None:
             every = 1
         if every is not None and (fit.current_epoch + 1) % every == 0:
-            self._epoch_pending = True  # saved after the epoch's validation, if one runs
-
-    def on_train_epoch_start(self, fit, module) -> None:
-        if self._epoch_pending:
-            self._epoch_pending = False
             self._save(fit, module)
 
     def on_train_end(self, fit, module) -> None:
-        if self._epoch_pending or self._deferred:
-            self._epoch_pending = self._deferred = False
+        if self._deferred:
+            self._deferred = False
             self._save(fit, module)
         if self.save_last:
             self._save(fit, module)
@@ -249,7 +262,8 @@ class ModelCheckpoint(Callback):
         saved = self._writer.save(fit, module, value, pin=pin)
         if saved:
             path = self._writer.step_dir(fit.global_step)
-            self.last_model_path = path
+            if self.save_last:  # Lightning's last_model_path: only with save_last
+                self.last_model_path = path
             if finite and (self.best_model_score is None or
                            (value < self.best_model_score if self.mode == "min"
                             else value > self.best_model_score)):

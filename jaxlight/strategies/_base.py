@@ -125,7 +125,9 @@ class Strategy(abc.ABC):
         for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings),
                                   strict=True):
             local = self.shard_shape(tuple(leaf.shape), sharding)
-            total += math.prod(local) * np.dtype(leaf.dtype).itemsize
+            # `leaf.dtype.itemsize`, not `np.dtype(...)`: RNG key arrays (`nnx.Rngs` streams,
+            # Dropout) have JAX's extended `key<fry>` dtype, which NumPy cannot interpret.
+            total += math.prod(local) * leaf.dtype.itemsize
         return total
 
     def replicated(self) -> jax.sharding.Sharding:
@@ -174,10 +176,11 @@ class Strategy(abc.ABC):
                              sync_every_microbatch: bool = False) -> Callable:
         """`grad_fn` over k microbatches of the step's batch, one fp32 gradient sum.
 
-        Used by `callbacks.GradientAccumulation`. The default scans the batch the step function
-        sees, which here is one replica's share (DDP) or the whole batch (one device); the
-        core's `reduce_gradients` then reduces the result once per step. SPMD strategies
-        override it so that their gradient collective also runs once per step.
+        Used by `callbacks.Microbatches` and `callbacks.GradientAccumulation`. The default
+        scans the batch the step function sees, which here is one replica's share (DDP) or the
+        whole batch (one device); the core's `reduce_gradients` then reduces the result once
+        per step. SPMD strategies override it so that their gradient collective also runs
+        once per step.
 
         Args:
             grad_fn: `(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.
