@@ -136,7 +136,8 @@ def test_test_2_batches():
 @claim("predict's hooks run in Lightning's order (2 batches)")
 def test_predict_2_batches():
     calls, module = hooked()
-    make_fit(callbacks=[Recorder(calls)], max_epochs=1).predict(module, Batches(batches(G, "val").items[:2]))
+    fit = make_fit(callbacks=[Recorder(calls)], max_epochs=1)
+    fit.predict(module, Batches(batches(G, "val").items[:2]))
     assert_sequence(calls, case(G, "predict_2_batches")["calls"])
 
 

@@ -67,7 +67,8 @@ class Passes:
     def __iter__(self):
         value = self.values[min(self.passes, len(self.values) - 1)]
         self.passes += 1
-        yield {"x": self.x, "y": self.x[:, :2] * 0, "score": torch.full((len(self.x),), value)}
+        yield {"x": self.x, "y": self.x[:, :2] * 0,
+               "score": torch.full((len(self.x),), float(value))}
 
 
 class Reg(L.LightningModule):
