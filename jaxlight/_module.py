@@ -68,8 +68,12 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
     def load_from_checkpoint(cls, path, strategy=None, **hparams):
         """Rebuilds the module from a checkpoint's hyperparameters and loads its parameters.
 
-        Returns the module with `module.model` set. `hparams` override recorded values (or give
-        the ones recorded only as text, like arrays or a backbone passed to `__init__`).
+        Returns the module with `module.model` set, in eval mode (`nnx.Module.eval()`: dropout
+        off, batch statistics read, not updated), ready for inference; call
+        `module.model.train()` for the training behaviour. (Lightning returns its module in
+        train mode and its docs call `.eval()` before inference; jaxlight does that for you.)
+        `hparams` override recorded values (or give the ones recorded only as text, like arrays
+        or a backbone passed to `__init__`).
 
         Example:
             >>> module = Classifier.load_from_checkpoint("checkpoints/100")  # doctest: +SKIP
@@ -80,6 +84,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             raise _checkpoint.CheckpointError(f"{path!r}: no checkpoint has been saved there yet.")
         module = _hparams.rebuild(cls, _checkpoint.read_meta(step_dir), step_dir, hparams)
         _checkpoint.load_checkpoint(step_dir, module, strategy)
+        module.model.eval()
         return module
 
     @property

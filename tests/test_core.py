@@ -163,18 +163,19 @@ GOLDEN_FIT_HOOKS = [
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",  # on_log: step 1, one step late
     "on_log",  # step 2 (log_every_n_steps=1), retired at epoch end
-    "on_train_epoch_end",
+    # The epoch's validation before its on_train_epoch_end, as Lightning 2.x runs it.
     "on_validation_start", "on_validation_epoch_start",
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
+    "on_train_epoch_end",
     "on_train_epoch_start",
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",
     "on_log",
-    "on_train_epoch_end",
     "on_validation_start", "on_validation_epoch_start",
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
+    "on_train_epoch_end",
     "on_train_end", "on_fit_end", "teardown",
 ]
 

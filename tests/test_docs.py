@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+import jaxlight as jl
+from jaxlight import Fit
 from jaxlight._cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -92,9 +94,54 @@ def _run_blocks(path: pathlib.Path) -> None:
                 "`bash` block so they are tested, or mark the block <!-- skip: reason -->")
 
 
+#: Every module a page trains, first fit per class: "page:Class" -> (module, args, kwargs).
+FITTED: dict[str, tuple] = {}
+
+
+@contextlib.contextmanager
+def recording_fits(page: str):
+    """Notes the module and data of each `Fit.fit` a page makes (the fit itself runs as is)."""
+    original = Fit.fit
+
+    def fit(self, module, *args, **kwargs):
+        FITTED.setdefault(f"{page}:{type(module).__qualname__}", (module, args, kwargs))
+        return original(self, module, *args, **kwargs)
+
+    Fit.fit = fit
+    try:
+        yield
+    finally:
+        Fit.fit = original
+
+
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
 def test_page_runs(path):
-    run_page(path)
+    with recording_fits(path.name):
+        run_page(path)
+
+
+def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch):
+    """`Fit()` (strategy "auto") trains every module a page trains, whatever strategy the page
+    chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included."""
+    for path in PAGES:
+        if not any(key.startswith(f"{path.name}:") for key in FITTED):
+            # This test alone: the pages run here first, each in a folder of its own.
+            (tmp_path / path.stem).mkdir()
+            monkeypatch.chdir(tmp_path / path.stem)
+            with recording_fits(path.name):
+                run_page(path)
+    monkeypatch.chdir(tmp_path)
+    assert len(FITTED) >= 10, sorted(FITTED)
+    for key, (module, args, kwargs) in sorted(FITTED.items()):
+        data = args[0] if args else kwargs.get("train_data")
+        datamodule = kwargs.get("datamodule")
+        fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
+                     enable_model_summary=False, num_sanity_val_steps=0)
+        try:
+            fit.fit(module, data, datamodule=datamodule)
+        except Exception as err:
+            raise AssertionError(f"the default Fit() failed on {key}: {err!r}") from err
+        assert fit.global_step == 2, key
 
 
 def test_the_guide_links_every_page():

@@ -140,6 +140,10 @@ class TrainLoop:
 
     def run(self, train_data: Iterable, val_data: Iterable | None) -> None:
         config, session, pos, call = self.config, self.session, self.position, self.hooks
+        if self.done():
+            # Resumed at its limit (a finished job requeued): nothing to train, and no training
+            # hook runs, as in Lightning (on_fit_start and on_fit_end only).
+            return
         limit = batch_limit(config.limit_train_batches, train_data)
         val_every = validation_interval(config, train_data)
         pairs = self._epoch_batches(limit)
@@ -246,9 +250,12 @@ class TrainLoop:
                 # checkpoints are taken, so that a resumed fit continues them exactly.
                 session.state = session.schedule.at_epoch_end(session.state, pos.epoch,
                                                               validation_due())
-            call("on_train_epoch_end")
+            # The epoch's validation runs before its on_train_epoch_end hooks, as in Lightning
+            # 2.x (its test_hooks.py): epoch-end hooks, and what they save, see this epoch's
+            # validation metrics.
             if validation_due():
                 self.evaluator.run_validation(val_data, epoch_end=True)
+            call("on_train_epoch_end")
             if pos.multi_process:
                 pos.agree_stop()
             pos.epoch += 1

@@ -38,8 +38,9 @@ class ModelCheckpoint(Callback):
 
     When it saves: every `every_n_steps` optimizer steps (the state after that step; if a
     validation runs at that step, after it, so the monitored value is fresh), or every
-    `every_n_epochs` epochs after the epoch's validation; with neither, at the end of every
-    epoch. With `save_last`, the final state is also saved when training ends.
+    `every_n_epochs` epochs at the epoch's end (after its validation, as in Lightning); with
+    neither, at the end of every epoch. With `save_last`, the final state is also saved when
+    training ends.
 
     Which it keeps: with `monitor`, the `save_top_k` best by the monitored value: a training
     metric of the saved step itself for `every_n_steps` saves, else the latest value in
@@ -114,7 +115,6 @@ class ModelCheckpoint(Callback):
         self._writer = None
         self._stage: str | None = None
         self._deferred = False  # a step save waiting for this step's validation
-        self._epoch_pending = False  # an epoch save waiting for the epoch's validation
 
     @property
     def state_key(self) -> str:
@@ -155,7 +155,7 @@ class ModelCheckpoint(Callback):
             writer.close()
 
     def on_train_start(self, fit, module) -> None:
-        self._deferred = self._epoch_pending = False
+        self._deferred = False
         if (self.monitor is not None and self.monitor.startswith("val_")
                 and fit.val_data is None):
             raise ConfigurationError(
@@ -180,25 +180,22 @@ class ModelCheckpoint(Callback):
     def on_validation_end(self, fit, module) -> None:
         if self._stage != "fit":
             return
-        if self._deferred or self._epoch_pending:
-            self._deferred = self._epoch_pending = False
+        if self._deferred:
+            self._deferred = False
             self._save(fit, module)
 
     def on_train_epoch_end(self, fit, module) -> None:
+        # The epoch's validation (if one ran) came before this hook, as in Lightning: the
+        # monitored value is this epoch's.
         every = self.every_n_epochs
         if every is None and self.every_n_steps is None:
             every = 1
         if every is not None and (fit.current_epoch + 1) % every == 0:
-            self._epoch_pending = True  # saved after the epoch's validation, if one runs
-
-    def on_train_epoch_start(self, fit, module) -> None:
-        if self._epoch_pending:
-            self._epoch_pending = False
             self._save(fit, module)
 
     def on_train_end(self, fit, module) -> None:
-        if self._epoch_pending or self._deferred:
-            self._epoch_pending = self._deferred = False
+        if self._deferred:
+            self._deferred = False
             self._save(fit, module)
         if self.save_last:
             self._save(fit, module)

@@ -95,23 +95,23 @@ class ArrayLoader:
                 "batch_size or pass drop_remainder=False."
             )
         self.epoch = 0
-        self.position = 0  # batches already yielded in the current epoch
-        self._restored = False  # set by load_state_dict: the next set_epoch keeps the position
+        self.position = 0  # batches already yielded by the newest pass of the current epoch
+        # A position to resume from (load_state_dict): the next pass of this epoch starts there.
+        self._resume_at: int | None = None
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_remainder else 0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Selects the permutation of `epoch` and rewinds to its start.
+        """Selects the permutation of `epoch` for the next pass.
 
         Right after `load_state_dict` for the same epoch it keeps the restored position, so a
         resumed fit continues with the next unseen batch.
         """
-        if self._restored and epoch == self.epoch:
-            self._restored = False
+        if self._resume_at is not None and epoch == self.epoch:
             return
-        self._restored = False
+        self._resume_at = None
         self.epoch = epoch
         self.position = 0
 
@@ -120,10 +120,11 @@ class ArrayLoader:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restores a position: the next pass (`iter`) continues after its last batch."""
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
-        self._restored = True
+        self._resume_at = self.position
 
     def _order(self) -> np.ndarray:
         if not self.shuffle:
@@ -132,18 +133,30 @@ class ArrayLoader:
         return rng.permutation(self.num_examples)
 
     def __iter__(self) -> Iterator[Any]:
-        order = self._order()
+        """A fresh pass over the current epoch's permutation, as every `iter()` of a Python
+        iterable or a torch DataLoader is: a batch peeked at with `next(iter(loader))` does not
+        move later passes. Only a restored position (`load_state_dict`) starts a pass part-way.
+        `state_dict()` follows the newest pass; a pass that runs to its end moves to the next
+        epoch's permutation."""
+        start, self._resume_at = self._resume_at or 0, None
+        self.position = start
+        return self._batches(self._order(), self.epoch, start)
+
+    def _batches(self, order: np.ndarray, epoch: int, index: int) -> Iterator[Any]:
         share = self.batch_size // self.process_count
-        while self.position < len(self):
-            start = self.position * self.batch_size
+        while index < len(self):
+            start = index * self.batch_size
             idx = order[start : start + self.batch_size]
             if len(idx) < self.batch_size:  # the last partial batch, split as evenly as possible
                 bounds = np.linspace(0, len(idx), self.process_count + 1).astype(int)
                 local = idx[bounds[self.process_index] : bounds[self.process_index + 1]]
             else:
                 local = idx[self.process_index * share : (self.process_index + 1) * share]
-            self.position += 1
+            index += 1
+            self.position = index
             yield jax.tree.map(lambda a: a[local], self.arrays)
-        # The epoch is exhausted: the next iteration starts the next permutation.
-        self.epoch += 1
-        self.position = 0
+        # The epoch is exhausted: the next pass draws the next permutation (unless a newer pass
+        # or set_epoch has chosen another epoch meanwhile).
+        if self.epoch == epoch:
+            self.epoch += 1
+            self.position = 0

@@ -125,7 +125,9 @@ class Strategy(abc.ABC):
         for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings),
                                   strict=True):
             local = self.shard_shape(tuple(leaf.shape), sharding)
-            total += math.prod(local) * np.dtype(leaf.dtype).itemsize
+            # `leaf.dtype.itemsize`, not `np.dtype(...)`: RNG key arrays (`nnx.Rngs` streams,
+            # Dropout) have JAX's extended `key<fry>` dtype, which NumPy cannot interpret.
+            total += math.prod(local) * leaf.dtype.itemsize
         return total
 
     def replicated(self) -> jax.sharding.Sharding:
