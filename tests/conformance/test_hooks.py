@@ -206,21 +206,23 @@ def _training_mode(model) -> bool:
     return not drops[0].deterministic
 
 
+class Drop(nnx.Module):
+    def __init__(self, layer, rngs):
+        self.layer, self.drop = layer, nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.layer(self.drop(x))
+
+
+class DropReg(Reg):
+    def configure_model(self, rngs):
+        return Drop(super().configure_model(rngs), rngs)
+
+
 @claim("after fit, validate, test and predict the model is in training mode, as Lightning "
        "restores it")
 def test_training_mode_after_each_stage():
-    class Drop(nnx.Module):
-        def __init__(self, layer, rngs):
-            self.layer, self.drop = layer, nnx.Dropout(0.5, rngs=rngs)
-
-        def __call__(self, x):
-            return self.layer(self.drop(x))
-
-    class M(Reg):
-        def configure_model(self, rngs):
-            return Drop(super().configure_model(rngs), rngs)
-
-    module, fit = M(G), make_fit(max_epochs=1, limit_train_batches=2)
+    module, fit = DropReg(G), make_fit(max_epochs=1, limit_train_batches=2)
     seen = {}
     fit.fit(module, batches(G), batches(G, "val"))
     seen["fit"] = _training_mode(module.model)
@@ -228,3 +230,14 @@ def test_training_mode_after_each_stage():
         getattr(fit, verb)(module, batches(G, "val"))
         seen[verb] = _training_mode(module.model)
     assert seen == case(G, "training_mode_after_each_stage")
+
+
+@departure("load_from_checkpoint returns the model in eval mode, ready for inference; "
+           "Lightning's returns it in training mode",
+           section="Deliberate departures")
+def test_load_from_checkpoint_mode(tmp_path):
+    assert case(G, "load_from_checkpoint_mode")["training"] is True
+    ck = callbacks.ModelCheckpoint(tmp_path / "ck", every_n_epochs=1)
+    make_fit(max_epochs=1, limit_train_batches=2, callbacks=[ck]).fit(DropReg(G), batches(G))
+    loaded = DropReg.load_from_checkpoint(ck.last_model_path)
+    assert _training_mode(loaded.model) is False
