@@ -1,6 +1,7 @@
-"""Gradient accumulation: collective bytes per optimizer step flat in k, temp memory falling.
+"""Microbatches: collective bytes per optimizer step flat in k, temp memory falling.
 
-At a fixed global batch, k microbatches are scanned inside one compiled step. The gradient
+At a fixed global batch, k microbatches (`callbacks.Microbatches(k)`, the scan that
+`GradientAccumulation` also compiles) are scanned inside one compiled step. The gradient
 collective must run once per optimizer step (after the loop), so the collective bytes read from
 the compiled HLO (loop bodies counted once per iteration) must not grow with k; the temporary
 memory (`memory_analysis().temp_size_in_bytes`) should fall as fewer activations are alive.
@@ -39,11 +40,11 @@ def main(argv=None):
 
     rows = []
     for name in args.strategies.split(","):
-        # k = 0 stands for "no GradientAccumulation callback" (the plain step), for reference.
+        # k = 0 stands for "no Microbatches callback" (the plain step), for reference.
         for k in [0] + [int(x) for x in args.ks.split(",")]:
             module = lm_module(layers=2)
             fit = quiet_fit(strategy_from_name(name),
-                            callbacks=[callbacks.GradientAccumulation(k)] if k else [])
+                            callbacks=[callbacks.Microbatches(k)] if k else [])
             plan = fit.plan(module, token_batch(args.batch, args.length, 512), verbose=False)
             totals = plan.collective_totals
 
@@ -72,9 +73,9 @@ def main(argv=None):
             "plain_step_traffic_bytes": plain["collective_traffic_bytes"],
             "plain_step_temp_bytes": plain["temp_bytes"],
         }
-    note = ("k counts microbatches of GradientAccumulation(k); k=0 rows are the plain step "
-            "without the callback. Traffic is the ring-algorithm bytes per device per optimizer "
-            "step (jaxlight._hlo), loop bodies counted once per iteration.")
+    note = ("k counts microbatches of Microbatches(k) (one loader batch split in k); k=0 rows "
+            "are the plain step without the callback. Traffic is the ring-algorithm bytes per "
+            "device per optimizer step (jaxlight._hlo), loop bodies counted once per iteration.")
     write_result("accumulation", {"benchmark": "accumulation", "global_batch": args.batch,
                                   "rows": rows, "summary": summary, "note": note}, args.out)
 

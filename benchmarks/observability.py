@@ -1,7 +1,7 @@
 """Observability figures: FLOP counts against analytic ones, and the cost of the monitors.
 
 1. `flops`: a stack of L bias-free dense layers under `jl.nn.Stacked` (a scan), optionally
-   with `GradientAccumulation(k)` (a second, outer loop). Analytic training FLOPs:
+   with `Microbatches(k)` (a second, outer loop). Analytic training FLOPs:
    6 * B * D^2 * L (4 * B * D^2 for L = 1, where no loop is left and the unused input
    gradient is dropped). Reported: `compiled_flops` (loops multiplied out) and XLA's
    `cost_analysis()` alone, each over the analytic figure; under `dp` the count sums the 8
@@ -66,7 +66,7 @@ def flops_stack(args) -> list[dict]:
         for layers in args.layers:
             for accumulate in (1, 4):
                 fit = jl.Fit(strategies.resolve(strategy), max_steps=1,
-                             callbacks=[callbacks.GradientAccumulation(accumulate)]
+                             callbacks=[callbacks.Microbatches(accumulate)]
                              if accumulate > 1 else [],
                              enable_progress_bar=False, enable_model_summary=False,
                              logger=False)

@@ -8,6 +8,14 @@ Fit / hand-written per round, over alternating rounds. Final parameters are comp
     python benchmarks/overhead.py                     # 1 and 8 simulated devices, dp and fsdp
     python benchmarks/overhead.py --devices 8 --strategy dp --steps 200 --rounds 5
     python benchmarks/overhead.py --log               # Fit's step also self.logs (on_epoch)
+    python benchmarks/overhead.py --accumulate 4      # accumulate_grad_batches=4 (Lightning's
+                                                      # meaning) against a hand-written scan
+                                                      # over 4 stacked batches
+
+With `--accumulate K` one optimizer step takes K loader batches: Fit gets
+`accumulate_grad_batches=K`; the hand-written loop stacks K batches on the host, puts them on
+the devices split along the batch axis, and its jitted step scans them (`lax.scan`, gradients
+summed in fp32, divided by K), so both do the same work per optimizer step.
 
 Prints JSON; writes benchmarks/results/overhead.json (when run for every configuration).
 """
@@ -27,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_one(args) -> dict:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
     from flax import nnx
@@ -64,7 +73,8 @@ def run_one(args) -> dict:
             return loss
 
     rng = np.random.default_rng(0)
-    n = args.batch * 8
+    k = args.accumulate
+    n = args.batch * 8 * k
     data = {"x": rng.normal(size=(n, args.din)).astype(np.float32),
             "y": rng.integers(0, 10, n).astype(np.int32)}
 
@@ -86,7 +96,7 @@ def run_one(args) -> dict:
         module = Module(log=args.log)
         fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
-                     log_every_n_steps=args.log_every)
+                     log_every_n_steps=args.log_every, accumulate_grad_batches=k)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
         return stamps, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), fit
 
@@ -102,6 +112,8 @@ def run_one(args) -> dict:
         opt_sh = fit.session.shardings.opt_state
         batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
             if args.devices > 1 else PartitionSpec()
+        if k > 1:  # K stacked batches: (K, batch, ...), split along the batch axis
+            batch_spec = PartitionSpec(None, *batch_spec)
         batch_sh = NamedSharding(mesh, batch_spec)
         params = jax.device_put(params, param_sh)
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
@@ -110,7 +122,18 @@ def run_one(args) -> dict:
             def loss_fn(p):
                 return module.training_step(nnx.merge(graphdef, p, rest), batch)
 
-            loss, grads = jax.value_and_grad(loss_fn)(params)
+            if k == 1:
+                loss, grads = jax.value_and_grad(loss_fn)(params)
+            else:
+                def body(acc, one):
+                    loss, g = jax.value_and_grad(
+                        lambda p: module.training_step(nnx.merge(graphdef, p, rest), one))(params)
+                    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), loss
+
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+                grads, losses = jax.lax.scan(body, zeros, batch)
+                grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
+                loss = losses.mean()
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
@@ -121,12 +144,19 @@ def run_one(args) -> dict:
         it = iter(loader)
         batches = []
         stamps, prev = [], None
-        for i in range(args.steps):
+        def next_batch():
+            nonlocal it
             try:
-                batch = next(it)
+                return next(it)
             except StopIteration:
                 it = iter(loader)
-                batch = next(it)
+                return next(it)
+
+        for i in range(args.steps):
+            batch = next_batch()
+            if k > 1:
+                group = [batch] + [next_batch() for _ in range(k - 1)]
+                batch = jax.tree.map(lambda *xs: np.stack(xs), *group)
             params, opt_state, loss = step(params, opt_state, jax.device_put(batch, batch_sh))
             if prev is not None:
                 prev.block_until_ready()
@@ -162,6 +192,7 @@ def run_one(args) -> dict:
         "batch": args.batch,
         "hidden": args.hidden,
         "self_log": args.log,
+        "accumulate_grad_batches": k,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
         "median_hand_ms": float(np.median([r["hand_ms"] for r in rounds])),
         "median_ratio": float(np.median(ratios)),
@@ -188,6 +219,8 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--log", action="store_true",
                    help="Fit's training_step also calls self.log(..., on_epoch=True, prog_bar)")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="loader batches per optimizer step (Fit's accumulate_grad_batches)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.devices is not None:
@@ -200,6 +233,7 @@ def main(argv=None):
                "--batch", str(args.batch), "--din", str(args.din), "--hidden", str(args.hidden),
                "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
         cmd += ["--log"] if args.log else []
+        cmd += ["--accumulate", str(args.accumulate)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             results.append({"devices": devices, "strategy": strategy,
@@ -209,6 +243,8 @@ def main(argv=None):
     report = {"benchmark": "overhead", "results": results}
     if args.log and args.out == os.path.join(HERE, "results", "overhead.json"):
         args.out = os.path.join(HERE, "results", "overhead_log.json")
+    if args.accumulate > 1 and args.out == os.path.join(HERE, "results", "overhead.json"):
+        args.out = os.path.join(HERE, "results", "overhead_accumulate.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -33,6 +33,8 @@ BENCHMARKS = {
     "tp_overlap": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
     "overhead_log": ["--steps", "150", "--rounds", "9", "--log"],
+    "overhead_accumulate": ["--steps", "40", "--rounds", "3", "--batch", "128", "--hidden", "512",
+                            "--accumulate", "4"],
     "auto": [],
     "startup": [],
     "prefetch": [],
@@ -42,7 +44,7 @@ BENCHMARKS = {
 
 
 #: Entries that run another entry's script with other flags.
-SCRIPTS = {"overhead_log": "overhead"}
+SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead"}
 
 
 def _load(name):
@@ -69,6 +71,15 @@ def summarize_overhead_log(r):
     return [(what.replace("Fit / hand-written", "Fit with self.log(on_epoch=True) / hand-written")
              .replace("final params Fit", "final params Fit with self.log"), measured, target, met)
             for what, measured, target, met in summarize_overhead(r)]
+
+
+def summarize_overhead_accumulate(r):
+    """The same with accumulate_grad_batches=K against a hand-written scan over K batches."""
+    k = next((res.get("accumulate_grad_batches") for res in r.get("results", [])
+              if "accumulate_grad_batches" in res), "K")
+    return [(what.replace("Fit / hand-written", f"Fit(accumulate_grad_batches={k}) / hand-written")
+             .replace("final params Fit", f"final params Fit(accumulate_grad_batches={k})"),
+             measured, target, met) for what, measured, target, met in summarize_overhead(r)]
 
 
 def summarize_overhead(r):

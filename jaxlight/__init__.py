@@ -1,6 +1,6 @@
 """jaxlight: a PyTorch-Lightning-style training framework for JAX and Flax NNX."""
 
-from jaxlight import callbacks, data, distributed, nn, strategies
+from jaxlight import callbacks, data, distributed, nn, schedules, strategies
 from jaxlight._checkpoint import load_checkpoint
 from jaxlight._errors import (
     CheckpointError,
@@ -43,5 +43,6 @@ __all__ = [
     "distributed",
     "load_checkpoint",
     "nn",
+    "schedules",
     "strategies",
 ]

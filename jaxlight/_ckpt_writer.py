@@ -31,6 +31,11 @@ class Retention:
     """Which checkpoints orbax keeps: the best `top_k` by a finite monitored value (or the latest
     `top_k` without a monitor), the newest one when `keep_last`, and `pinned` steps.
 
+    The best `top_k` follow Lightning's `ModelCheckpoint` (2.6) exactly: in step order, a
+    checkpoint joins while fewer than `top_k` are kept; after that only a strictly better value
+    replaces the worst kept one (among equally worst, the first kept). So with ties the first
+    checkpoints stay, and the best (the first with the best value) is never deleted.
+
     An orbax `PreservationPolicy`: orbax deletes the others only after the newest save has
     committed, so a failed or interrupted save never deletes anything.
     """
@@ -40,11 +45,34 @@ class Retention:
     top_k: int = 1
     keep_last: bool = True
     pinned: set = dataclasses.field(default_factory=set)
+    #: step -> monitored value of the best `top_k` (Lightning's `best_k_models`, in the order
+    #: they joined), as of the last policy decision.
+    best_k: dict = dataclasses.field(default_factory=dict)
 
     def value(self, info) -> float | None:
         metrics = getattr(info, "metrics", None) or {}
         v = metrics.get(self.monitor) if self.monitor else None
         return float(v) if is_finite(v) else None
+
+    def _best_k(self, checkpoints: Sequence[Any]) -> dict:
+        """Lightning's top-k over the surviving checkpoints, in step order. (The survivors are
+        the kept ones plus the newest: replaying them reproduces the decisions made when each
+        was saved, as deleted ones never return.)"""
+        k = len(checkpoints) if self.top_k < 0 else self.top_k
+        better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
+        worst = max if self.mode == "min" else min
+        best: dict = {}
+        for info in sorted(checkpoints, key=lambda c: c.step):
+            v = self.value(info)
+            if v is None or k == 0:
+                continue
+            if len(best) == k:
+                kth = worst(best, key=best.get)  # the first of equally worst ones
+                if not better(v, best[kth]):
+                    continue
+                del best[kth]
+            best[info.step] = v
+        return best
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any = None) -> list[bool]:
         del context
@@ -52,20 +80,17 @@ class Retention:
         keep = [info.step in self.pinned for info in checkpoints]
         if not n:
             return keep
+        if self.monitor is not None:
+            self.best_k = self._best_k(checkpoints)
         if self.top_k < 0:  # keep all, scored or not (a save before the monitor was logged too)
             return [True] * n
         if self.keep_last:
             keep[max(range(n), key=lambda i: checkpoints[i].step)] = True
         if self.monitor is None:
-            ranked = sorted(range(n), key=lambda i: -checkpoints[i].step)
+            ranked = sorted(range(n), key=lambda i: -checkpoints[i].step)[: self.top_k]
         else:
-            scored = [i for i in range(n) if self.value(checkpoints[i]) is not None]
-            sign = 1.0 if self.mode == "min" else -1.0
-            # Best first; among equal values the newer checkpoint wins.
-            ranked = sorted(scored, key=lambda i: (sign * self.value(checkpoints[i]),
-                                                   -checkpoints[i].step))
-        chosen = ranked if self.top_k < 0 else ranked[: self.top_k]
-        for i in chosen:
+            ranked = [i for i in range(n) if checkpoints[i].step in self.best_k]
+        for i in ranked:
             keep[i] = True
         return keep
 

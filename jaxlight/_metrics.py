@@ -149,6 +149,11 @@ def collecting(kind: str, where: str) -> Iterator[LogCollector]:
         _ACTIVE.reset(token)
 
 
+def in_step() -> bool:
+    """Whether a step (training, validation, test) is being traced now."""
+    return _ACTIVE.get() is not None
+
+
 def active(module_name: str) -> LogCollector:
     """The collector of the step being traced; refuses `self.log` outside a step."""
     collector = _ACTIVE.get()

@@ -1,7 +1,15 @@
 """Gradient accumulation: k microbatches scanned inside one compiled step, one optimizer update.
 
-`callbacks.GradientAccumulation` asks the strategy for a microbatched gradient function
+`callbacks.Microbatches` (each loader batch split into k microbatches) and
+`callbacks.GradientAccumulation` (k loader batches per optimizer step, Lightning's
+`accumulate_grad_batches`) ask the strategy for a microbatched gradient function
 (`Strategy.accumulate_gradients`); the two layouts it can get live here.
+
+For `GradientAccumulation` the loop stacks k loader batches into one `Accumulated` batch
+(`stack_batches`): the rows interleaved so that microbatch i below is loader batch i, plus a
+per-row weight that is 0 for the copies padding an epoch's last, short group (Lightning steps
+the optimizer on the r < k batches left at an epoch's end, still dividing by k: the weights
+keep that one compiled step exact).
 
 - `accumulate_locally`: a plain `lax.scan` over the k microbatches of the batch that the step
   function sees. Right for one device and for per-replica steps (DDP's `pmap`), whose gradients
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -97,6 +106,33 @@ def traced_param_specs() -> Any:
     return _PARAM_SPECS.get()
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accumulated:
+    """k loader batches as one step input: `batch` holds row j of loader batch i at row
+    j·k + i (so microbatch i of `split_microbatches` is loader batch i, and each device's
+    contiguous rows are its share of every loader batch); `weight[j·k + i]` is loader batch
+    i's weight (1, or 0 for a padding copy)."""
+
+    batch: Any
+    weight: Any
+
+
+def stack_batches(batches: Sequence[Any], k: int) -> Accumulated:
+    """`Accumulated` of up to k host batches (NumPy pytrees of equal shapes), padded to k with
+    zero-weight copies of the last one."""
+    real = len(batches)
+    padded = list(batches) + [batches[-1]] * (k - real)
+
+    def interleave(*xs):
+        stacked = np.stack([np.asarray(x) for x in xs], axis=1)  # (n, k, ...)
+        return stacked.reshape(stacked.shape[0] * k, *stacked.shape[2:])
+
+    rows = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
+    weight = np.tile((np.arange(k) < real).astype(np.float32), rows)
+    return Accumulated(jax.tree.map(interleave, *padded), weight)
+
+
 def split_microbatches(batch: Any, k: int) -> Any:
     """(n, ...) -> (k, n/k, ...) where microbatch i holds rows i, i+k, i+2k, ... (no copy across
     devices: each device's rows stay on it)."""
@@ -119,16 +155,27 @@ def scan_microbatches(grad_fn: GradFn, params, rest, batch, k: int):
     """
     micro = split_microbatches(batch, k)
     acc0 = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    weighted = isinstance(batch, Accumulated)
 
     def body(carry, microbatch):
         acc, rest = carry
-        (loss, (metrics, rest)), grads = grad_fn(params, rest, microbatch)
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return (acc, rest), (loss.astype(jnp.float32), metrics)
+        if not weighted:
+            (loss, (metrics, rest)), grads = grad_fn(params, rest, microbatch)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            return (acc, rest), (loss.astype(jnp.float32), metrics, jnp.float32(1))
+        # A padding copy (weight 0) adds nothing and leaves `rest` (batch statistics, RNG
+        # counters) as the real batches left it.
+        w = microbatch.weight[0]
+        (loss, (metrics, new_rest)), grads = grad_fn(params, rest, microbatch.batch)
+        acc = jax.tree.map(lambda a, g: a + w * g.astype(jnp.float32), acc, grads)
+        rest = jax.tree.map(lambda new, old: jnp.where(w > 0, new, old), new_rest, rest)
+        return (acc, rest), (loss.astype(jnp.float32), metrics, w)
 
-    (grad_sum, rest), (losses, metrics) = jax.lax.scan(body, (acc0, rest), micro)
-    metrics = jax.tree.map(lambda m: jnp.mean(m.astype(jnp.float32), axis=0), metrics)
-    return jnp.mean(losses), metrics, rest, grad_sum
+    (grad_sum, rest), (losses, metrics, w) = jax.lax.scan(body, (acc0, rest), micro)
+    # Loss and metrics: the mean over the real microbatches.
+    total = jnp.sum(w)
+    metrics = jax.tree.map(lambda m: jnp.sum(w * m.astype(jnp.float32)) / total, metrics)
+    return jnp.sum(w * losses) / total, metrics, rest, grad_sum
 
 
 def _finish(grad_sum, params, denominator: int):

@@ -16,6 +16,7 @@ from jaxlight._errors import (
 )
 from jaxlight._module_hooks import ModuleHooks
 from jaxlight._porting import GUIDE
+from jaxlight.callbacks._base import Logger
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -59,6 +60,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
         self = super().__new__(cls, *args, **kwargs)  # records the hyperparameters
         object.__setattr__(self, "_model", None)
         object.__setattr__(self, "_model_source", None)
+        object.__setattr__(self, "_trainer", None)
         return self
 
     def __init__(self):
@@ -115,6 +117,57 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
     @model.setter
     def model(self, value: nnx.Module) -> None:
         object.__setattr__(self, "_model", value)
+
+    # -- the run, as a LightningModule reaches it ---------------------------------------------
+
+    def attach_trainer(self, fit) -> None:
+        """Used by `Fit` when a stage starts: `self.trainer` is that Fit from then on."""
+        object.__setattr__(self, "_trainer", fit)
+
+    @property
+    def trainer(self):
+        """The `jaxlight.Fit` running (or that last ran) this module: Lightning's
+        `self.trainer`, for module hooks (`self.trainer.callback_metrics`, ...)."""
+        if self._trainer is None:
+            raise MissingAttributeError(
+                f"{type(self).__name__}.trainer: the module is not attached to a Fit yet; it is "
+                "once Fit(...).fit/validate/test/predict(module, ...) starts."
+            )
+        return self._trainer
+
+    def _run_value(self, name: str) -> Any:
+        if _metrics.in_step():
+            raise PortingError(
+                f"{type(self).__name__}.{name} was read inside a step: the step is traced once "
+                f"and compiled, so {name} would be the constant of the first trace, not the "
+                "current value. Read it in a hook (on_train_batch_end, on_train_epoch_end, ...); "
+                "for a step-dependent value inside the step, put an optax schedule in "
+                f"configure_optimizers. See {GUIDE}."
+            )
+        return 0 if self._trainer is None else getattr(self._trainer, name)
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (Lightning's `self.global_step`; 0 before a fit)."""
+        return self._run_value("global_step")
+
+    @property
+    def current_epoch(self) -> int:
+        """The current epoch (Lightning's `self.current_epoch`; 0 before a fit)."""
+        return self._run_value("current_epoch")
+
+    @property
+    def loggers(self) -> list:
+        """The run's logger callbacks (CSV, TensorBoard, Weights & Biases), in order."""
+        if self._trainer is None:
+            return []
+        return [cb for cb in self._trainer.callbacks if isinstance(cb, Logger)]
+
+    @property
+    def logger(self):
+        """The run's first logger (Lightning's `self.logger`), or None."""
+        loggers = self.loggers
+        return loggers[0] if loggers else None
 
     def attach_model_source(self, source) -> None:
         """Used by `Fit` while a stage runs: `model` reads the current model from `source()`

@@ -10,8 +10,10 @@ way), or Lightning's dict:
 `s` is either an optax schedule, read as the factor the optimizer's learning rate is multiplied
 by (torch's `LambdaLR`: `optax.exponential_decay(1.0, 1, 0.5)` halves the rate every interval),
 indexed by optimizer steps (`"step"`) or completed epochs (`"epoch"`), divided by `frequency`;
-or `optax.contrib.reduce_on_plateau(...)`, which multiplies the rate by `factor` when the
-`monitor`ed validation metric stops improving for `patience` updates.
+or a plateau scheduler: `jaxlight.schedules.ReduceLROnPlateau(...)` (torch's arguments and
+counting: lowers the rate after more than `patience` bad values) or
+`optax.contrib.reduce_on_plateau(...)` (after `patience` bad values), which multiply the rate by
+`factor` when the `monitor`ed validation metric stops improving.
 
 Everything a scheduler keeps lives in the optimizer state (`ScheduleState`), so it is sharded,
 donated and checkpointed with the train state and resumes bit for bit. The training step only
@@ -264,11 +266,19 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None
     if isinstance(out, optax.GradientTransformation):
         return out, None
     if isinstance(out, tuple | list):
+        # (An optax transformation is a NamedTuple: a tuple, but not a list of them.)
+        pair = len(out) == 2 and all(isinstance(x, tuple | list)
+                                     and not isinstance(x, optax.GradientTransformation)
+                                     for x in out)
+        form = ("Lightning's ([optimizers], [schedulers]) pair" if pair else
+                f"{len(out)} optimizer{'s' if len(out) != 1 else ''}, Lightning's form for "
+                "several optimizers")
         raise PortingError(
-            f"{where} returned a {type(out).__name__} of {len(out)} items, Lightning's "
-            "([optimizers], [schedulers]) form; jaxlight trains one optax transformation: "
-            "return it, or {'optimizer': tx, 'lr_scheduler': {'scheduler': ..., 'interval': "
-            f"...}}}} (combine several with optax.multi_transform). See {GUIDE}."
+            f"{where} returned a {type(out).__name__} of {len(out)} items ({form}); jaxlight "
+            "trains one optax "
+            "transformation here: return it, or {'optimizer': tx, 'lr_scheduler': "
+            "{'scheduler': ..., 'interval': ...}}; to give parts of the model their own "
+            f"optimizer, combine them with optax.multi_transform. See {GUIDE}."
         )
     if not isinstance(out, dict):
         torch_hint = (" A torch optimizer has no JAX counterpart: return optax.adam(lr) (no "

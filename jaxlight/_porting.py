@@ -109,6 +109,17 @@ def check_step_signature(module: Any, name: str) -> None:
         ) from None
 
 
+#: List and set methods that collect a step's values on `self` (Lightning's epoch-end pattern).
+_COLLECTING = ("append", "extend", "insert", "add")
+
+#: What to do instead of collecting a step's values on `self`.
+COLLECTING_FIX = (
+    "a step is traced once and compiled, so what it appends is a tracer, not a value per "
+    "batch. Log it instead: self.log('name', value, on_epoch=True) (its mean over the epoch, "
+    "weighted by batch size, is in fit.callback_metrics['name'] at on_train_epoch_end / "
+    "on_validation_epoch_end), or return it in the step's metrics dict")
+
+
 class _SelfUse(ast.NodeVisitor):
     """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls (and
     with `logging=True`, `self.log(...)` / `self.log_dict(...)`)."""
@@ -132,6 +143,11 @@ class _SelfUse(ast.NodeVisitor):
                     self.found.append((f"self.{func.attr}(...)", node.lineno))
             elif func.attr == "backward" and not node.args and not node.keywords:
                 self.found.append(("<tensor>.backward()", node.lineno))
+            elif (not self.logging and func.attr in _COLLECTING and isinstance(owner, ast.Attribute)
+                  and isinstance(owner.value, ast.Name) and owner.value.id == self.self_name):
+                # Lightning's `self.training_step_outputs.append(loss)`, read in an epoch-end
+                # hook: inside a compiled step the value is a tracer, not one per batch.
+                self.found.append((f"self.{owner.attr}.{func.attr}(...)", node.lineno))
         self.generic_visit(node)
 
 
@@ -230,7 +246,7 @@ def check_module(module: Any) -> None:
             continue
         in_step = name in STEPS
         for what, line in _self_uses(getattr(module, name), logging=not in_step):
-            fix = _SELF_USE_FIX[what]
+            fix = _SELF_USE_FIX.get(what, COLLECTING_FIX)
             if not in_step and what in ("self(...)", "self.forward(...)"):
                 fix = "outside a step, run the current model as self.model(x)"
             raise PortingError(

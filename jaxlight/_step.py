@@ -9,7 +9,7 @@ order of `Fit.callbacks` (each callback first sees the strategy in `setup_step`;
     loss_fn(params, rest, batch) -> (loss, (metrics, rest))           transform_loss_for_step
     grad_fn(params, rest, batch) -> ((loss, (metrics, rest)), grads)  transform_grad
     the gradient computation over the batch: strategy.gradient_fn     gradient_computation
-        (GradientAccumulation: strategy.accumulate_gradients)
+        (Microbatches, GradientAccumulation: strategy.accumulate_gradients)
     -- strategy.reduce_gradients / reduce_metrics (DDP's pmean; identity under SPMD) --
     process(grads, metrics) -> (grads, metrics)                       process_gradients
     tx (optax; state a transform keeps lives in its optax state)      transform_optimizer

@@ -305,9 +305,10 @@ def test_error_batch_not_divisible_by_data_parallel_degree(data):
     assert "train" not in fit.compile_counts
 
 
-def test_error_no_length_given():
-    with pytest.raises(jl.ConfigurationError, match="max_steps or max_epochs"):
-        jl.Fit("single")
+def test_error_no_length_given(data):
+    fit = jl.Fit("single")  # enough to validate, test or predict (as a Lightning Trainer)
+    with pytest.raises(jl.ConfigurationError, match="Fit.fit needs max_steps or max_epochs"):
+        fit.fit(Classifier(), _loader(data))
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -342,13 +342,10 @@ def _loader():
     (lambda f, m: f.predict(m, TrainOnlyData()),
      r"TrainOnlyData does not define predict_dataloader"),
     (lambda f, m: f.fit(m, jl.DataModule()), r"DataModule does not define train_dataloader"),
-    (lambda f, m: f.fit(m, train_dataloaders=_loader()),
-     r"Fit.fit\(train_dataloaders=...\) is Lightning's keyword; jaxlight's is train_data= "
-     r"\(Fit.fit\(module, train_data, val_data, ckpt_path, datamodule\)\)"),
-    (lambda f, m: f.fit(m, _loader(), val_dataloaders=_loader()),
-     r"jaxlight's is val_data="),
-    (lambda f, m: f.test(m, dataloaders=_loader()), r"Fit.test\(dataloaders=...\) is "
-     r"Lightning's keyword; jaxlight's is data="),
+    (lambda f, m: f.fit(m, _loader(), train_dataloaders=_loader()),
+     r"Fit.fit got both train_data= and train_dataloaders= \(Lightning's name"),
+    (lambda f, m: f.test(m, _loader(), dataloaders=_loader()),
+     r"Fit.test got both data= and dataloaders="),
     (lambda f, m: f.fit(m, datamodul=Digits()),
      r"Fit.fit got unknown keyword argument\(s\) \['datamodul'\]. Did you mean 'datamodule'\?"),
 ])

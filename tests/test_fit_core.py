@@ -88,7 +88,7 @@ def test_a_custom_gradient_computation_replaces_the_strategy_layout():
 
     custom, builtin = Classifier(), Classifier()
     _fit(callbacks=[TwoMicrobatches()]).fit(custom, _data())
-    _fit(callbacks=[callbacks.GradientAccumulation(2)]).fit(builtin, _data())
+    _fit(callbacks=[callbacks.Microbatches(2)]).fit(builtin, _data())
     for a, b in zip(_params(custom.model), _params(builtin.model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -61,7 +61,7 @@ RUN_OPTIONS: tuple[_Opt, ...] = (
     _Opt("precision", str | None, None, "'bf16-mixed', 'bf16-true' or '32-true' "
          "(callbacks.MixedPrecision)"),
     _Opt("accumulate_grad_batches", int, None,
-         "microbatches per optimizer step (callbacks.GradientAccumulation)"),
+         "loader batches per optimizer step (callbacks.GradientAccumulation)"),
     _Opt("gradient_clip_val", float | None, None, "clip gradients to this global norm"),
     _Opt("gradient_clip_algorithm", str, None, "'norm' or 'value'"),
     _Opt("max_steps", int | None, None, "optimizer steps to take"),

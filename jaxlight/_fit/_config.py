@@ -95,11 +95,6 @@ class FitConfig:
             limit_train_batches, limit_val_batches, val_check_interval = n, n, None
             logger, enable_model_summary = False, False
             num_sanity_val_steps = 0  # as Lightning: the run itself validates n batches
-        if max_steps is None and max_epochs is None:
-            raise ConfigurationError(
-                "Fit needs max_steps or max_epochs (both are None): say how long to train, "
-                "for example Fit(max_steps=1000) or Fit(max_epochs=10)."
-            )
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -129,6 +124,15 @@ class FitConfig:
             default_root_dir=os.fspath(default_root_dir), seed=seed, fast_dev_run=fast_dev_run,
             prefetch_batches=prefetch_batches,
         )
+
+    def require_length(self) -> None:
+        """`Fit.fit` needs a length; a Fit used only to validate, test or predict does not."""
+        if self.max_steps is None and self.max_epochs is None:
+            raise ConfigurationError(
+                "Fit.fit needs max_steps or max_epochs (both are None): say how long to train, "
+                "for example Fit(max_steps=1000) or Fit(max_epochs=10). (Lightning would "
+                "silently train 1000 epochs; jaxlight asks.)"
+            )
 
     def summary(self, strategy_name: str) -> dict[str, Any]:
         """The settings loggers record as the run's config (`Fit.config`)."""

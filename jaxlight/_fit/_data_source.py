@@ -68,16 +68,21 @@ def _check_type(stage: str, datamodule: Any) -> None:
 class DataSource:
     """One stage's data: `given` (the loaders passed) or a `datamodule` (None: loaders)."""
 
-    def __init__(self, stage: str, given: tuple, datamodule: DataModule | None):
+    def __init__(self, stage: str, given: tuple, datamodule: DataModule | None,
+                 module: Any = None):
         self.stage = stage
         self.given = given
         #: The DataModule the stage reads from (None: loaders were given).
         self.datamodule = datamodule
+        #: The TrainModule whose own `*_dataloader` methods give the data (Lightning allows
+        #: them on the LightningModule), or None.
+        self.module = module
 
     @classmethod
-    def resolve(cls, stage: str, data: Any, datamodule: Any, val_data: Any = None
-                ) -> DataSource:
-        """Checks `Fit.<stage>`'s data arguments; `data` is `train_data` for fit."""
+    def resolve(cls, stage: str, data: Any, datamodule: Any, val_data: Any = None,
+                module: Any = None) -> DataSource:
+        """Checks `Fit.<stage>`'s data arguments; `data` is `train_data` for fit. Without data
+        and DataModule, `module`'s own `train_dataloader` (etc.) gives it, as in Lightning."""
         first = "train_data" if stage == "fit" else "data"
         form = (f"Fit.{stage}(module, {'train_data, val_data' if stage == 'fit' else 'data'}) "
                 f"or Fit.{stage}(module, datamodule=dm)")
@@ -93,8 +98,13 @@ class DataSource:
                     f"DataModule alone: Fit.{stage}(module, datamodule=dm). See {GUIDE}.")
             data, datamodule = None, data
         if datamodule is None:
+            if data is None and module is not None and callable(
+                    getattr(module, LOADERS[stage], None)):
+                return cls(stage, (None, val_data) if stage == "fit" else (None,), None, module)
             if data is None:
-                raise ConfigurationError(f"Fit.{stage} got no data: call {form}.")
+                raise ConfigurationError(
+                    f"Fit.{stage} got no data: call {form}, or define "
+                    f"{LOADERS[stage]}(self) on the module.")
             return cls(stage, (data, val_data) if stage == "fit" else (data,), None)
         if data is not None or val_data is not None:
             passed = [n for n, v in ((first, data), ("val_data", val_data)) if v is not None]
@@ -130,6 +140,15 @@ class DataSource:
     def loaders(self) -> tuple:
         """fit: `(train, val)` (val None without `val_dataloader`); other stages: `(data,)`."""
         dm = self.datamodule
+        if self.module is not None:  # the module's own loaders (after its setup, as Lightning)
+            name = LOADERS[self.stage]
+            first = self._checked(getattr(self.module, name)(), name, self.module)
+            if self.stage != "fit":
+                return (first,)
+            val = self.given[1]
+            if val is None and callable(getattr(self.module, "val_dataloader", None)):
+                val = self.module.val_dataloader()
+            return first, val
         if dm is None:
             return self.given
         if self.stage == "fit":
@@ -138,10 +157,11 @@ class DataSource:
         name = LOADERS[self.stage]
         return (self._checked(getattr(dm, name)(), name),)
 
-    def _checked(self, loader: Any, name: str) -> Any:
+    def _checked(self, loader: Any, name: str, owner: Any = None) -> Any:
         if loader is None:
+            owner = self.datamodule if owner is None else owner
             raise ConfigurationError(
-                f"{type(self.datamodule).__name__}.{name}() returned None; return an iterable "
+                f"{type(owner).__name__}.{name}() returned None; return an iterable "
                 "of batches (e.g. jaxlight.data.ArrayLoader). Was setup(stage) meant to build "
                 "the split it reads?")
         return loader

@@ -182,6 +182,7 @@ class Fit(FitView):
             )
         check_module(module)  # Lightning habits that cannot run, refused before tracing
         self._call.module = module
+        module.attach_trainer(self)  # self.trainer, self.global_step, ... in module hooks
         self._session.setup(module, stage)
 
     def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
@@ -213,9 +214,12 @@ class Fit(FitView):
         """Trains `module` on `train_data` (and validates on `val_data`), or on a
         `jaxlight.DataModule`'s loaders (`datamodule=`, or in `train_data`'s place); afterwards
         `module.model` holds the trained `nnx.Module`."""
+        train_data = _alias("fit", unknown, "train_dataloaders", "train_data", train_data)
+        val_data = _alias("fit", unknown, "val_dataloaders", "val_data", val_data)
         if unknown:
             refuse_keywords("fit", unknown, _arguments(Fit.fit))
-        source = DataSource.resolve("fit", train_data, datamodule, val_data)
+        self._config.require_length()
+        source = DataSource.resolve("fit", train_data, datamodule, val_data, module)
         self._setup(module, "fit")
         self._datamodule = source.datamodule
         self._train_data = self._val_data = self._feed = None
@@ -260,17 +264,22 @@ class Fit(FitView):
 
     # -- evaluation and prediction -------------------------------------------------------------
 
-    def validate(self, module: TrainModule, data: Iterable | DataModule | None = None,
+    def validate(self, module: TrainModule | None = None,
+                 data: Iterable | DataModule | None = None,
                  ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
                  **unknown: Any) -> dict[str, float]:
         """Runs `validation_step` over `data` (or `datamodule.val_dataloader()`); returns exact
-        metrics over every example."""
+        metrics over every example.
+
+        As Lightning's `trainer.validate(model, dataloaders, ckpt_path, datamodule=)`: `module`
+        may be left out after a fit (the fit's module), and `dataloaders=` is `data`'s
+        Lightning name; the same holds for `test` and `predict`."""
         return self._stage(module, "validate", ckpt_path, "on_validation_start",
                            "on_validation_end", lambda d: self._metrics(
                                d, "validation_step", "val", self._config.limit_val_batches,
                                "validate"), data, datamodule, unknown)
 
-    def test(self, module: TrainModule, data: Iterable | DataModule | None = None,
+    def test(self, module: TrainModule | None = None, data: Iterable | DataModule | None = None,
              ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
              **unknown: Any) -> dict[str, float]:
         """Runs `test_step` over `data` (or `datamodule.test_dataloader()`); returns exact
@@ -280,7 +289,8 @@ class Fit(FitView):
                            lambda d: self._metrics(d, "test_step", "test", None, "test"),
                            data, datamodule, unknown)
 
-    def predict(self, module: TrainModule, data: Iterable | DataModule | None = None,
+    def predict(self, module: TrainModule | None = None,
+                data: Iterable | DataModule | None = None,
                 ckpt_path: str | None = None, *, datamodule: DataModule | None = None,
                 **unknown: Any) -> list[Any]:
         """Runs `predict_step` over `data` (or `datamodule.predict_dataloader()`); returns one
@@ -298,9 +308,17 @@ class Fit(FitView):
     def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run, data,
                datamodule, unknown):
         """validate/test/predict: set-up, the checkpoint, start hook, `run(data)`, end hook."""
+        data = _alias(stage, unknown, "dataloaders", "data", data)
         if unknown:
             refuse_keywords(stage, unknown, _arguments(getattr(Fit, stage)))
-        source = DataSource.resolve(stage, data, datamodule)
+        if module is None:  # Lightning's trainer.test(dataloaders=...) after trainer.fit(model)
+            module = self._call.module
+            if module is None:
+                raise ConfigurationError(
+                    f"Fit.{stage}() got no module, and this Fit has run none: pass it, "
+                    f"Fit.{stage}(module, data) (Lightning's trainer.{stage}(model, "
+                    "dataloaders)).")
+        source = DataSource.resolve(stage, data, datamodule, module=module)
         self._setup(module, stage)
         self._datamodule = source.datamodule
         module.attach_model_source(lambda: self._session.live_model(fresh=False))
@@ -324,6 +342,18 @@ class Fit(FitView):
                 self._call("teardown", stage)
             finally:
                 module.attach_model_source(None)
+
+
+def _alias(stage: str, unknown: dict[str, Any], lightning: str, ours: str, value: Any) -> Any:
+    """`value`, or the one given under Lightning's keyword `lightning` (taken from `unknown`)."""
+    if lightning not in unknown:
+        return value
+    given = unknown.pop(lightning)
+    if value is not None:
+        raise ConfigurationError(
+            f"Fit.{stage} got both {ours}= and {lightning}= (Lightning's name for the same "
+            "argument): pass one.")
+    return given
 
 
 def _arguments(method) -> list[str]:

@@ -27,12 +27,28 @@ from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._metrics import EpochAccumulator
+from jaxlight._microbatch import stack_batches
 from jaxlight._user_step import tracing_for
+from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher
 
 #: Steps dispatched to the device that the host has not waited for, at most (module docstring).
 MAX_IN_FLIGHT = 2
+
+
+def _grouped(pairs: Iterator, k: int) -> Iterator[tuple[list, Any]]:
+    """`(batches, position)`: k loader batches at a time (fewer at the epoch's end), with the
+    position after the group's last one."""
+    group: list = []
+    position = None
+    for batch, position in pairs:
+        group.append(batch)
+        if len(group) == k:
+            yield group, position
+            group = []
+    if group:
+        yield group, position
 
 
 def _len_or_none(data: Any) -> int | None:
@@ -78,6 +94,8 @@ class TrainLoop:
         self.feed = feed
         #: Runs after every step's `on_train_batch_end` hooks (the preemption check).
         self.after_step = after_step
+        #: Loader batches per optimizer step (`GradientAccumulation(k)`: k).
+        self.batches_per_step = batches_per_step(session.callbacks)
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -101,13 +119,16 @@ class TrainLoop:
     # -- batches -------------------------------------------------------------------------------
 
     def _epoch_batches(self, limit: int | None) -> Iterator:
-        """This epoch's `(batch, position)` pairs, never reading past what will be trained."""
-        pos = self.position
-        budget = None if self.config.max_steps is None else self.config.max_steps - pos.global_step
+        """This epoch's `(batch, position)` pairs, never reading past what will be trained;
+        with `GradientAccumulation(k)`, `(batches, position)` groups of k loader batches."""
+        pos, k = self.position, self.batches_per_step
+        budget = (None if self.config.max_steps is None
+                  else (self.config.max_steps - pos.global_step) * k)
         if limit is not None:
             left = limit - pos.batch_idx
             budget = left if budget is None else min(budget, left)
-        return self.feed.epoch(pos.epoch, pos.batch_idx, budget)
+        pairs = self.feed.epoch(pos.epoch, pos.batch_idx, budget)
+        return pairs if k == 1 else _grouped(pairs, k)
 
     def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
         _batch.check_same_signature(
@@ -155,18 +176,21 @@ class TrainLoop:
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
-        _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
-        abstract_batch = abstract_global_batch(first)
+        k = self.batches_per_step
+        # With GradientAccumulation(k) the step takes k loader batches stacked as one input.
+        one = first if k == 1 else first[0]
+        _batch.check_batch_agreement(one, "training batch", _len_or_none(train_data))
+        abstract_batch = abstract_global_batch(one if k == 1 else stack_batches(first, k))
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
-        with tracing_for(first_name, "train_data", first):
+        with tracing_for(first_name, "train_data", one):
             session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)
-        reference = _batch.batch_signature(first, first_name)
+        reference = _batch.batch_signature(one, first_name)
         if session.state is None:
             session.state = session.init_state()
         # Validation's errors show before training, not at the first validation.
         self.evaluator.sanity_check(val_data)
-        with tracing_for(first_name, "train_data", first):
+        with tracing_for(first_name, "train_data", one):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the
         # epoch's end (nothing to do for a module that logs none).
@@ -174,7 +198,13 @@ class TrainLoop:
         call("on_train_start")
 
         def put(batch):
+            if k > 1:
+                batch = stack_batches(batch, k)
             return session.strategy.put_batch(batch, batch_sh)
+
+        def check(batch, n: int, start: int) -> None:
+            for j, one in enumerate(batch if k > 1 else [batch]):
+                self._check_batch(one, reference, start + n * k + j)
 
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()
@@ -189,18 +219,21 @@ class TrainLoop:
             call("on_train_epoch_start")
             start = pos.batch_idx
             batches = Prefetcher(pairs, put, config.prefetch_batches,
-                                 lambda b, n, s=start: self._check_batch(b, reference, s + n))
+                                 lambda b, n, s=start: check(b, n, s))
             first_epoch = False
             got_any = False
             try:
                 for batch, device_batch, position in batches:
                     got_any = True
-                    call("on_train_batch_start", batch, pos.batch_idx)
+                    # Accumulating: the hooks get the group's last loader batch and its index.
+                    taken = 1 if k == 1 else len(batch)
+                    batch = batch if k == 1 else batch[-1]
+                    call("on_train_batch_start", batch, pos.batch_idx + taken - 1)
                     session.state, metrics = compiled(session.state, device_batch)
                     epoch_metrics.add(metrics)
                     self.feed.consumed(position)
                     pos.global_step += 1
-                    pos.batch_idx += 1
+                    pos.batch_idx += taken
                     # A log interval's metrics reached the callbacks: a stop agreement point.
                     logged = False
                     while len(in_flight) >= MAX_IN_FLIGHT - 1 and in_flight:

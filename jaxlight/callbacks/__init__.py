@@ -1,6 +1,6 @@
 """Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
 
-from jaxlight.callbacks._accumulation import GradientAccumulation
+from jaxlight.callbacks._accumulation import GradientAccumulation, Microbatches
 from jaxlight.callbacks._base import Callback, LambdaCallback
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
@@ -22,6 +22,7 @@ __all__ = [
     "DeviceStatsMonitor",
     "EarlyStopping",
     "GradientAccumulation",
+    "Microbatches",
     "GradientClipping",
     "LambdaCallback",
     "LearningRateMonitor",

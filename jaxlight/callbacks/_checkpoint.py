@@ -110,11 +110,25 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.best_step: int | None = None
         self.best_model_path: str | None = None
-        #: The step directory of the newest save.
+        #: The step directory of the newest save, with `save_last` (None without, as Lightning's
+        #: is empty).
         self.last_model_path: str | None = None
         self._writer = None
+        self._retention = None  # the writer's retention policy (kept after the writer closes)
         self._stage: str | None = None
         self._deferred = False  # a step save waiting for this step's validation
+
+    @property
+    def best_k_models(self) -> dict[str, float]:
+        """Lightning's `best_k_models`: step directory -> monitored value of the kept best
+        `save_top_k` checkpoints (empty without `monitor`), as of the last committed save."""
+        if self._retention is None or self.monitor is None:
+            return {}
+        step_dir = self._retention_dir
+        return {step_dir(step): value for step, value in self._retention.best_k.items()}
+
+    def _retention_dir(self, step: int) -> str:
+        return os.path.join(self._dirpath_used, str(step))
 
     @property
     def state_key(self) -> str:
@@ -148,6 +162,8 @@ class ModelCheckpoint(Callback):
             self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
             save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save,
             compress=self.compress)
+        self._retention = self._writer.retention
+        self._dirpath_used = self._writer.dirpath
 
     def teardown(self, fit, module, stage: str) -> None:
         if stage == "fit" and self._writer is not None:
@@ -246,7 +262,8 @@ class ModelCheckpoint(Callback):
         saved = self._writer.save(fit, module, value, pin=pin)
         if saved:
             path = self._writer.step_dir(fit.global_step)
-            self.last_model_path = path
+            if self.save_last:  # Lightning's last_model_path: only with save_last
+                self.last_model_path = path
             if finite and (self.best_model_score is None or
                            (value < self.best_model_score if self.mode == "min"
                             else value > self.best_model_score)):

@@ -92,6 +92,6 @@ def nothing_fits(cands: list, budget: int, usable: int, headroom: float, num_dev
     return (f"Auto: no layout of the model fits the memory budget of {fmt_bytes(budget)} "
             f"per device ({fmt_bytes(usable)} usable after headroom={headroom}) over "
             f"{num_devices} devices.{need} Use more devices, a smaller batch "
-            "(or GradientAccumulation), bf16 parameters, or a larger memory_budget.\n"
+            "(or callbacks.Microbatches), bf16 parameters, or a larger memory_budget.\n"
             + "\n".join(f"  {c.layout}: {c.status}{': ' + c.reason if c.reason else ''}"
                         for c in cands))

@@ -176,10 +176,11 @@ class Strategy(abc.ABC):
                              sync_every_microbatch: bool = False) -> Callable:
         """`grad_fn` over k microbatches of the step's batch, one fp32 gradient sum.
 
-        Used by `callbacks.GradientAccumulation`. The default scans the batch the step function
-        sees, which here is one replica's share (DDP) or the whole batch (one device); the
-        core's `reduce_gradients` then reduces the result once per step. SPMD strategies
-        override it so that their gradient collective also runs once per step.
+        Used by `callbacks.Microbatches` and `callbacks.GradientAccumulation`. The default
+        scans the batch the step function sees, which here is one replica's share (DDP) or the
+        whole batch (one device); the core's `reduce_gradients` then reduces the result once
+        per step. SPMD strategies override it so that their gradient collective also runs
+        once per step.
 
         Args:
             grad_fn: `(params, rest, batch) -> ((loss, (metrics, rest)), grads)`.

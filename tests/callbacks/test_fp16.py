@@ -125,7 +125,7 @@ def test_skips_under_data_parallel_strategies(strategy):
     good = _batches(2)
     bad = dict(good[1], x=np.where(np.arange(BATCH)[:, None] == 3, np.inf, good[1]["x"]))
     cbs = [callbacks.MixedPrecision("16-mixed", init_scale=2.0**8),
-           callbacks.GradientAccumulation(2)]
+           callbacks.Microbatches(2)]
     _, fit, logs = _train([good[0], bad], cbs, strategy=strategy())
     assert [m["overflow_skipped"] for m in logs] == [0.0, 1.0]
     assert _scale(fit).scale == 2.0**7

@@ -97,10 +97,10 @@ def _leaves(tree):
 # -- the strategy × callback matrix --------------------------------------------------------------
 
 CONFIGS = {
-    "accumulate4": (lambda: [callbacks.GradientAccumulation(4)], FP32_RTOL),
+    "accumulate4": (lambda: [callbacks.Microbatches(4)], FP32_RTOL),
     "bf16-mixed": (lambda: [callbacks.MixedPrecision("bf16-mixed")], BF16_RTOL),
     "clip1": (lambda: [callbacks.GradientClipping(1.0)], FP32_RTOL),
-    "all": (lambda: [callbacks.GradientAccumulation(4), callbacks.MixedPrecision("bf16-mixed"),
+    "all": (lambda: [callbacks.Microbatches(4), callbacks.MixedPrecision("bf16-mixed"),
                      callbacks.GradientClipping(1.0), callbacks.NonFiniteGuard(3)], BF16_RTOL),
 }
 
@@ -165,7 +165,7 @@ def test_clip_by_value_bounds_every_element():
 def test_accumulation_equals_full_batch_after_10_steps():
     batches = _batches(10)
     full, _, full_logs = _train(strategies.SingleDevice(), [], batches=batches, max_steps=10)
-    acc, fit, logs = _train(strategies.SingleDevice(), [callbacks.GradientAccumulation(4)],
+    acc, fit, logs = _train(strategies.SingleDevice(), [callbacks.Microbatches(4)],
                             batches=batches, max_steps=10)
     assert _rel(_params(acc), _params(full)) < 1e-6
     np.testing.assert_allclose([m["loss"] for m in logs], [m["loss"] for m in full_logs],
@@ -195,8 +195,8 @@ def _bytes_by_kind(plan) -> dict[str, int]:
 @pytest.mark.parametrize("make", [strategies.DataParallel, strategies.FSDP, strategies.DDP],
                          ids=["dp", "fsdp", "ddp"])
 def test_collective_bytes_do_not_grow_with_k(make):
-    one = _plan(make(), [callbacks.GradientAccumulation(1)])
-    eight = _plan(make(), [callbacks.GradientAccumulation(8)])
+    one = _plan(make(), [callbacks.Microbatches(1)])
+    eight = _plan(make(), [callbacks.Microbatches(8)])
     assert _bytes_by_kind(one) == _bytes_by_kind(eight)
     assert _bytes_by_kind(eight)["all-reduce"] > 0
     assert not [c for c in eight.collectives if c.in_loop], "a collective runs per microbatch"
@@ -211,14 +211,14 @@ def test_naive_scan_would_all_reduce_inside_the_loop():
     naive = _plan(strategies.DataParallel(), [_NaiveAccumulation(8)])
     looped = [c for c in naive.collectives if c.kind == "all-reduce" and c.in_loop]
     assert looped and all(c.executions == 8 for c in looped)
-    good = _plan(strategies.DataParallel(), [callbacks.GradientAccumulation(8)])
+    good = _plan(strategies.DataParallel(), [callbacks.Microbatches(8)])
     assert _bytes_by_kind(naive)["all-reduce"] > 4 * _bytes_by_kind(good)["all-reduce"]
 
 
 def test_tensor_parallel_loop_holds_only_tp_collectives():
     """Under TP(2) x data(4) only the tp activation all-reduce (group of 2) runs per
     microbatch; the gradient all-reduce over the 4 data replicas runs once."""
-    plan = _plan(strategies.TensorParallel(2), [callbacks.GradientAccumulation(8)])
+    plan = _plan(strategies.TensorParallel(2), [callbacks.Microbatches(8)])
     assert {c.group_size for c in plan.collectives if c.in_loop} == {2}
     outside = [c for c in plan.collectives if not c.in_loop and c.kind == "all-reduce"]
     assert any(c.group_size == 4 for c in outside)
@@ -237,20 +237,20 @@ class WideNet(Net):
 def test_fsdp_sync_every_microbatch_keeps_state_sharded(reference):
     """The opt-in alternative for models too large to gather whole: collectives inside the
     loop, less temporary memory than reducing once per step, the same result."""
-    per_step = _plan(strategies.FSDP(), [callbacks.GradientAccumulation(8)], module=WideNet())
+    per_step = _plan(strategies.FSDP(), [callbacks.Microbatches(8)], module=WideNet())
     per_micro = _plan(strategies.FSDP(), [
-        callbacks.GradientAccumulation(8, sync_every_microbatch=True)], module=WideNet())
+        callbacks.Microbatches(8, sync_every_microbatch=True)], module=WideNet())
     assert [c for c in per_micro.collectives if c.in_loop and c.executions == 8]
     assert per_micro.memory["temp"] < per_step.memory["temp"] / 2
     module, _, _ = _train(strategies.FSDP(), [
-        callbacks.GradientAccumulation(4, sync_every_microbatch=True)])
+        callbacks.Microbatches(4, sync_every_microbatch=True)])
     ref_params, _ = reference("accumulate4")
     assert _rel(_params(module), ref_params) < FP32_RTOL
 
 
 def test_temp_memory_falls_as_k_grows():
     batch = _batches(1, size=1024)[0]
-    temps = [_plan(strategies.DataParallel(), [callbacks.GradientAccumulation(k)],
+    temps = [_plan(strategies.DataParallel(), [callbacks.Microbatches(k)],
                    module=Net(hidden=256), batch=batch).memory["temp"] for k in (1, 2, 4, 8)]
     assert all(a > b for a, b in zip(temps[:-1], temps[1:], strict=True)), temps
     assert temps[-1] < temps[0] / 2, temps
@@ -269,7 +269,7 @@ def test_accumulation_threads_batch_stats_and_rngs():
     batches = [{k: v[i * 64:(i + 1) * 64] for k, v in data.items()} for i in range(2)]
     module = BNNet()
     fit, logs = _fit(strategies.DataParallel(), [
-        callbacks.GradientAccumulation(4), callbacks.MixedPrecision("bf16-mixed"),
+        callbacks.Microbatches(4), callbacks.MixedPrecision("bf16-mixed"),
         callbacks.NonFiniteGuard(2)], max_steps=2)
     fit.fit(module, batches)
     mean = np.asarray(module.model.layers[1].mean[...])
@@ -300,7 +300,7 @@ def _lowered_text(strategy, cbs) -> str:
 
 def test_bf16_mixed_dots_are_bf16_and_master_params_fp32():
     text = _lowered_text(strategies.DataParallel(), [callbacks.MixedPrecision("bf16-mixed"),
-                                                     callbacks.GradientAccumulation(2)])
+                                                     callbacks.Microbatches(2)])
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert len(dots) == 5  # 2 forward, 3 backward (no input gradient for the first layer)
     assert all(line.count("bf16>") == 3 for line in dots), dots
@@ -308,7 +308,7 @@ def test_bf16_mixed_dots_are_bf16_and_master_params_fp32():
     assert not [line for line in fp32.splitlines() if "dot_general" in line and "bf16" in line]
 
     plan = _plan(strategies.DataParallel(), [callbacks.MixedPrecision("bf16-mixed"),
-                                             callbacks.GradientAccumulation(2)])
+                                             callbacks.Microbatches(2)])
     reduced = [dtype for c in plan.collectives for dtype, _ in c.shapes]
     assert reduced and set(reduced) == {"f32"}  # gradients and loss all-reduced in float32
 
@@ -373,7 +373,7 @@ def test_guard_stops_after_consecutive_nans_even_between_log_intervals():
 
 @pytest.mark.parametrize("make", [strategies.DataParallel, strategies.DDP], ids=["dp", "ddp"])
 def test_batch_not_divisible_by_k_times_dp(make):
-    fit, _ = _fit(make(), [callbacks.GradientAccumulation(4)], max_steps=1)
+    fit, _ = _fit(make(), [callbacks.Microbatches(4)], max_steps=1)
     with pytest.raises(jl.DataError, match=r"global batch size 48 .* k=4 × data-parallel "
                                            r"degree 8 = 32.*multiple of 32"):
         fit.fit(Net(), _batches(1, size=48))
@@ -396,7 +396,7 @@ def test_max_norm_must_be_positive(value):
 def test_other_bad_arguments():
     with pytest.raises(jl.ConfigurationError, match="unknown gradient clipping algorithm 'nrm'"):
         callbacks.GradientClipping(1.0, algorithm="nrm")
-    with pytest.raises(jl.ConfigurationError, match="positive integer number of microbatches"):
+    with pytest.raises(jl.ConfigurationError, match="positive integer number of loader batches"):
         jl.Fit("single", max_steps=1, accumulate_grad_batches=0)
     with pytest.raises(jl.ConfigurationError, match="max_consecutive.*positive integer"):
         callbacks.NonFiniteGuard(0)

@@ -111,7 +111,7 @@ def test_gpipe_checkpoint_restores_under_other_strategies(runs):
 
 def test_gradient_accumulation_under_gpipe_is_exact(runs):
     # k = 2 equal microbatches give the full-batch mean gradient: the plain SingleDevice run.
-    run = _fit(strategies.GPipe(4, 4), cbs=[callbacks.GradientAccumulation(2)], steps=5)
+    run = _fit(strategies.GPipe(4, 4), cbs=[callbacks.Microbatches(2)], steps=5)
     ref = {"losses": runs["single"]["losses"][:5]}
     rel = np.abs(run["losses"] - ref["losses"]) / ref["losses"]
     assert rel.max() < 1e-4
@@ -223,7 +223,7 @@ def test_accumulation_split_too_small_for_microbatches():
     with pytest.raises(jl.DataError, match=r"Stacked block has 2 examples, which do not split "
                                            r"into 4 microbatches"):
         _quick_fit(strategies.GPipe(4, 4), _Regression(), _regression_data(1, 16),
-                   cbs=[callbacks.GradientAccumulation(4)])
+                   cbs=[callbacks.Microbatches(4)])
 
 
 def test_model_without_stacked_block():

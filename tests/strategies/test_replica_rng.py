@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxlight as jl
+from jaxlight import callbacks
 
 B, F, KEEP = 32, 64, 0.5
 PROBE_ROWS = (0, 1, 4, 5, 8, 13, 16, 31)  # the first rows of replicas 0, 1, 2, 4 of 8, and more
@@ -57,7 +58,8 @@ def _run(strategy, k):
     """Two steps: `w = -(mask of step 0 + mask of step 1)` for the probed rows; and the dropout
     stream's key and counter after them."""
     module = ProbeModule()
-    jl.Fit(strategy, max_steps=2, accumulate_grad_batches=k, enable_progress_bar=False,
+    jl.Fit(strategy, max_steps=2, callbacks=[callbacks.Microbatches(k)] if k > 1 else [],
+           enable_progress_bar=False,
            enable_model_summary=False, logger=False).fit(module, [_batch()] * 2)
     model = module.model
     return {"per_example": -np.asarray(jax.device_get(model.w[...])),

@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
-from jaxlight import _hlo, strategies
+from jaxlight import _hlo, callbacks, strategies
 from jaxlight._errors import ShardingError
 from jaxlight.callbacks import Callback
 from jaxlight.nn import Dense
@@ -136,9 +136,10 @@ def train(tp: int, overlap: bool, *, accumulate: int = 1, validate: bool = False
     recorder = LossRecorder()
     module = SgdLM()
     fit = jl.Fit(strategies.TensorParallel(tp, overlap=overlap), max_steps=STEPS,
-                 log_every_n_steps=1, accumulate_grad_batches=accumulate,
-                 enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 callbacks=[recorder])
+                 log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                 logger=False,
+                 callbacks=[recorder] + ([callbacks.Microbatches(accumulate)] if accumulate > 1
+                                         else []))
     fit.fit(module, token_batches(STEPS), token_batches(1, seed=1) if validate else None)
     return {
         "fit": fit,
