@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench conformance clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,5 +26,23 @@ lint: $(STAMP)
 bench: $(STAMP)  ## every benchmark; JSON and PNG charts in benchmarks/results/
 	$(BIN)/python benchmarks/run_all.py
 
+# The oracle's environment: torch (CPU) and Lightning, the `conformance` extra of pyproject.toml.
+CONF_VENV ?= .venv-conformance
+CONF_STAMP := $(CONF_VENV)/.installed
+CONF_REQS = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['conformance']))")
+
+$(CONF_STAMP): pyproject.toml
+	$(PY) -m venv $(CONF_VENV)
+	$(CONF_VENV)/bin/pip install -q --upgrade pip
+	$(CONF_VENV)/bin/pip install -q $(CONF_REQS)
+	touch $(CONF_STAMP)
+
+conformance: $(STAMP) $(CONF_STAMP)  ## Lightning beside jaxlight: new fixtures, tests/conformance, porting.md's table
+	cd tests/conformance/lightning_side && for script in [!_]*.py; do \
+		../../../$(CONF_VENV)/bin/python $$script || exit 1; done
+	JAXLIGHT_CONFORMANCE_RESULTS=tests/conformance/results.json $(BIN)/python -m pytest \
+		tests/conformance -q -p no:warnings; status=$$?; \
+		$(BIN)/python tests/conformance/table.py; exit $$status
+
 clean:
-	rm -rf $(VENV) jaxlight_logs .pytest_cache
+	rm -rf $(VENV) $(CONF_VENV) jaxlight_logs .pytest_cache
