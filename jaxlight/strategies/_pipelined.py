@@ -126,9 +126,10 @@ class Pipelined:
         if not stacked:
             raise ConfigurationError(
                 f"{self._who()} pipelines the model's stacked layers, but no parameter has the "
-                f"logical axis {LAYERS!r}: the model has no jaxlight.nn.Stacked block (or its "
-                "block's parameters carry no logical axes, and Stacked names the stacked axis "
-                "only on annotated ones). Put the repeated block in one, e.g. self.blocks = "
+                f"logical axis {LAYERS!r}: the model has no jaxlight.nn.Stacked block or "
+                "jaxlight.nn.Stages (or its block's parameters carry no logical axes, and "
+                "Stacked names the stacked axis only on annotated ones). Put the repeated "
+                "block in one, e.g. self.blocks = "
                 "jaxlight.nn.Stacked(lambda rngs: Block(..., rngs=rngs), num_layers, rngs=rngs) "
                 "and call self.blocks(x, ...) (a plain scan under every other strategy), with "
                 "annotated parameters (the layers of jaxlight.nn, or nnx.with_partitioning), "
@@ -139,6 +140,11 @@ class Pipelined:
         if bad:
             path, n = bad[0]
             divisors = [d for d in range(1, n + 1) if n % d == 0]
+            if "packed_" in path:  # a jaxlight.nn.Stages: one row per stage
+                raise ConfigurationError(
+                    f"{self._who()}: the Stages module's {n} stages (parameter {path}) do not "
+                    f"split into {p} pipeline devices. Use a stage count dividing {n} "
+                    f"({divisors}) or a multiple of {p} stage modules.")
             raise ConfigurationError(
                 f"{self._who()}: the Stacked block's {n} layers (parameter {path}) do not "
                 f"split into {p} pipeline stages. Use a stage count dividing {n} ({divisors}) "
@@ -175,8 +181,9 @@ class Pipelined:
                                        donate_argnums)
         if pipeline.calls == 0:
             raise ConfigurationError(
-                f"{self._who()}: the step ran no jaxlight.nn.Stacked block, so there is nothing "
-                "to pipeline (the model has stacked parameters but does not call the Stacked "
+                f"{self._who()}: the step ran no jaxlight.nn.Stacked block nor "
+                "jaxlight.nn.Stages, so there is nothing to pipeline (the model has stacked "
+                "parameters but does not call the Stacked "
                 "module, for example it loops over the layers itself). Call the stack as one "
                 "module, x = self.blocks(x, ...), so that it runs as the pipeline schedule."
             )
