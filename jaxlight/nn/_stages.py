@@ -230,6 +230,11 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
     config.calls += 1
     p, mesh, axis = config.stages, config.mesh, config.axis
     n_stages = stages.num_stages
+    if config.repeats > 1:
+        raise ConfigurationError(
+            f"Stages runs the GPipe schedule only (repeats=1), got repeats={config.repeats}: "
+            "the interleaved schedule needs identical chunks of layers (a jaxlight.nn.Stacked "
+            "block). Use repeats=1, or k = stages/pipe consecutive Stages per device.")
     if n_stages % p:
         divisors = [d for d in range(1, n_stages + 1) if n_stages % d == 0]
         raise ConfigurationError(
