@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import numpy as np
@@ -18,9 +13,9 @@ import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
+from tests.pipeline_runs import kill_at
 
 STEPS, BATCH = 10, 24
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stages_child.py")
 
 
 def _fit(strategy, stages=3, cbs=(), steps=STEPS, ckpt_path=None):
@@ -125,19 +120,7 @@ def test_checkpoints_move_between_gpipe_and_other_layouts(runs, tmp_path):
 
 def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    proc = subprocess.Popen([sys.executable, CHILD, json.dumps({"dir": ckpt, "max_steps": STEPS})],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        for line in proc.stdout:
-            if line.strip() == "STEP 6" or time.monotonic() > deadline:
-                break
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    saved = sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
+    saved = kill_at("stages", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
     resumed = _fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]),
                    cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)], ckpt_path="last")

@@ -3,56 +3,19 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 import jaxlight as jl
-from jaxlight import callbacks, nn, strategies
+from jaxlight import callbacks, strategies
 from jaxlight.nn._pipeline import bubble_fraction, schedule_iterations
 from jaxlight.strategies._pipelined import schedule_stats
+from tests.nn.stages_mlp import StageMLP, stage_data
+from tests.pipeline_runs import kill_at, pipelined_run
+from tests.strategies.interleaved_net import BATCH, WIDTH, Regression, regression_data
 
-WIDTH, LAYERS, STEPS, BATCH = 8, 8, 5, 16
-
-
-class _Block(nnx.Module):
-    def __init__(self, rngs):
-        self.dense = nn.Dense(WIDTH, WIDTH, axes=("embed", "mlp"), use_bias=True, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.dense(x))
-
-
-class _Net(nnx.Module):
-    def __init__(self, rngs):
-        self.inp = nnx.Linear(4, WIDTH, rngs=rngs)
-        self.blocks = nn.Stacked(_Block, LAYERS, rngs=rngs)
-        self.out = nnx.Linear(WIDTH, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.blocks(self.inp(x)))
-
-
-class _Regression(jl.TrainModule):
-    def configure_model(self, rngs):
-        return _Net(rngs)
-
-    def configure_optimizers(self):
-        return optax.adam(1e-2)
-
-    def training_step(self, model, batch):
-        return ((model(batch["x"])[:, 0] - batch["y"]) ** 2).mean()
-
-    def validation_step(self, model, batch):
-        return {"loss": ((model(batch["x"])[:, 0] - batch["y"]) ** 2).mean()}
-
-
-def _data(steps, seed=0):
-    rng = np.random.default_rng(seed)
-    return [{"x": rng.normal(size=(BATCH, 4)).astype(np.float32),
-             "y": rng.normal(size=(BATCH,)).astype(np.float32)} for _ in range(steps)]
+STEPS = 5
 
 
 def _fit(strategy, val=None):
@@ -61,15 +24,15 @@ def _fit(strategy, val=None):
         metrics["loss"]) if "loss" in metrics else None)
     fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=[log],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
-    module = _Regression()
-    fit.fit(module, _data(STEPS), val)
+    module = Regression()
+    fit.fit(module, regression_data(STEPS), val)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     return {"fit": fit, "losses": np.asarray(losses), "params": params}
 
 
 @pytest.fixture(scope="module")
 def runs():
-    val = _data(1, seed=1)
+    val = regression_data(1, seed=1)
     return {
         "single": _fit("single", val),
         # 8 layers as 4 stages × 2 chunks: stage s runs layers {s, s + 4}.
@@ -124,7 +87,7 @@ def test_layers_not_divisible_by_stages_times_repeats():
     fit = jl.Fit(strategy=strategy, max_steps=1, enable_progress_bar=False, logger=False)
     with pytest.raises(jl.ConfigurationError, match=r"8 layers .* do not split into 4 stages "
                                                     r"× 4 repeats = 16 chunks.*\[1, 2, 4, 8\]"):
-        fit.fit(_Regression(), _data(1))
+        fit.fit(Regression(), regression_data(1))
 
 
 def test_bad_repeats_and_stages_with_repeats():
@@ -132,10 +95,34 @@ def test_bad_repeats_and_stages_with_repeats():
         strategies.GPipe(4, 4, repeats=0)
     with pytest.raises(jl.ConfigurationError, match=r"repeats .* must be a positive int"):
         strategies.Hybrid({"pipe": 4}, repeats=1.5)
-    from tests.nn.stages_mlp import StageMLP, stage_data
-
     fit = jl.Fit(strategies.GPipe(2, 2, repeats=2, devices=jax.devices()[:2]), max_steps=1,
                  enable_progress_bar=False, logger=False)
     with pytest.raises(jl.ConfigurationError, match=r"Stages runs the GPipe schedule only "
                                                     r"\(repeats=1\), got repeats=2"):
         fit.fit(StageMLP(stages=4), jl.data.ArrayLoader(stage_data(8), 8))
+
+
+def _resumable(max_steps, ckpt, ckpt_path=None):
+    strategy, module, data = pipelined_run("interleaved", jax.devices())
+    fit = jl.Fit(strategy, max_steps=max_steps,
+                 callbacks=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    fit.fit(module, data, ckpt_path=ckpt_path)
+    return fit, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+
+
+def test_interleaved_resumes_bitwise_after_sigkill_and_checkpoints_move(tmp_path):
+    full, expected = _resumable(8, str(tmp_path / "full"))
+    killed = str(tmp_path / "killed")
+    saved = kill_at("interleaved", killed, 8, 5)
+    assert saved and saved[-1] < 8, saved
+    resumed, params = _resumable(8, killed, ckpt_path="last")
+    assert resumed.global_step == 8
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # The stored stack keeps the canonical layout: it restores under SingleDevice and FSDP.
+    for strategy in ("single", strategies.FSDP(min_shard_size=1)):
+        model = jl.load_checkpoint(str(tmp_path / "full" / "8"), Regression(), strategy=strategy)
+        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
