@@ -126,3 +126,24 @@ def test_interleaved_resumes_bitwise_after_sigkill_and_checkpoints_move(tmp_path
         got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_plan_and_auto_show_the_interleaved_layout():
+    from jaxlight._state import model_spec
+    from jaxlight._step import build_optimizer
+    from jaxlight.strategies._auto_candidates import enumerate_candidates
+
+    fit = jl.Fit(strategies.GPipe(4, 4, repeats=2, devices=jax.devices()[:4]), max_steps=1,
+                 enable_progress_bar=False, logger=False)
+    plan = fit.plan(Regression(), regression_data(1)[0], verbose=False)
+    assert ("pipeline: interleaved schedule, 4 stages × 2 chunks, 4 microbatches, "
+            "11 iterations, bubble 27.3%") in plan.table()
+    # Auto's candidates: each pipe mesh whose stages × 2 divide the 8 layers also runs
+    # interleaved (pipe 2 and 4; pipe 8 would need 16 layers).
+    module = Regression()
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
+    layouts = [c.layout for c in enumerate_candidates((), None, spec.abstract_state,
+                                                      spec.logical_axes, 8)]
+    assert "pipe=4,fsdp=2 repeats=2" in layouts and "data=4,pipe=2 repeats=2" in layouts
+    assert not any(lay.startswith("pipe=8") and "repeats" in lay for lay in layouts)
+    assert all(lay.replace(" repeats=2", "") in layouts for lay in layouts)
