@@ -10,8 +10,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 import jaxlight as jl
 from jaxlight import strategies
+from tests.nn.stages_mlp import StageMLP, stage_data
+from tests.strategies.interleaved_net import Regression, regression_data
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pipeline_child.py")
 
@@ -19,14 +23,10 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pipeline_chil
 def pipelined_run(kind: str, devices):
     """(strategy, module, resumable loader) of one kind of pipelined run."""
     if kind == "stages":
-        from tests.nn.stages_mlp import StageMLP, stage_data
-
         return (strategies.GPipe(3, 4, devices=devices[:6]), StageMLP(),
                 jl.data.ArrayLoader(stage_data(192), 24, seed=1))
-    from tests.strategies.interleaved_net import Regression, regression_data
-
     batches = regression_data(12)
-    arrays = {k: __import__("numpy").concatenate([b[k] for b in batches]) for k in batches[0]}
+    arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     return (strategies.GPipe(4, 4, repeats=2, devices=devices[:4]), Regression(),
             jl.data.ArrayLoader(arrays, len(batches[0]["y"]), seed=1))
 

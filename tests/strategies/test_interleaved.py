@@ -9,7 +9,10 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
+from jaxlight._state import model_spec
+from jaxlight._step import build_optimizer
 from jaxlight.nn._pipeline import bubble_fraction, schedule_iterations
+from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.pipeline_runs import kill_at, pipelined_run
@@ -129,10 +132,6 @@ def test_interleaved_resumes_bitwise_after_sigkill_and_checkpoints_move(tmp_path
 
 
 def test_plan_and_auto_show_the_interleaved_layout():
-    from jaxlight._state import model_spec
-    from jaxlight._step import build_optimizer
-    from jaxlight.strategies._auto_candidates import enumerate_candidates
-
     fit = jl.Fit(strategies.GPipe(4, 4, repeats=2, devices=jax.devices()[:4]), max_steps=1,
                  enable_progress_bar=False, logger=False)
     plan = fit.plan(Regression(), regression_data(1)[0], verbose=False)
