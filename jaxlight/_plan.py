@@ -89,6 +89,12 @@ class Plan:
         mesh = self.strategy.get("mesh", {})
         lines = [self.auto.table(), ""] if self.auto is not None else []
         lines += [f"Sharding plan: {self.strategy.get('name')} on mesh {mesh}", ""]
+        pipe = self.strategy.get("pipeline")
+        if pipe:  # GPipe / Hybrid with a pipe axis: the schedule the step runs
+            lines += [f"pipeline: {pipe.get('schedule', 'gpipe')} schedule, {pipe['stages']} "
+                      f"stages × {pipe.get('repeats', 1)} chunks, {pipe['microbatches']} "
+                      f"microbatches, {pipe['iterations']} iterations, bubble "
+                      f"{pipe['bubble_fraction']:.1%}", ""]
         lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
                      f"{'per device':>11}  placed by")
         for p in self.params:

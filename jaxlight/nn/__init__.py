@@ -13,6 +13,7 @@ to mesh axes.
 | `MultiHeadAttention` | qkv `("embed", None, "heads", "kv")`, out `("heads", "kv", "embed")` |
 | `MLP` (SwiGLU) | fused gate/up `("embed", None, "mlp")`, down `("mlp", "embed")` |
 | `Stacked` | a leading `"layers"` axis on every weight of the repeated block |
+| `Stages` | stages of any shape, packed per dtype as `(stages, n)` with `("layers", "embed")` |
 | `TransformerLM` | all of the above |
 """
 
@@ -28,6 +29,7 @@ from jaxlight.nn._layers import (
     causal_attention,
 )
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
+from jaxlight.nn._stages import Stages
 from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "REMAT_POLICIES",
     "RMSNorm",
     "Stacked",
+    "Stages",
     "TransformerBlock",
     "TransformerConfig",
     "TransformerLM",

@@ -69,6 +69,8 @@ class PipelineConfig:
             with `axis` (it never shards parameters), the others stay automatic.
         calls: `Stacked` blocks that ran the schedule in this trace (0 after tracing means the
             model has no `Stacked` block, which a pipelined strategy refuses).
+        repeats: chunks of layers per stage; above 1 the interleaved (circular) schedule of
+            `jaxlight.nn._circular` runs instead of GPipe's.
     """
 
     mesh: Mesh
@@ -76,13 +78,14 @@ class PipelineConfig:
     microbatches: int
     remat: bool = False
     axis: str = "pipe"
+    repeats: int = 1
     batch_axes: tuple[str, ...] = ("data",)
     calls: int = 0
 
     @property
     def iterations(self) -> int:
-        """Forward schedule iterations, m + p − 1."""
-        return self.microbatches + self.stages - 1
+        """Forward schedule iterations, v·m + p − 1 (m + p − 1 for GPipe's v = 1)."""
+        return schedule_iterations(self.stages, self.microbatches, self.repeats)
 
 
 _ACTIVE: contextvars.ContextVar[PipelineConfig | None] = contextvars.ContextVar(
@@ -122,14 +125,19 @@ def active_pipeline() -> PipelineConfig | None:
     return _ACTIVE.get()
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The idle fraction of each stage in a GPipe schedule: (p − 1)/(m + p − 1).
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The idle fraction of each stage: (p − 1)/(v·m + p − 1) (GPipe: v = 1).
+
+    With v repeats (the interleaved schedule) each of the v·m + p − 1 iterations is 1/v of a
+    GPipe stage's work; fewer microbatches than stages run as p (the extra slots idle).
 
     Example:
-        >>> bubble_fraction(4, 8)
-        0.2727272727272727
+        >>> bubble_fraction(4, 8), bubble_fraction(4, 8, repeats=2)
+        (0.2727272727272727, 0.15789473684210525)
     """
-    return (stages - 1) / (microbatches + stages - 1)
+    if repeats > 1 and microbatches < stages:
+        return 1 - repeats * microbatches / (repeats * stages + stages - 1)
+    return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
 def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -293,9 +301,11 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1).reshape(batch, *o.shape[2:]), out)
 
 
-def schedule_iterations(stages: int, microbatches: int) -> int:
-    """m + p − 1: the forward (and backward) iterations of the GPipe schedule."""
-    return microbatches + stages - 1
+def schedule_iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """v·m + p − 1: the forward (and backward) iterations of the schedule (GPipe: v = 1)."""
+    if repeats > 1:
+        microbatches = max(microbatches, stages)
+    return repeats * microbatches + stages - 1
 
 
 __all__ = [

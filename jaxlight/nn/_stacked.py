@@ -8,6 +8,7 @@ from typing import Any
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError
+from jaxlight.nn._circular import run_circular
 from jaxlight.nn._pipeline import active_pipeline, run_pipeline
 from jaxlight.nn._scan import LAYERS, REMAT_POLICIES, remat_policy, scan_layers
 
@@ -69,6 +70,8 @@ class Stacked(nnx.Module):
         if pipeline is not None:
             # A pipelined strategy (GPipe, Hybrid with a pipe axis) is tracing this step: the
             # same layers run as the GPipe schedule over the pipe axis (jaxlight.nn._pipeline).
+            if pipeline.repeats > 1:
+                return run_circular(self, pipeline, x, *args)
             return run_pipeline(self, pipeline, x, *args)
         return self._run_scan(x, *args)
 

@@ -91,7 +91,7 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
                 fsdp = n // (tp * pipe * data)
                 mesh = {a: s for a, s in (("data", data), ("pipe", pipe), ("fsdp", fsdp),
                                           ("tp", tp)) if s > 1}
-                out.extend(layouts_of_mesh(mesh, user_rules or None))
+                out.extend(layouts_of_mesh(mesh, user_rules or None, layers))
     if layouts is not None:
         out = [c for c in out if "+".join(sorted(axes_key(c.layout))) in layouts]
     # Least sharded first: data parallelism communicates least when it fits; then more
@@ -99,12 +99,17 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
     def rank(c: Candidate):
         mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
         return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
-                "reshard" in c.layout)
+                "reshard" in c.layout, "repeats" in c.layout)
     return sorted(out, key=rank)
 
 
-def layouts_of_mesh(mesh: dict[str, int], rules) -> list[Candidate]:
-    """The candidates of one mesh (FSDP alone has two: gather once, or per layer)."""
+def layouts_of_mesh(mesh: dict[str, int], rules, layers: int = 0) -> list[Candidate]:
+    """The candidates of one mesh (FSDP alone has two: gather once, or per layer).
+
+    A mesh with a `pipe` axis also gets the interleaved schedule with 2 chunks of layers per
+    stage (`repeats=2`: a smaller bubble for twice the permutes and a per-step relayout of the
+    stack) where `layers` splits into pipe × 2 chunks.
+    """
     text = ",".join(f"{a}={s}" for a, s in mesh.items()) or "single"
     if not mesh:
         return [Candidate("single", SingleDevice())]
@@ -113,7 +118,11 @@ def layouts_of_mesh(mesh: dict[str, int], rules) -> list[Candidate]:
     if list(mesh) == ["fsdp"]:
         return [Candidate(text, FSDP(rules=rules)),
                 Candidate(text + " reshard", FSDP(rules=rules, reshard_after_forward=True))]
-    return [Candidate(text, Hybrid(mesh, rules=rules))]
+    out = [Candidate(text, Hybrid(mesh, rules=rules))]
+    pipe = mesh.get("pipe", 1)
+    if pipe > 1 and layers and layers % (2 * pipe) == 0:
+        out.append(Candidate(text + " repeats=2", Hybrid(mesh, rules=rules, repeats=2)))
+    return out
 
 
 def screen(c: Candidate, devices, abstract_state, logical_axes, abstract_batch,

@@ -47,6 +47,11 @@ class GPipe(Pipelined, SpmdStrategy):
             is allowed, with a warning giving the bubble fraction.
         remat: recompute each stage's activations in the backward pass (`jax.checkpoint`),
             storing only each stage's input per iteration.
+        repeats: v > 1 runs the interleaved (circular) schedule: the layers split into
+            stages × v chunks, stage s holding chunks s, s + p, s + 2p, ...; each microbatch
+            circles the stages v times, for a bubble of (p − 1)/(v·m + p − 1) and v times the
+            collective permutes (`jaxlight.nn._circular`). Needs m ≥ p for that bubble
+            (fewer microbatches run as p) and a layer count divisible by stages × v.
         rules: logical-axis rules and path rules in front of the defaults (the stacked axis
             `layers` always maps to `pipe`).
         override_annotations: path rules win over parameters' own annotations.
@@ -55,6 +60,7 @@ class GPipe(Pipelined, SpmdStrategy):
     Example:
         >>> from jaxlight import strategies
         >>> strategy = strategies.GPipe(stages=4, microbatches=8)
+        >>> interleaved = strategies.GPipe(stages=4, microbatches=8, repeats=2)
     """
 
     name = "gpipe"
@@ -65,6 +71,7 @@ class GPipe(Pipelined, SpmdStrategy):
         microbatches: int | None = None,
         *,
         remat: bool = False,
+        repeats: int = 1,
         rules=None,
         override_annotations: bool = False,
         devices: Sequence[jax.Device] | None = None,
@@ -86,4 +93,4 @@ class GPipe(Pipelined, SpmdStrategy):
         super().__init__(shape, (("layers", "pipe"), *full),
                          override_annotations=override_annotations, devices=devices)
         self.user_rules = user
-        self._init_pipeline(microbatches, remat)
+        self._init_pipeline(microbatches, remat, repeats)

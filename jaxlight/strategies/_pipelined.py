@@ -27,10 +27,22 @@ import jax
 from jaxlight._errors import ConfigurationError
 from jaxlight._hlo import collectives, summarize
 from jaxlight._layout import is_axes, require_divisible
-from jaxlight.nn._pipeline import PipelineConfig, bubble_fraction, pipeline_context
+from jaxlight.nn._pipeline import (
+    PipelineConfig,
+    bubble_fraction,
+    pipeline_context,
+    schedule_iterations,
+)
 from jaxlight.nn._scan import LAYERS
 
 PIPE = "pipe"
+
+
+def check_repeats_arg(repeats: Any, who: str) -> None:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigurationError(
+            f"{who}: repeats (chunks of layers per pipeline stage, the interleaved schedule) "
+            f"must be a positive int, got {repeats!r}.")
 
 
 def check_microbatches_arg(microbatches: Any, who: str) -> None:
@@ -57,17 +69,20 @@ def warn_few_microbatches(stages: int, microbatches: int, who: str) -> None:
 class Pipelined:
     """Mixin for `SpmdStrategy` subclasses whose mesh may have a `pipe` axis.
 
-    Call `_init_pipeline(microbatches, remat)` in `__init__`. Without a `pipe` axis in
+    Call `_init_pipeline(microbatches, remat, repeats)` in `__init__`. Without a `pipe` axis in
     `mesh_shape` every method is the plain SPMD one.
     """
 
     microbatches: int | None = None
     pipeline_remat: bool = False
+    repeats: int = 1
 
-    def _init_pipeline(self, microbatches: int | None, remat: bool) -> None:
+    def _init_pipeline(self, microbatches: int | None, remat: bool, repeats: int = 1) -> None:
         check_microbatches_arg(microbatches, type(self).__name__)
+        check_repeats_arg(repeats, type(self).__name__)
         self.microbatches = microbatches
         self.pipeline_remat = bool(remat)
+        self.repeats = repeats
 
     # -- what the pipeline is -----------------------------------------------------------------
 
@@ -93,8 +108,9 @@ class Pipelined:
             warn_few_microbatches(self.stages, self.microbatches, self._who())
 
     def _who(self) -> str:
+        extra = f", repeats={self.repeats}" if self.repeats > 1 else ""
         return (f"{type(self).__name__}(stages={self.stages}, "
-                f"microbatches={self.microbatches})")
+                f"microbatches={self.microbatches}{extra})")
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
@@ -102,9 +118,12 @@ class Pipelined:
             out["pipeline"] = {
                 "stages": self.stages,
                 "microbatches": self.microbatches,
+                "repeats": self.repeats,
+                "schedule": "interleaved" if self.repeats > 1 else "gpipe",
                 "remat": self.pipeline_remat,
-                "iterations": self.microbatches + self.stages - 1,
-                "bubble_fraction": bubble_fraction(self.stages, self.microbatches),
+                "iterations": schedule_iterations(self.stages, self.microbatches, self.repeats),
+                "bubble_fraction": bubble_fraction(self.stages, self.microbatches,
+                                                   self.repeats),
             }
         return out
 
@@ -126,19 +145,33 @@ class Pipelined:
         if not stacked:
             raise ConfigurationError(
                 f"{self._who()} pipelines the model's stacked layers, but no parameter has the "
-                f"logical axis {LAYERS!r}: the model has no jaxlight.nn.Stacked block (or its "
-                "block's parameters carry no logical axes, and Stacked names the stacked axis "
-                "only on annotated ones). Put the repeated block in one, e.g. self.blocks = "
+                f"logical axis {LAYERS!r}: the model has no jaxlight.nn.Stacked block or "
+                "jaxlight.nn.Stages (or its block's parameters carry no logical axes, and "
+                "Stacked names the stacked axis only on annotated ones). Put the repeated "
+                "block in one, e.g. self.blocks = "
                 "jaxlight.nn.Stacked(lambda rngs: Block(..., rngs=rngs), num_layers, rngs=rngs) "
                 "and call self.blocks(x, ...) (a plain scan under every other strategy), with "
                 "annotated parameters (the layers of jaxlight.nn, or nnx.with_partitioning), "
                 "or use a strategy without a 'pipe' axis."
             )
         p = self.stages
-        bad = [(path, n) for path, n in stacked if n % p]
+        chunks = p * self.repeats  # the interleaved schedule splits layers into p·v chunks
+        bad = [(path, n) for path, n in stacked
+               if n % (p if "packed_" in path else chunks)]
         if bad:
             path, n = bad[0]
             divisors = [d for d in range(1, n + 1) if n % d == 0]
+            if "packed_" in path:  # a jaxlight.nn.Stages: one row per stage
+                raise ConfigurationError(
+                    f"{self._who()}: the Stages module's {n} stages (parameter {path}) do not "
+                    f"split into {p} pipeline devices. Use a stage count dividing {n} "
+                    f"({divisors}) or a multiple of {p} stage modules.")
+            if self.repeats > 1:
+                raise ConfigurationError(
+                    f"{self._who()}: the Stacked block's {n} layers (parameter {path}) do not "
+                    f"split into {p} stages × {self.repeats} repeats = {chunks} chunks. Use "
+                    f"stages × repeats dividing {n} ({divisors}) or a layer count that is a "
+                    f"multiple of {chunks}.")
             raise ConfigurationError(
                 f"{self._who()}: the Stacked block's {n} layers (parameter {path}) do not "
                 f"split into {p} pipeline stages. Use a stage count dividing {n} ({divisors}) "
@@ -169,14 +202,16 @@ class Pipelined:
         pipeline = PipelineConfig(
             mesh=self.mesh, stages=self.stages, microbatches=self.microbatches,
             remat=self.pipeline_remat, axis=PIPE, batch_axes=tuple(self.batch_axes),
+            repeats=self.repeats,
         )
         with pipeline_context(pipeline):
             compiled = super().compile(fn, abstract_args, in_shardings, out_shardings,
                                        donate_argnums)
         if pipeline.calls == 0:
             raise ConfigurationError(
-                f"{self._who()}: the step ran no jaxlight.nn.Stacked block, so there is nothing "
-                "to pipeline (the model has stacked parameters but does not call the Stacked "
+                f"{self._who()}: the step ran no jaxlight.nn.Stacked block nor "
+                "jaxlight.nn.Stages, so there is nothing to pipeline (the model has stacked "
+                "parameters but does not call the Stacked "
                 "module, for example it loops over the layers itself). Call the stack as one "
                 "module, x = self.blocks(x, ...), so that it runs as the pipeline schedule."
             )
@@ -196,14 +231,19 @@ def schedule_stats(hlo_text: str) -> dict[str, Any]:
 
     Returns:
         `iterations`: per collective-permute instruction, how many times it runs per step
-        (m + p − 1 for each of the two schedule loops; × k under GradientAccumulation);
+        (m + p − 1 for each of the two schedule loops, v·m + p − 1 interleaved; × k under
+        GradientAccumulation);
         `collective_permute_bytes`: bytes per step and device the permutes send;
+        `schedule_permute_bytes`: those of the permutes inside loops (run more than once per
+        step: the schedule's), without the one-off permutes XLA uses elsewhere (the
+        interleaved schedule's relayout of the stack);
         `other_collectives`: `jaxlight._hlo.summarize` totals of the other kinds.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> schedule_stats(jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile().as_text())
-        {'iterations': [], 'collective_permute_bytes': 0, 'other_collectives': {}}
+        {'iterations': [], 'collective_permute_bytes': 0, 'schedule_permute_bytes': 0, \
+'other_collectives': {}}
     """
     items = collectives(hlo_text)
     permutes = [c for c in items if c.kind == "collective-permute"]
@@ -212,5 +252,7 @@ def schedule_stats(hlo_text: str) -> dict[str, Any]:
     return {
         "iterations": [c.executions for c in permutes],
         "collective_permute_bytes": sum(c.total_buffer_bytes for c in permutes),
+        "schedule_permute_bytes": sum(c.total_buffer_bytes for c in permutes
+                                      if c.executions > 1),
         "other_collectives": others,
     }

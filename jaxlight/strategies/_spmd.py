@@ -437,6 +437,8 @@ class Hybrid(Pipelined, SpmdStrategy):
             replicated.
         microbatches: with a `pipe` axis, microbatches per batch (None: 2 × pipe).
         remat: with a `pipe` axis, recompute each stage's activations in the backward pass.
+        repeats: with a `pipe` axis, v > 1 chunks of layers per stage: the interleaved
+            schedule (see `GPipe`).
         override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
@@ -449,7 +451,7 @@ class Hybrid(Pipelined, SpmdStrategy):
     name = "hybrid"
 
     def __init__(self, mesh_shape, *, rules=None, min_shard_size: int = 2**12,
-                 microbatches: int | None = None, remat: bool = False,
+                 microbatches: int | None = None, remat: bool = False, repeats: int = 1,
                  override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
@@ -459,7 +461,7 @@ class Hybrid(Pipelined, SpmdStrategy):
         super().__init__(shape, full, shard_unannotated="fsdp", min_shard_size=min_shard_size,
                          override_annotations=override_annotations, devices=devices)
         self.user_rules = user
-        self._init_pipeline(microbatches, remat)
+        self._init_pipeline(microbatches, remat, repeats)
 
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
         shardings = super().state_shardings(abstract_state, logical_axes)

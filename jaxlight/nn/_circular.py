@@ -1,0 +1,179 @@
+"""The interleaved (circular) pipeline schedule: v chunks of layers per stage, a smaller bubble.
+
+`GPipe(stages=p, microbatches=m, repeats=v)` (or `Hybrid(..., repeats=v)`) runs a `Stacked`
+block of L layers as p·v chunks of L/(p·v) layers; chunk c = r·p + s sits on stage s, so each
+stage holds v non-adjacent chunks and every microbatch travels the ring of stages v times
+(MaxText's circular pipeline; Megatron's interleaved schedule):
+
+    stage s at iteration t works on k = t − s (idle unless 0 ≤ k < v·m):
+        repeat r = k // m, microbatch i = k % m, with its chunk r of layers
+        input: stage 0 reads microbatch i (r = 0) or what the last stage sent back for it
+               (r > 0, kept in a ring buffer of m slots); the others what they just received
+        buffer = ppermute(y, s -> s + 1 mod p)
+
+The last stage's output for (r, i) leaves at iteration r·m + i + p − 1; stage 0 needs it at
+(r + 1)·m + i, so the schedule needs m ≥ p (it waits in the ring buffer for m − p
+iterations; fewer microbatches run as p, the extra slots wasted). v·m + p − 1 iterations of
+1/v of a GPipe stage's work each: the bubble is (p − 1)/(v·m + p − 1) instead of
+(p − 1)/(m + p − 1), for v times as many collective permutes (each the same b·s·h
+activation): 2(v·m + p − 1)·b·s·h·β bytes per step and device.
+
+The stored stack keeps its canonical layout (layer axis split over `pipe` in contiguous blocks,
+so checkpoints move between layouts unchanged); inside the step the layer axis is viewed as
+(v, p, L/(p·v)) and each stage receives its v chunks. For v > 1 that relayout moves at
+least (v − 1)/v of each stage's stacked parameters between stages once per step, and the
+gradients back: XLA's SPMD partitioner emits it as one-off collective-permutes and all-to-alls
+(`schedule_stats` separates them from the schedule's loop permutes; on the 8-layer test stack
+they move a few times that minimum). Interleaving trades this parameter traffic for bubble:
+worth it where activations per microbatch outweigh a stage's parameters, or links are fast.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._layout import activation_sharding
+from jaxlight.nn._pipeline import (
+    _ANY_BATCH,
+    PipelineConfig,
+    _batch_size,
+    _check_state,
+    _vary,
+)
+from jaxlight.nn._scan import scan_layers
+
+
+def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
+    """Runs `stacked` (a `jaxlight.nn.Stacked`) as the circular schedule of `config`."""
+    config.calls += 1
+    p, v, mesh, axis = config.stages, config.repeats, config.mesh, config.axis
+    if stacked.num_layers % (p * v):
+        n = stacked.num_layers
+        raise ConfigurationError(
+            f"{type(stacked).__name__} has {n} layers, which do not split into {p} stages × "
+            f"{v} repeats = {p * v} chunks. Use stages × repeats dividing {n} "
+            f"({[d for d in range(1, n + 1) if n % d == 0]}) or a multiple of {p * v} layers.")
+    graphdef, state = nnx.split(stacked.layers)
+    _check_state(stacked, state, p)
+    pure_state = nnx.to_pure_dict(state)
+
+    batch = _batch_size(x)
+    m = config.microbatches
+    context = jax.sharding.get_abstract_mesh()
+    outer_manual = set() if context.empty else set(context.manual_axes)
+    auto_batch = tuple(a for a in config.batch_axes
+                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
+    dsize = math.prod(mesh.shape[a] for a in auto_batch)
+    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
+        m = 1
+    elif batch % (m * dsize):
+        raise DataError(
+            f"the batch reaching the pipelined Stacked block has {batch} examples, which do not "
+            f"split into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a "
+            f"batch per step (per accumulation step under GradientAccumulation) that is a "
+            f"multiple of {m * dsize}, or change the microbatch count.")
+    b, real = batch // m, m
+    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
+    manual = (axis, data) if data else (axis,)
+    bspec = PartitionSpec(None, data) if data else PartitionSpec()
+    smap_mesh = context if outer_manual else mesh
+    chunk = stacked.num_layers // (p * v)
+
+    def to_microbatches(u):
+        return jnp.swapaxes(u.reshape(b, real, *u.shape[1:]), 0, 1)
+
+    def is_per_example(u) -> bool:
+        return jnp.ndim(u) >= 2 and jnp.shape(u)[0] == batch
+
+    arg_leaves, arg_tree = jax.tree.flatten(args)
+    per_example = [is_per_example(u) for u in arg_leaves]
+    # Fewer microbatches than stages (an evaluation batch of one, say): the ring needs m ≥ p,
+    # so the schedule runs p slots, the extra ones copies of microbatch 0 whose outputs are
+    # dropped (copies, not zeros: a layer that divides by a norm stays finite).
+    m = max(m, p)
+
+    def padded(u):
+        u = to_microbatches(u)
+        return jnp.concatenate([u, jnp.repeat(u[:1], m - real, axis=0)]) if m > real else u
+
+    xs = jax.tree.map(padded, x)
+    mb_args = [padded(u) for u, e in zip(arg_leaves, per_example, strict=True) if e]
+    whole_args = [u for u, e in zip(arg_leaves, per_example, strict=True) if not e]
+
+    # The canonical (L, ...) stack viewed as (p, v, chunk, ...): stage s gets chunks s + r·p.
+    def chunked(u):
+        u = u.reshape(v, p, chunk, *u.shape[1:])
+        return jnp.swapaxes(u, 0, 1)
+
+    chunks = jax.tree.map(chunked, pure_state)
+
+    def stage_fn(chunk_state, inp, stage_args):
+        layers = nnx.merge(graphdef, chunk_state)
+        return scan_layers(layers, inp, stage_args, stacked.remat)
+
+    if config.remat:
+        stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
+
+    perm = [(i, (i + 1) % p) for i in range(p)]
+    steps = v * m + p - 1
+
+    def schedule(chunks, xs, mb_args, whole_args):
+        stage = lax.axis_index(axis)
+        chunks = jax.tree.map(lambda u: u[0], chunks)  # (v, chunk, ...) of this stage
+        chunks, xs, mb_args, whole_args = _vary((chunks, xs, mb_args, whole_args), manual)
+
+        def iteration(carry, t):
+            received, ring, outs = carry
+            # What stage 0 just received from the last stage: (r', i') of k' = t − p.
+            back = t - p
+            keep_back = (stage == 0) & (back >= 0) & (back < v * m)
+            slot_back = jnp.clip(back, 0, v * m - 1) % m
+            ring = jax.tree.map(
+                lambda o, u: lax.dynamic_update_index_in_dim(
+                    o, jnp.where(keep_back, u, o[slot_back]), slot_back, 0),
+                ring, received)
+            k = jnp.clip(t - stage, 0, v * m - 1)
+            r, i = k // m, k % m
+            first = jax.tree.map(lambda u, o: jnp.where(r == 0, u[i], o[i]), xs, ring)
+            inp = jax.tree.map(lambda a, c: jnp.where(stage == 0, a, c), first, received)
+            it_mb = iter([u[i] for u in mb_args])
+            it_whole = iter(whole_args)
+            leaves = [next(it_mb) if e else next(it_whole) for e in per_example]
+            params = jax.tree.map(lambda u: lax.dynamic_index_in_dim(u, r, 0, False), chunks)
+            y = stage_fn(params, inp, jax.tree.unflatten(arg_tree, leaves))
+            last = (stage == p - 1) & (t - stage >= (v - 1) * m) & (t - stage < v * m)
+            outs = jax.tree.map(
+                lambda o, u: lax.dynamic_update_index_in_dim(
+                    o, jnp.where(last, u, o[i]), i, 0),
+                outs, y)
+            return (lax.ppermute(y, axis, perm), ring, outs), None
+
+        received = jax.tree.map(lambda u: jnp.zeros_like(u[0]), xs)
+        ring = jax.tree.map(jnp.zeros_like, xs)
+        outs = jax.tree.map(jnp.zeros_like, xs)
+        (_, _, outs), _ = lax.scan(iteration, (received, ring, outs), jnp.arange(steps))
+        return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
+
+    chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), chunks)
+    with activation_sharding(None):
+        out = jax.shard_map(
+            schedule,
+            mesh=smap_mesh,
+            in_specs=(chunk_specs, bspec, [bspec] * len(mb_args),
+                      [PartitionSpec()] * len(whole_args)),
+            out_specs=bspec,
+            axis_names=set(manual),
+        )(chunks, xs, mb_args, whole_args)
+    return jax.tree.map(
+        lambda o: jnp.swapaxes(o[:real], 0, 1).reshape(batch, *o.shape[2:]), out)
+
+
+__all__ = ["run_circular"]

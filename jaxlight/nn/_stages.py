@@ -1,0 +1,342 @@
+"""Stages: a pipeline of modules of any shape (784→512, 512→256, 256→10), one or more per device.
+
+`Stacked` pipelines identical blocks; `Stages` pipelines a list of different modules whose
+inputs and outputs differ in shape and dtype (the seeds' MLP split into three stages; an
+embedding stage, a few blocks and a head). Under every strategy without a `pipe` axis it runs
+the modules one after another; under `GPipe` / `Hybrid` with a `pipe` axis of size p it runs the
+GPipe schedule, device d running stages [d·k, (d+1)·k) (k = len(stages)/p).
+
+**Parameter layout.** SPMD arrays shard evenly, so the stages' parameters (different shapes)
+cannot be one stacked array as in `Stacked`. `Stages` packs them: per dtype, one parameter
+`packed_<dtype>` of shape `(S, n)`, row s holding stage s's parameters flattened and
+concatenated, zero-padded to n = the largest stage's size rounded up to a multiple of 128. Its
+logical axes `("layers", "embed")` put row s on pipeline device s·p/S under GPipe (and the flat
+axis over `fsdp` where there is one), so a device holds its stages' parameters and optimizer
+slots and nothing of the others', padded to the largest stage: per device
+`(S/p)·n·β` bytes instead of its stages' own. The padding is never read; its gradient is zero,
+so it stays zero under optimizers whose update of a zero gradient is zero (SGD, Adam(W), ...).
+The packed state is the same pytree under every strategy, so checkpoints move between GPipe,
+SingleDevice, FSDP... unchanged. `stage(i)` rebuilds stage i as an ordinary `nnx.Module`.
+
+**Activations between stages.** The schedule passes one buffer of `(b, W)` elements between
+neighbours (`ppermute` needs one shape on every device): each device's output is flattened per
+example, cast to the widest dtype of the boundaries and zero-padded to W = the widest
+boundary (including the final output). A boundary of width w thus costs b·(W − w)·β bytes of
+padding per transfer; per step and device the permutes send 2(m + p − 1)·b·W·β bytes. (One
+buffer per boundary would send exact bytes but needs p − 1 collectives per iteration.)
+
+**Which code runs where.** All devices run one program; each selects its stages with a
+`lax.switch` on its pipeline index, so a device executes only its own stages' code. The backward
+pass of a switch keeps the residuals of every branch (zeros for branches not taken), so stored
+activations per iteration are the sum over the branches' residuals; `remat=True` stores only
+each stage's input.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._layout import activation_sharding
+from jaxlight.nn._pipeline import (
+    _ANY_BATCH,
+    PipelineConfig,
+    _batch_size,
+    _vary,
+    active_pipeline,
+)
+from jaxlight.nn._scan import LAYERS, remat_policy
+
+#: Rows of the packed parameters are padded to a multiple of this (FSDP splits the flat axis).
+PAD = 128
+
+
+def _round_up(n: int, to: int) -> int:
+    return max(to, -(-n // to) * to)
+
+
+class Stages(nnx.Module):
+    """A sequence of modules of any shape, run in order; the pipeline stages under GPipe.
+
+    Args:
+        stages: the modules, applied in order (`stage(x) -> y`, any shapes and dtypes). Each
+            holds only `nnx.Param` variables (batch statistics and RNG streams are refused);
+            wrap a plain function in `nnx.Sequential(fn)`. Under a `pipe` axis of size p,
+            `len(stages)` must be a multiple of p: device d runs stages [d·k, (d+1)·k).
+        remat: what each stage recomputes in the backward pass (as `Stacked`'s `remat`):
+            `False`, `True`/"full", "dots" or a `jax.checkpoint_policies` policy.
+
+    Example:
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> rngs = nnx.Rngs(0)
+        >>> mlp = Stages([nnx.Sequential(nnx.Linear(784, 512, rngs=rngs), nnx.relu),
+        ...               nnx.Sequential(nnx.Linear(512, 256, rngs=rngs), nnx.relu),
+        ...               nnx.Linear(256, 10, rngs=rngs)])
+        >>> mlp(jnp.ones((2, 784))).shape, mlp.packed_float32.shape
+        ((2, 10), (3, 401920))
+        >>> mlp.stage(2).kernel.shape
+        (256, 10)
+    """
+
+    def __init__(self, stages: Sequence[nnx.Module], *, remat: bool | str | Callable = False):
+        stages = list(stages)
+        if not stages:
+            raise ConfigurationError("Stages needs at least one stage module, got none.")
+        remat_policy(remat)
+        self.remat = remat
+        self.num_stages = len(stages)
+        specs, stage_leaves, groups = [], [], {}  # groups: dtype name -> size per stage
+        for i, stage in enumerate(stages):
+            if not isinstance(stage, nnx.Module):
+                raise ConfigurationError(
+                    f"Stages: stage {i} ({stage!r}) is not an nnx.Module; wrap a plain "
+                    "function in nnx.Sequential(fn).")
+            graphdef, state = nnx.split(stage)
+            variables = jax.tree_util.tree_leaves_with_path(
+                state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            others = [f"{jax.tree_util.keystr(p)} ({type(v).__name__})" for p, v in variables
+                      if not isinstance(v, nnx.Param)]
+            if others:
+                raise ConfigurationError(
+                    f"Stages: stage {i} holds variables that are not parameters: "
+                    f"{', '.join(others)}. Stages packs only nnx.Param (a pipeline stage's "
+                    "other state would not be kept); make the stage deterministic, without "
+                    "batch statistics or RNG streams.")
+            leaves, treedef = jax.tree.flatten(state)
+            layout, offsets = [], {}
+            for leaf in leaves:
+                dtype = jnp.dtype(leaf.dtype).name
+                size = math.prod(leaf.shape)
+                start = offsets.get(dtype, 0)
+                layout.append((dtype, start, tuple(leaf.shape)))
+                offsets[dtype] = start + size
+            specs.append((graphdef, treedef, tuple(layout)))
+            stage_leaves.append(leaves)
+            for dtype, size in offsets.items():
+                groups.setdefault(dtype, [0] * len(stages))[i] = size
+        #: Per stage: (graphdef, treedef, ((dtype, offset, shape) per leaf)); static.
+        self._specs = tuple(specs)
+        self.dtypes = tuple(sorted(groups))
+        #: Per dtype (in `dtypes` order): each stage's own element count.
+        self.stage_sizes = tuple(tuple(groups[d]) for d in self.dtypes)
+        for dtype in self.dtypes:
+            width = _round_up(max(groups[dtype]), PAD)
+            rows = []
+            for (_, _, layout), leaves in zip(specs, stage_leaves, strict=True):
+                flat = [jnp.ravel(leaf) for leaf, (d, _, _) in zip(leaves, layout, strict=True)
+                        if d == dtype]
+                row = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
+                rows.append(jnp.pad(row, (0, width - row.shape[0])))
+            setattr(self, f"packed_{dtype}", nnx.Param(
+                jnp.stack(rows), out_sharding=(LAYERS, "embed"), eager_sharding=False))
+
+    # -- unpacking --------------------------------------------------------------------------
+
+    def _packed(self) -> dict[str, jax.Array]:
+        return {d: getattr(self, f"packed_{d}")[...] for d in self.dtypes}
+
+    def _apply(self, index: int, rows: dict[str, jax.Array], x: Any) -> Any:
+        """Stage `index` applied to `x`, with its parameters read from the packed `rows`."""
+        return self._merge(index, rows)(x)
+
+    def _merge(self, index: int, rows: dict[str, jax.Array]) -> nnx.Module:
+        graphdef, treedef, layout = self._specs[index]
+        leaves = [lax.slice_in_dim(rows[d], start, start + math.prod(shape)).reshape(shape)
+                  for d, start, shape in layout]
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    def _stage_fn(self, index: int) -> Callable:
+        def fn(rows, x):
+            return self._apply(index, rows, x)
+
+        rematerialize, policy = remat_policy(self.remat)
+        return jax.checkpoint(fn, policy=policy) if rematerialize else fn
+
+    def stage(self, index: int) -> nnx.Module:
+        """Stage `index` as an ordinary module holding its (current) parameters.
+
+        Example:
+            >>> from flax import nnx
+            >>> Stages([nnx.Linear(3, 2, rngs=nnx.Rngs(0))]).stage(0).kernel.shape
+            (3, 2)
+        """
+        if not -self.num_stages <= index < self.num_stages:
+            raise IndexError(f"Stages has {self.num_stages} stages; index {index} is out of "
+                             "range.")
+        index %= self.num_stages
+        return self._merge(index, {d: v[index] for d, v in self._packed().items()})
+
+    def own_parameter_bytes(self) -> list[int]:
+        """Each stage's own parameter bytes (without the packing's padding)."""
+        return [sum(sizes[s] * jnp.dtype(d).itemsize
+                    for d, sizes in zip(self.dtypes, self.stage_sizes, strict=True))
+                for s in range(self.num_stages)]
+
+    # -- running ----------------------------------------------------------------------------
+
+    def __call__(self, x: Any) -> Any:
+        """Applies the stages in order (the GPipe schedule under a pipelined strategy)."""
+        pipeline = active_pipeline()
+        packed = self._packed()
+        if pipeline is not None:
+            return run_stages(self, pipeline, packed, x)
+        for s in range(self.num_stages):
+            x = self._stage_fn(s)({d: v[s] for d, v in packed.items()}, x)
+        return x
+
+
+# -- the schedule ----------------------------------------------------------------------------
+
+
+def _common_dtype(avals: list) -> Any:
+    dtypes = {jnp.dtype(a.dtype) for a in avals}
+    if len(dtypes) > 1 and not all(jnp.issubdtype(d, jnp.inexact) for d in dtypes):
+        raise ConfigurationError(
+            f"Stages: the pipeline passes every stage's output in one buffer, but the outputs "
+            f"have dtypes {sorted(d.name for d in dtypes)}, which include integers and do not "
+            "share one type without loss. Make the stages' outputs floating point.")
+    return jnp.result_type(*dtypes)
+
+
+def _pack(tree: Any, dtype, width: int) -> jax.Array:
+    leaves = [leaf.reshape(leaf.shape[0], -1).astype(dtype) for leaf in jax.tree.leaves(tree)]
+    flat = jnp.concatenate(leaves, axis=1)
+    return jnp.pad(flat, ((0, 0), (0, width - flat.shape[1])))
+
+
+def _unpack(buffer: jax.Array, like: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(like)
+    out, start = [], 0
+    for leaf in leaves:
+        size = math.prod(leaf.shape[1:])
+        out.append(buffer[:, start:start + size].reshape(leaf.shape).astype(leaf.dtype))
+        start += size
+    return jax.tree.unflatten(treedef, out)
+
+
+def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Array],
+               x: Any) -> Any:
+    """Runs `stages` as the GPipe schedule of `config` (called by `Stages.__call__`)."""
+    config.calls += 1
+    p, mesh, axis = config.stages, config.mesh, config.axis
+    n_stages = stages.num_stages
+    if config.repeats > 1:
+        raise ConfigurationError(
+            f"Stages runs the GPipe schedule only (repeats=1), got repeats={config.repeats}: "
+            "the interleaved schedule needs identical chunks of layers (a jaxlight.nn.Stacked "
+            "block). Use repeats=1, or k = stages/pipe consecutive Stages per device.")
+    if n_stages % p:
+        divisors = [d for d in range(1, n_stages + 1) if n_stages % d == 0]
+        raise ConfigurationError(
+            f"Stages has {n_stages} stages, which do not split into {p} pipeline devices. Use "
+            f"a pipe size dividing {n_stages} ({divisors}) or a multiple of {p} stages.")
+    k = n_stages // p
+
+    batch = _batch_size(x)
+    m = config.microbatches
+    context = jax.sharding.get_abstract_mesh()
+    outer_manual = set() if context.empty else set(context.manual_axes)
+    auto_batch = tuple(a for a in config.batch_axes
+                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
+    dsize = math.prod(mesh.shape[a] for a in auto_batch)
+    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
+        m = 1
+    elif batch % (m * dsize):
+        raise DataError(
+            f"the batch reaching the pipelined Stages has {batch} examples, which do not split "
+            f"into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a batch "
+            f"per step (per accumulation step under GradientAccumulation) that is a multiple "
+            f"of {m * dsize}, or change the microbatch count.")
+    b = batch // m
+    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
+    manual = (axis, data) if data else (axis,)
+    bspec = PartitionSpec(None, data) if data else PartitionSpec()
+    smap_mesh = context if outer_manual else mesh
+    b_local = b // mesh.shape["data"] if data else b
+
+    # The shapes each device receives and sends, per example-row of one local microbatch.
+    row = {d: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for d, v in packed.items()}
+    fns = [stages._stage_fn(s) for s in range(n_stages)]
+    shape = jax.tree.map(lambda v: jax.ShapeDtypeStruct((b_local, *v.shape[1:]), v.dtype), x)
+    inputs, outputs = [], []
+    for dev in range(p):
+        inputs.append(shape)
+        for s in range(dev * k, (dev + 1) * k):
+            shape = jax.eval_shape(fns[s], row, shape)
+        outputs.append(shape)
+    boundary = [leaf for out in outputs for leaf in jax.tree.leaves(out)]
+    dtype = _common_dtype(boundary)
+    widths = [sum(math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves(out))
+              for out in outputs]
+    width, out_width = max(widths), widths[-1]
+    config.buffer_width = width  # read back by benchmarks/tests (the permuted bytes)
+
+    def to_microbatches(v):
+        return jnp.swapaxes(v.reshape(b, m, *v.shape[1:]), 0, 1)
+
+    xs = jax.tree.map(to_microbatches, x)
+
+    def branch(dev):
+        def run(local_rows, x_t, buffer):
+            h = x_t if dev == 0 else _unpack(buffer, inputs[dev])
+            for j in range(k):
+                h = fns[dev * k + j]({d: v[j] for d, v in local_rows.items()}, h)
+            return _pack(h, dtype, width)
+        return run
+
+    branches = [branch(dev) for dev in range(p)]
+    perm = [(i, (i + 1) % p) for i in range(p)]
+
+    def schedule(local_rows, xs):
+        index = lax.axis_index(axis)
+        local_rows, xs = _vary((local_rows, xs), manual)
+
+        def iteration(carry, t):
+            buffer, outs = carry
+            x_t = jax.tree.map(lambda v: v[jnp.minimum(t, m - 1)], xs)
+            y = lax.switch(index, branches, local_rows, x_t, buffer)
+            done = t - (p - 1)
+            slot = jnp.maximum(done, 0)
+            keep = (index == p - 1) & (done >= 0)
+            outs = lax.dynamic_update_index_in_dim(
+                outs, jnp.where(keep, y[:, :out_width], outs[slot]), slot, 0)
+            return (lax.ppermute(y, axis, perm), outs), None
+
+        buffer = _vary(jnp.zeros((b_local, width), dtype), manual)
+        outs = _vary(jnp.zeros((m, b_local, out_width), dtype), manual)
+        (_, outs), _ = lax.scan(iteration, (buffer, outs), jnp.arange(m + p - 1))
+        # Only the last device holds the outputs: one all-reduce hands them to every device.
+        return lax.psum(jnp.where(index == p - 1, outs, 0), axis)
+
+    row_specs = {d: PartitionSpec(axis) for d in packed}
+    with activation_sharding(None):
+        out = jax.shard_map(
+            schedule, mesh=smap_mesh, in_specs=(row_specs, bspec), out_specs=bspec,
+            axis_names=set(manual),
+        )(packed, xs)
+    out = jnp.swapaxes(out, 0, 1).reshape(batch, out_width)
+    final = jax.tree.map(lambda v: jax.ShapeDtypeStruct((batch, *v.shape[1:]), v.dtype),
+                         outputs[-1])
+    return _unpack(out, final)
+
+
+def stage_bytes(stages: Stages, stages_per_device: int) -> dict[str, Any]:
+    """Parameter bytes per pipeline device: its stages' own, and what the packing holds."""
+    own = stages.own_parameter_bytes()
+    held = sum(int(np.prod(getattr(stages, f"packed_{d}").shape[1:])) * jnp.dtype(d).itemsize
+               for d in stages.dtypes) * stages_per_device
+    k = stages_per_device
+    return {"own": [sum(own[i:i + k]) for i in range(0, len(own), k)], "held": held}
+
+
+__all__ = ["Stages", "run_stages", "stage_bytes"]

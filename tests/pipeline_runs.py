@@ -1,0 +1,49 @@
+"""The pipelined runs the SIGKILL resume tests kill and resume (in `_pipeline_child.py`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import jaxlight as jl
+from jaxlight import strategies
+from tests.nn.stages_mlp import StageMLP, stage_data
+from tests.strategies.interleaved_net import Regression, regression_data
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pipeline_child.py")
+
+
+def pipelined_run(kind: str, devices):
+    """(strategy, module, resumable loader) of one kind of pipelined run."""
+    if kind == "stages":
+        return (strategies.GPipe(3, 4, devices=devices[:6]), StageMLP(),
+                jl.data.ArrayLoader(stage_data(192), 24, seed=1))
+    batches = regression_data(12)
+    arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    return (strategies.GPipe(4, 4, repeats=2, devices=devices[:4]), Regression(),
+            jl.data.ArrayLoader(arrays, len(batches[0]["y"]), seed=1))
+
+
+def kill_at(kind: str, ckpt: str, max_steps: int, step: int) -> list[int]:
+    """Runs the child until it prints `STEP step`, SIGKILLs it; returns the saved steps."""
+    proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
+        {"kind": kind, "dir": ckpt, "max_steps": max_steps})], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        for line in proc.stdout:
+            if line.strip() == f"STEP {step}" or time.monotonic() > deadline:
+                break
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
