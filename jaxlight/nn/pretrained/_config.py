@@ -163,10 +163,10 @@ def read_config(path: str) -> dict:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.exists(file):
         where = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        present = sorted(os.listdir(where))[:12] if os.path.isdir(where) else "nothing"
         raise CheckpointError(
             f"{file} does not exist: a Hugging Face model directory holds config.json and "
-            f"*.safetensors; {where!r} has {sorted(os.listdir(where))[:12] if os.path.isdir(where) else 'nothing'}."
-        )
+            f"*.safetensors; {where!r} has {present}.")
     with open(file) as f:
         return json.load(f)
 

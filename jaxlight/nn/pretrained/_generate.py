@@ -107,7 +107,8 @@ def _generate(graphdef, state, tokens, valid, keys, stop, pad, *, new_tokens: in
         key_valid = key_valid.at[:, slot].set(True)
         # The weights ride in the carry and the model is merged inside the body: NNX refuses
         # variables holding tracers of an outer trace level.
-        logits, cache = nnx.merge(graphdef, state).step(token[:, None], (last_pos + 1 + i)[:, None], slot, cache,
+        model = nnx.merge(graphdef, state)
+        logits, cache = model.step(token[:, None], (last_pos + 1 + i)[:, None], slot, cache,
                                    key_valid)
         return i + 1, pick(logits, i + 1), cache, key_valid, done, out, state
 

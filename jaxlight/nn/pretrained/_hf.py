@@ -70,7 +70,7 @@ class Entry:
 
 
 def tensor_table(c: DecoderConfig) -> list[Entry]:
-    """Every parameter of a `DecoderLM` of config `c` and where it lives in Hugging Face's layout."""
+    """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout."""
     e, h, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     out: list[Entry] = [Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False,
                               ((c.vocab_size,), (e,)), (0, 1))]
@@ -289,22 +289,38 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
 
 
 def _place(entry: Entry, tensors, shape, sharding, dtype) -> jax.Array:
-    seen: dict[tuple, np.ndarray] = {}  # replicated devices ask for the same slice
+    """One parameter in its sharding, reading each layer's tensor once for all local shards.
 
-    def fetch(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
-        if key not in seen:
-            if entry.stacked:
-                layers = range(*index[0].indices(shape[0]))
-                seen[key] = _read(entry, tensors, layers, index[1:], dtype)
+    The box spanning this process's shards is read per layer (at most one Hugging Face tensor
+    in host memory beyond the shards being filled), its parts copied into one buffer per
+    distinct shard, and each buffer put on the devices that hold it.
+    """
+    local = sharding.addressable_devices_indices_map(tuple(shape))
+    bounds = {d: tuple(s.indices(n)[:2] for s, n in zip(
+        tuple(idx) + (slice(None),) * (len(shape) - len(idx)), shape, strict=True))
+        for d, idx in local.items()}
+    unique = sorted(set(bounds.values()))
+    box = [(min(b[i][0] for b in unique), max(b[i][1] for b in unique))
+           for i in range(len(shape))]
+    buffers = {b: np.empty(tuple(hi - lo for lo, hi in b), dtype) for b in unique}
+    lead = 1 if entry.stacked else 0
+    inner = tuple(slice(lo, hi) for lo, hi in box[lead:])
+    for layer in (range(*box[0]) if entry.stacked else [None]):
+        block = _read(entry, tensors, None if layer is None else range(layer, layer + 1),
+                      inner, dtype)
+        for b, buffer in buffers.items():
+            if layer is not None and not b[0][0] <= layer < b[0][1]:
+                continue
+            part = tuple(slice(lo - blo, hi - blo)
+                         for (lo, hi), (blo, _) in zip(b[lead:], box[lead:], strict=True))
+            if layer is None:
+                buffer[...] = block[part]
             else:
-                seen[key] = _read(entry, tensors, None, index, dtype)
-        return seen[key]
-
-    out = jax.make_array_from_callback(shape, sharding, fetch)
-    seen.clear()
-    return out
+                buffer[layer - b[0][0]] = block[(0, *part)]
+        del block
+    arrays = [jax.device_put(buffers[bounds[d]], d) for d in local]
+    buffers.clear()
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
 # -- saving --------------------------------------------------------------------------------------

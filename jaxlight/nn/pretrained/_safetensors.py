@@ -146,7 +146,7 @@ def write_lazy(path: str, entries: list[tuple[str, tuple[int, ...], Any, Any]],
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the reference writer has it
+    text += b" " * (-len(text) % 8)  # data 8-byte aligned, as the reference writer has it
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
