@@ -20,6 +20,11 @@ from jaxlight.nn.pretrained._config import (
 from jaxlight.nn.pretrained._generate import Sampling, bucket, choose, compiled_programs, generate
 from jaxlight.nn.pretrained._hf import from_pretrained, model_shardings, save_pretrained
 from jaxlight.nn.pretrained._model import DecoderLM, padded_positions
+from jaxlight.nn.pretrained._tokenizer import (
+    Tokenizer,
+    encode_chats,
+    read_jsonl_chats,
+)
 
 __all__ = [
     "FAMILIES",
@@ -28,14 +33,17 @@ __all__ = [
     "DecoderLM",
     "Rope",
     "Sampling",
+    "Tokenizer",
     "bucket",
     "choose",
     "compiled_programs",
+    "encode_chats",
     "generate",
     "from_hf_config",
     "from_pretrained",
     "model_shardings",
     "padded_positions",
     "read_config",
+    "read_jsonl_chats",
     "save_pretrained",
 ]
