@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean fixtures
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)  ## every benchmark; JSON and PNG charts in benchmarks/results/
 	$(BIN)/python benchmarks/run_all.py
+
+# A Python with torch, transformers and tokenizers (test-only; never a jaxlight dependency).
+HF_PYTHON ?= python3
+
+fixtures:  ## regenerate the tiny pretrained-model fixtures and transformers' reference outputs
+	HF_HUB_OFFLINE=1 $(HF_PYTHON) tests/nn/pretrained/make_fixtures.py
 
 clean:
 	rm -rf $(VENV) jaxlight_logs .pytest_cache

@@ -8,13 +8,12 @@ from jaxlight._cli._build import build_strategy
 from jaxlight._cli._devices import check_device_count, initialize_distributed
 from jaxlight._cli._options import COMMANDS, Parser, normalize_argv, unknown_option_error
 from jaxlight._errors import ConfigurationError
+from jaxlight.nn.pretrained import Tokenizer, from_pretrained, generate
 
 
 def generate_command(argv: Sequence[str]) -> list[str]:
     """Parses `argv`, loads the model into the strategy's layout, prints and returns each
     prompt's continuation."""
-    from jaxlight.nn.pretrained import Tokenizer, from_pretrained, generate
-
     parser = Parser(prog="jaxlight generate", description=COMMANDS["generate"],
                     allow_abbrev=False)
     parser.add_argument("path", help="a Hugging Face model directory (config.json, "

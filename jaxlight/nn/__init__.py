@@ -14,6 +14,7 @@ to mesh axes.
 | `MLP` (SwiGLU) | fused gate/up `("embed", None, "mlp")`, down `("mlp", "embed")` |
 | `Stacked` | a leading `"layers"` axis on every weight of the repeated block |
 | `TransformerLM` | all of the above |
+| `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
 """
 
 from jaxlight._layout import constrain
@@ -29,9 +30,19 @@ from jaxlight.nn._layers import (
 )
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
+from jaxlight.nn.pretrained import (
+    DecoderConfig,
+    DecoderLM,
+    Tokenizer,
+    from_pretrained,
+    generate,
+    save_pretrained,
+)
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "DecoderConfig",
+    "DecoderLM",
     "LAYERS",
     "MLP",
     "Dense",
@@ -42,9 +53,13 @@ __all__ = [
     "Stacked",
     "TransformerBlock",
     "TransformerConfig",
+    "Tokenizer",
     "TransformerLM",
     "apply_rope",
     "causal_attention",
     "constrain",
+    "from_pretrained",
+    "generate",
     "lm_loss",
+    "save_pretrained",
 ]

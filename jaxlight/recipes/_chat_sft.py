@@ -18,8 +18,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxlight import distributed
 from jaxlight._errors import ConfigurationError
 from jaxlight._module import TrainModule
+from jaxlight.data import ArrayLoader
 from jaxlight.nn.pretrained import (
     DecoderLM,
     Tokenizer,
@@ -32,6 +34,8 @@ from jaxlight.nn.pretrained import (
     save_pretrained,
 )
 from jaxlight.nn.pretrained._hf import tensor_table
+from jaxlight.recipes._base import RecipeData
+from jaxlight.recipes._lora import add_lora
 
 #: Projections LoRA may adapt (the names of the Hugging Face modules).
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,8 +53,6 @@ def parse_targets(text: str) -> tuple[str, ...]:
 
 def base_weights(path: str, dtype: Any) -> dict:
     """The checkpoint's weights as host arrays (a pure dict shaped like `DecoderLM`'s params)."""
-    from jaxlight import distributed
-
     model = from_pretrained(path, "single", param_dtype=dtype)
     return jax.tree.map(lambda x: np.asarray(distributed.gather(x)),
                         nnx.to_pure_dict(nnx.state(model, nnx.Param)))
@@ -91,8 +93,6 @@ class ChatFineTuner(TrainModule):
         return out
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
-        from jaxlight.recipes.sft import add_lora
-
         model = DecoderLM(self.decoder_config, rngs=rngs)
         if self.base_params is not None:
             # XLA drops the random initialization these replace.
@@ -136,13 +136,9 @@ def reversal_chats(words: list[str]) -> list[list[dict]]:
              {"role": "assistant", "content": w[::-1]}] for w in words]
 
 
-def build_pretrained(config, max_steps: int | None = None):
-    """`(ChatFineTuner, RecipeData)` for `--model.pretrained` (see the module docstring)."""
-    from jaxlight.data import ArrayLoader
-    from jaxlight.recipes._base import RecipeData
-    from jaxlight.recipes.sft import task_data
-
-    del max_steps
+def build_pretrained(config, train_words: list[str], val_words: list[str]):
+    """`(ChatFineTuner, RecipeData)` for `--model.pretrained` (see the module docstring); the
+    reversal task's words are the data when `--data.jsonl` is not given."""
     path = config.model.pretrained
     tokenizer = Tokenizer(path)
     if config.data.jsonl:
@@ -150,10 +146,7 @@ def build_pretrained(config, max_steps: int | None = None):
         n_val = max(1, int(len(chats) * config.data.val_fraction))
         train, val = chats[:-n_val] or chats, chats[-n_val:]
     else:
-        words = task_data(config.task)
-        train = reversal_chats([bytes(r).decode().split("=")[0]
-                                for r in words["train"]["tokens"]])
-        val = reversal_chats(words["val_words"])
+        train, val = reversal_chats(train_words), reversal_chats(val_words)
     dtype = config.model.dtype
     module = ChatFineTuner(
         path, base_params=base_weights(path, dtype), lora_rank=config.lora.rank,

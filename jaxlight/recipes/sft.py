@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -52,9 +51,11 @@ import jaxlight as jl
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
-from jaxlight.nn import Dense, TransformerLM
+from jaxlight.nn import TransformerLM
 from jaxlight.recipes import gpt
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
+from jaxlight.recipes._chat_sft import after_fit_pretrained, build_pretrained
+from jaxlight.recipes._lora import LoRADense, add_lora
 
 __all__ = ["Config", "FineTuner", "LoRADense", "add_lora", "build", "make_example",
            "pretrained_params"]
@@ -133,70 +134,6 @@ class Config:
     data: DataConfig = section(DataConfig)
     optim: OptimConfig = section(OptimConfig)
     export: ExportConfig = section(ExportConfig)
-
-
-# -- LoRA ------------------------------------------------------------------------------------------
-
-
-class LoRADense(nnx.Module):
-    """A frozen `jaxlight.nn.Dense` plus a trainable low-rank update `(x·A)·B · alpha/rank`.
-
-    Works on a stacked (`nn.Stacked`) layer too: A and B then carry the same leading layer axis
-    as the kernel. A and B take the kernel's logical axes (`A: (*in, None)`, `B: (None, *out)`),
-    so they shard as the layer they adapt.
-
-    Args:
-        base: the `Dense` layer to adapt (its parameters stay `nnx.Param`).
-        rank: the rank r of the update.
-        alpha: scale numerator.
-        rngs: random streams (`rngs.params()` initializes A).
-    """
-
-    def __init__(self, base, rank: int, alpha: float, *, rngs: nnx.Rngs):
-        self.base = base
-        kernel = base.kernel
-        axes = tuple(kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim)
-        n_in, n_out = len(base.in_features), len(base.out_features)
-        n_lead = kernel.ndim - n_in - n_out
-        lead, lead_axes = kernel.shape[:n_lead], axes[:n_lead]
-        in_axes, out_axes = axes[n_lead:n_lead + n_in], axes[n_lead + n_in:]
-        fan_in = math.prod(base.in_features)
-        a = jax.random.normal(rngs.params(), (*lead, *base.in_features, rank),
-                              kernel.dtype) * fan_in ** -0.5
-        b = jnp.zeros((*lead, rank, *base.out_features), kernel.dtype)
-        self.lora_a = nnx.LoRAParam(a, out_sharding=(*lead_axes, *in_axes, None),
-                                    eager_sharding=False)
-        self.lora_b = nnx.LoRAParam(b, out_sharding=(*lead_axes, None, *out_axes),
-                                    eager_sharding=False)
-        self.scale = alpha / rank
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.base(x)
-        n_in = len(self.base.in_features)
-        a, b = self.lora_a[...], self.lora_b[...]
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        h = jax.lax.dot_general(x.astype(a.dtype), a, (contract, ((), ())))
-        update = jnp.tensordot(h, b, axes=1) * self.scale
-        return y + update.astype(y.dtype)
-
-
-def add_lora(module: nnx.Module, rank: int, alpha: float, *, rngs: nnx.Rngs,
-             names: tuple[str, ...] | None = None) -> int:
-    """Wraps every `jaxlight.nn.Dense` inside `module` (or those whose attribute name is in
-    `names`, e.g. `("q_proj", "v_proj")`) in a `LoRADense`; returns how many."""
-    count = 0
-
-    def visit(parent: nnx.Module) -> None:
-        nonlocal count
-        for name, child in list(vars(parent).items()):
-            if isinstance(child, Dense) and (names is None or name in names):
-                setattr(parent, name, LoRADense(child, rank, alpha, rngs=rngs))
-                count += 1
-            elif isinstance(child, nnx.Module) and not isinstance(child, LoRADense):
-                visit(child)
-
-    visit(module)
-    return count
 
 
 # -- the task --------------------------------------------------------------------------------------
@@ -397,9 +334,9 @@ def build(config: Config | None = None, max_steps: int | None = None
     """The fine-tuning module (with base weights) and the task's loaders."""
     config = config or Config()
     if config.model.pretrained:
-        from jaxlight.recipes._chat_sft import build_pretrained
-
-        return build_pretrained(config, max_steps)
+        words = task_data(config.task)
+        train_words = [bytes(r).decode().split(SEP)[0] for r in words["train"]["tokens"]]
+        return build_pretrained(config, train_words, words["val_words"])
     del max_steps  # the schedule is warm-up then constant: fine-tuning runs are short
     data = task_data(config.task)
     batch = config.data.batch_size
@@ -426,8 +363,6 @@ def before_fit(fit, module: FineTuner, data: RecipeData, config: Config) -> dict
 def after_fit(fit, module: FineTuner, data: RecipeData, config: Config) -> dict:
     """Exact match of free-running greedy generation, and three examples."""
     if config.model.pretrained:
-        from jaxlight.recipes._chat_sft import after_fit_pretrained
-
         return after_fit_pretrained(fit, module, data, config)
     words = data.extras["val_words"]
     answers = generate_answers(module.model, words, config.task)

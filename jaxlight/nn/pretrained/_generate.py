@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlight import distributed
 from jaxlight._errors import ConfigurationError, DataError
 from jaxlight._layout import constrain
 from jaxlight.nn.pretrained._model import DecoderLM, padded_positions
@@ -204,8 +205,6 @@ def generate(model: DecoderLM, prompts: Sequence[Sequence[int]], max_new_tokens:
     else:
         out = _generate(graphdef, state, *args, keys, stop, jnp.int32(pad_id),
                         new_tokens=max_new_tokens, sampling=sampling)
-    from jaxlight import distributed
-
     out = np.asarray(distributed.gather(out))[:rows]
     stops = set(int(t) for t in stop_tokens)
     result = []

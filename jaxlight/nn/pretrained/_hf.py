@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlight import distributed, strategies
 from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight._state import TrainState, logical_names
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
@@ -207,8 +209,6 @@ def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderCon
 
 
 def _resolve_strategy(strategy: Any):
-    from jaxlight import strategies
-
     strat = strategies.resolve(strategy if strategy is not None else "single")
     if getattr(strat, "mesh", None) is None:
         strat.setup()
@@ -222,8 +222,6 @@ def _resolve_strategy(strategy: Any):
 
 def model_shardings(model: nnx.Module, strategy: Any) -> Any:
     """The strategy's sharding of every `nnx.Param` of `model` (a pure dict), from its rules."""
-    from jaxlight._state import TrainState, logical_names
-
     state = nnx.state(model, nnx.Param)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             nnx.to_pure_dict(state))
@@ -328,8 +326,6 @@ def _place(entry: Entry, tensors, shape, sharding, dtype) -> jax.Array:
 
 def _param(model: nnx.Module, entry: Entry) -> Callable[[int | None], np.ndarray]:
     """A function giving the (gathered, LoRA-merged) parameter, one layer at a time."""
-    from jaxlight import distributed
-
     parent = model
     for key in entry.path[:-1]:
         parent = getattr(parent, key)

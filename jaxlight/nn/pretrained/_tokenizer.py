@@ -112,6 +112,7 @@ class Tokenizer:
                 "chat_template or chat_template.jinja); fine-tune on plain text or add one.")
         if self._compiled is None:
             jinja2 = _require("jinja2")
+            # jinja2 is optional (jaxlight[pretrained]): imported when a template is rendered.
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message):
