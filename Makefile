@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench conformance clean
+.PHONY: demo test lint bench conformance fixtures clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ conformance: $(STAMP) $(CONF_STAMP)  ## Lightning beside jaxlight: new fixtures,
 	JAXLIGHT_CONFORMANCE_RESULTS=tests/conformance/results.json $(BIN)/python -m pytest \
 		tests/conformance -q -p no:warnings; status=$$?; \
 		$(BIN)/python tests/conformance/table.py; exit $$status
+
+# A Python with torch, transformers and tokenizers (test-only; never a jaxlight dependency).
+HF_PYTHON ?= python3
+
+fixtures:  ## regenerate the tiny pretrained-model fixtures and transformers' reference outputs
+	HF_HUB_OFFLINE=1 $(HF_PYTHON) tests/nn/pretrained/make_fixtures.py
 
 clean:
 	rm -rf $(VENV) $(CONF_VENV) jaxlight_logs .pytest_cache

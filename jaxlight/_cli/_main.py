@@ -12,6 +12,7 @@ import jax
 
 from jaxlight import recipes
 from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
+from jaxlight._cli._generate import generate_command
 from jaxlight._cli._options import COMMANDS
 from jaxlight._cli._run import run
 from jaxlight._errors import (
@@ -90,6 +91,9 @@ def _dispatch(argv: list[str]) -> int:
         simulate_cpu_devices(n)
     if command == "devices":
         devices_command(rest)
+        return 0
+    if command == "generate":
+        generate_command(rest)
         return 0
     if not rest or rest[0].startswith("-"):
         if rest and rest[0] in ("-h", "--help"):

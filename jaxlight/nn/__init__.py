@@ -15,6 +15,7 @@ to mesh axes.
 | `Stacked` | a leading `"layers"` axis on every weight of the repeated block |
 | `Stages` | stages of any shape, packed per dtype as `(stages, n)` with `("layers", "embed")` |
 | `TransformerLM` | all of the above |
+| `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
 """
 
 from jaxlight._layout import constrain
@@ -31,9 +32,19 @@ from jaxlight.nn._layers import (
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._stages import Stages
 from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
+from jaxlight.nn.pretrained import (
+    DecoderConfig,
+    DecoderLM,
+    Tokenizer,
+    from_pretrained,
+    generate,
+    save_pretrained,
+)
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
+    "DecoderConfig",
+    "DecoderLM",
     "LAYERS",
     "MLP",
     "Dense",
@@ -45,9 +56,13 @@ __all__ = [
     "Stages",
     "TransformerBlock",
     "TransformerConfig",
+    "Tokenizer",
     "TransformerLM",
     "apply_rope",
     "causal_attention",
     "constrain",
+    "from_pretrained",
+    "generate",
     "lm_loss",
+    "save_pretrained",
 ]

@@ -10,6 +10,12 @@ accuracy before and after fine-tuning.
     jaxlight fit sft --lora.rank 0                          # full fine-tuning instead of LoRA
     jaxlight fit sft --strategy fsdp --task.max_len 8
 
+On a pretrained Hugging Face model (Llama 3, Qwen 2/3, Gemma 3; see docs/pretrained.md) the data
+is chat, the loss the assistant's tokens, LoRA on the named projections:
+
+    jaxlight fit sft --model.pretrained PATH --data.jsonl chats.jsonl \
+        --mesh-shape '[[4,1],["fsdp","tp"]]' --export.path tuned/
+
 With `--lora.rank r > 0` (the default) every dense layer of the transformer blocks gains
 `nnx.LoRAParam` factors `A[in, r]`, `B[r, out]` (B starts at zero, so the fine-tuned model
 starts exactly at the base model), and the module sets `trainable = nnx.LoRAParam`: only the
@@ -33,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -46,9 +51,11 @@ import jaxlight as jl
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
-from jaxlight.nn import Dense, TransformerLM
+from jaxlight.nn import TransformerLM
 from jaxlight.recipes import gpt
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
+from jaxlight.recipes._chat_sft import after_fit_pretrained, build_pretrained
+from jaxlight.recipes._lora import LoRADense, add_lora
 
 __all__ = ["Config", "FineTuner", "LoRADense", "add_lora", "build", "make_example",
            "pretrained_params"]
@@ -79,11 +86,34 @@ class TaskConfig:
 class LoraConfig:
     rank: int = option(8, "LoRA rank of every dense layer in the blocks; 0: full fine-tuning")
     alpha: float = option(16.0, "LoRA scale numerator: the update is (x·A·B)·alpha/rank")
+    targets: str = option("q_proj,v_proj", "with --model.pretrained: the projections LoRA "
+                          "adapts in every layer (q_proj k_proj v_proj o_proj gate_proj up_proj "
+                          "down_proj, comma-separated)")
 
 
 @dataclasses.dataclass
 class DataConfig:
     batch_size: int = option(64, "global batch of examples; a multiple of 8 devices")
+    jsonl: str | None = option(None, "with --model.pretrained: chat data, one "
+                               "{\"messages\": [{\"role\", \"content\"}, ...]} a line; None: "
+                               "the reversal task written as chat")
+    max_length: int = option(48, "with --model.pretrained: tokens per conversation (longer ones "
+                             "are cut)")
+    val_fraction: float = option(0.1, "with --data.jsonl: the last fraction of conversations "
+                                 "held out for validation")
+
+
+@dataclasses.dataclass
+class SftModelConfig(gpt.ModelConfig):
+    pretrained: str | None = option(
+        None, "a Hugging Face model directory (Llama 3, Qwen 2/3, Gemma 3: config.json, "
+              "*.safetensors, tokenizer.json) to fine-tune on chat data instead of a gpt model")
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    path: str | None = option(None, "with --model.pretrained: write the fine-tuned model (LoRA "
+                              "merged) here in Hugging Face's layout, with the tokenizer")
 
 
 @dataclasses.dataclass
@@ -98,73 +128,12 @@ class Config:
     """Every setting of the sft recipe (`jaxlight fit sft --help` lists them)."""
 
     base: BaseConfig = section(BaseConfig)
-    model: gpt.ModelConfig = section(gpt.ModelConfig)
+    model: SftModelConfig = section(SftModelConfig)
     task: TaskConfig = section(TaskConfig)
     lora: LoraConfig = section(LoraConfig)
     data: DataConfig = section(DataConfig)
     optim: OptimConfig = section(OptimConfig)
-
-
-# -- LoRA ------------------------------------------------------------------------------------------
-
-
-class LoRADense(nnx.Module):
-    """A frozen `jaxlight.nn.Dense` plus a trainable low-rank update `(x·A)·B · alpha/rank`.
-
-    Works on a stacked (`nn.Stacked`) layer too: A and B then carry the same leading layer axis
-    as the kernel. A and B take the kernel's logical axes (`A: (*in, None)`, `B: (None, *out)`),
-    so they shard as the layer they adapt.
-
-    Args:
-        base: the `Dense` layer to adapt (its parameters stay `nnx.Param`).
-        rank: the rank r of the update.
-        alpha: scale numerator.
-        rngs: random streams (`rngs.params()` initializes A).
-    """
-
-    def __init__(self, base, rank: int, alpha: float, *, rngs: nnx.Rngs):
-        self.base = base
-        kernel = base.kernel
-        axes = tuple(kernel.get_metadata().get("out_sharding") or (None,) * kernel.ndim)
-        n_in, n_out = len(base.in_features), len(base.out_features)
-        n_lead = kernel.ndim - n_in - n_out
-        lead, lead_axes = kernel.shape[:n_lead], axes[:n_lead]
-        in_axes, out_axes = axes[n_lead:n_lead + n_in], axes[n_lead + n_in:]
-        fan_in = math.prod(base.in_features)
-        a = jax.random.normal(rngs.params(), (*lead, *base.in_features, rank),
-                              kernel.dtype) * fan_in ** -0.5
-        b = jnp.zeros((*lead, rank, *base.out_features), kernel.dtype)
-        self.lora_a = nnx.LoRAParam(a, out_sharding=(*lead_axes, *in_axes, None),
-                                    eager_sharding=False)
-        self.lora_b = nnx.LoRAParam(b, out_sharding=(*lead_axes, None, *out_axes),
-                                    eager_sharding=False)
-        self.scale = alpha / rank
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.base(x)
-        n_in = len(self.base.in_features)
-        a, b = self.lora_a[...], self.lora_b[...]
-        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-        h = jax.lax.dot_general(x.astype(a.dtype), a, (contract, ((), ())))
-        update = jnp.tensordot(h, b, axes=1) * self.scale
-        return y + update.astype(y.dtype)
-
-
-def add_lora(module: nnx.Module, rank: int, alpha: float, *, rngs: nnx.Rngs) -> int:
-    """Wraps every `jaxlight.nn.Dense` inside `module` in a `LoRADense`; returns how many."""
-    count = 0
-
-    def visit(parent: nnx.Module) -> None:
-        nonlocal count
-        for name, child in list(vars(parent).items()):
-            if isinstance(child, Dense):
-                setattr(parent, name, LoRADense(child, rank, alpha, rngs=rngs))
-                count += 1
-            elif isinstance(child, nnx.Module) and not isinstance(child, LoRADense):
-                visit(child)
-
-    visit(module)
-    return count
+    export: ExportConfig = section(ExportConfig)
 
 
 # -- the task --------------------------------------------------------------------------------------
@@ -240,7 +209,9 @@ class FineTuner(TrainModule):
                  lora_alpha: float = 16.0, lr: float = 3e-3, warmup_steps: int = 20,
                  weight_decay: float = 0.0):
         super().__init__()
-        self.model_config = gpt.ModelConfig(**(model or {}))
+        # sft's model section also holds `pretrained` (the chat path, not this module).
+        self.model_config = gpt.ModelConfig(**{k: v for k, v in (model or {}).items()
+                                               if k != "pretrained"})
         self.base_params = base_params
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
         self.lr, self.warmup_steps, self.weight_decay = lr, warmup_steps, weight_decay
@@ -299,7 +270,9 @@ class FineTuner(TrainModule):
 
 def pretrained_params(config: Config) -> dict | None:
     """The base model's parameters: from `base.checkpoint`, else pretrained here, or None."""
-    base_module = gpt.make_module(gpt.Config(model=config.model))
+    gpt_model = gpt.ModelConfig(**{f.name: getattr(config.model, f.name)
+                                   for f in dataclasses.fields(gpt.ModelConfig)})
+    base_module = gpt.make_module(gpt.Config(model=gpt_model))
     if config.base.checkpoint:
         load = getattr(jl, "load_checkpoint", None)
         if load is None:
@@ -307,7 +280,7 @@ def pretrained_params(config: Config) -> dict | None:
                                   "jaxlight does not have; drop it to pretrain in-process.")
         model = load(config.base.checkpoint, base_module)
     elif config.base.pretrain_steps > 0:
-        gpt_config = gpt.Config(model=config.model)
+        gpt_config = gpt.Config(model=gpt_model)
         base_module, data = gpt.build(gpt_config, config.base.pretrain_steps)
         fit = jl.Fit("auto", max_steps=config.base.pretrain_steps, enable_progress_bar=False,
                      enable_model_summary=False, logger=False, log_every_n_steps=10**9)
@@ -360,6 +333,10 @@ def build(config: Config | None = None, max_steps: int | None = None
           ) -> tuple[FineTuner, RecipeData]:
     """The fine-tuning module (with base weights) and the task's loaders."""
     config = config or Config()
+    if config.model.pretrained:
+        words = task_data(config.task)
+        train_words = [bytes(r).decode().split(SEP)[0] for r in words["train"]["tokens"]]
+        return build_pretrained(config, train_words, words["val_words"])
     del max_steps  # the schedule is warm-up then constant: fine-tuning runs are short
     data = task_data(config.task)
     batch = config.data.batch_size
@@ -385,6 +362,8 @@ def before_fit(fit, module: FineTuner, data: RecipeData, config: Config) -> dict
 
 def after_fit(fit, module: FineTuner, data: RecipeData, config: Config) -> dict:
     """Exact match of free-running greedy generation, and three examples."""
+    if config.model.pretrained:
+        return after_fit_pretrained(fit, module, data, config)
     words = data.extras["val_words"]
     answers = generate_answers(module.model, words, config.task)
     expected = [make_example(w)[1] for w in words]
