@@ -21,13 +21,19 @@ import jax
 
 from jaxlight import _batch
 from jaxlight._errors import DataError, TrainingStopped
-from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
+from jaxlight._fit._config import (
+    FitConfig,
+    batch_limit,
+    check_validation_interval,
+    validation_interval,
+)
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._metrics import EpochAccumulator
 from jaxlight._user_step import tracing_for
+from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher
 
@@ -142,6 +148,8 @@ class TrainLoop:
         config, session, pos, call = self.config, self.session, self.position, self.hooks
         limit = batch_limit(config.limit_train_batches, train_data)
         val_every = validation_interval(config, train_data)
+        if val_data is not None:
+            check_validation_interval(config, train_data)
         pairs = self._epoch_batches(limit)
         try:
             first, first_position = next(pairs)
@@ -152,8 +160,9 @@ class TrainLoop:
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
         _batch.check_batch_agreement(first, "training batch", _len_or_none(train_data))
-        abstract_batch = abstract_global_batch(first)
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
+        check_dtypes(first, first_name)  # later batches: the signature check below
+        abstract_batch = abstract_global_batch(first)
         with tracing_for(first_name, "train_data", first):
             session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)
