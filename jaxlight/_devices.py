@@ -45,7 +45,8 @@ def _repeated_devices(devices: Sequence, local: list) -> str:
             f"{wanted} different indices, e.g. devices={list(range(wanted))}."
             if wanted <= len(local) else
             f" This process has {len(local)} devices, so at most devices={len(local)}.")
-    return (f"Fit(devices={shown}) names device {', '.join(map(str, repeated))} more than once; "
+    return (f"Fit(devices={shown}) names a device more than once (device "
+            f"{', '.join(map(str, repeated))}); "
             f"each device holds one share of the mesh, so a list names each device once. Pass "
             f"devices={distinct} to use {'it' if len(distinct) == 1 else 'them'} once each."
             + more)

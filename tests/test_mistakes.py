@@ -194,9 +194,9 @@ def test_10_a_loader_method_not_called_is_refused_saying_call_it():
 
 
 def test_11_a_device_named_twice_says_what_to_pass():
-    with pytest.raises(jl.ConfigurationError, match=re.escape(
-            "Fit(devices=[0, 0]) names device 0 more than once") + r".*devices=\[0\] to use it "
-                       r"once each. For 2 devices, pass devices=2 .*devices=\[0, 1\]"):
+    said = re.escape("Fit(devices=[0, 0]) names a device more than once (device 0)")
+    with pytest.raises(jl.ConfigurationError, match=said + r".*devices=\[0\] to use it once "
+                       r"each. For 2 devices, pass devices=2 .*devices=\[0, 1\]"):
         jl.Fit(devices=[0, 0], max_steps=1)
 
 
