@@ -159,7 +159,7 @@ def test_8_strings_in_a_batch_are_a_data_type_error_naming_the_leaf():
         _fit(max_steps=2).validate(Classifier(), _loader(data=data))
 
 
-class _Ragged(grain.sources.RandomAccessDataSource if hasattr(grain, "sources") else object):
+class _Ragged:
     """Records whose `x` has length 16 or 17."""
 
     def __len__(self):
