@@ -15,10 +15,11 @@ import json
 import os
 import socket
 import time
+import warnings
 
 from jaxlight import distributed as _distributed
 from jaxlight._ckpt_paths import complete_steps
-from jaxlight._errors import CheckpointError
+from jaxlight._errors import CheckpointError, JaxlightWarning
 
 # -- disk faults ------------------------------------------------------------------------------
 
@@ -110,6 +111,9 @@ class DirectoryLock:
                 lock = cls.acquire(path)
             except CheckpointError as exc:
                 refusal = str(exc)
+            except OSError as exc:  # the directory cannot be made or written
+                refusal = (f"cannot open the checkpoint directory {dirpath}: "
+                           f"{disk_fault(exc, dirpath, 0)}.")
         refusals = _distributed.all_gather_json("checkpoint_directory_lock", refusal)
         if refusals[0] is not None:
             raise CheckpointError(refusals[0])
@@ -124,10 +128,17 @@ class DirectoryLock:
             fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 holder = _read_holder(fd)
                 os.close(fd)
                 raise CheckpointError(_in_use(os.path.dirname(path), path, holder)) from None
+            except OSError as exc:
+                if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                warnings.warn(  # a filesystem without locks: write on, unguarded
+                    f"cannot lock the checkpoint directory {os.path.dirname(path)} ({exc}): a "
+                    "second run started into it would not be refused.", JaxlightWarning,
+                    stacklevel=4)
             try:  # a holder that was closing may have unlinked the file we opened: retry
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
             except FileNotFoundError:

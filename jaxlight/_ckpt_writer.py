@@ -327,4 +327,3 @@ def room_for_snapshot(tree: Any) -> bool:
             if nbytes > SNAPSHOT_HEADROOM * free:
                 return False
     return True
-
