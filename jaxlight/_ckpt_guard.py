@@ -60,21 +60,23 @@ def disk_fault(exc: BaseException, dirpath: str, array_bytes: int) -> str:
     the save needs; a read-only one the directory; anything else the error's first line."""
     code, words = _os_error(exc)
     if code in _NO_ROOM:
-        try:
-            stat = os.statvfs(dirpath)
-            free = f"{stat.f_bavail * stat.f_frsize:,} bytes are free"
-        except OSError:
-            free = "the free space is unknown"
         steps = complete_steps(dirpath)
         saved = _size_on_disk(os.path.join(dirpath, str(steps[-1]))) if steps else 0
         need = max(saved, array_bytes)
         basis = (f"step {steps[-1]} takes {saved:,} bytes on disk" if saved >= array_bytes
                  else "the train state's arrays")
-        limit = (" (a file grew past this process's file size limit, ulimit -f)"
-                 if code == errno.EFBIG else "")
-        return (f"the disk is full ({words}){limit}: {free} on the filesystem of {dirpath}, "
-                f"and a checkpoint needs about {need:,} bytes ({basis}). Free space there, keep "
-                "fewer checkpoints (ModelCheckpoint(save_top_k=...)), or save to a larger disk "
+        needs = f"a checkpoint needs about {need:,} bytes ({basis})"
+        if code == errno.EFBIG:
+            return (f"a file grew past this process's file size limit ({words}; ulimit -f): "
+                    f"{needs}. Raise the limit, or save smaller checkpoints")
+        try:
+            stat = os.statvfs(dirpath)
+            free = f"{stat.f_bavail * stat.f_frsize:,} bytes are free"
+        except OSError:
+            free = "the free space is unknown"
+        return (f"the disk is full ({words}): {free} on the filesystem of {dirpath}, and "
+                f"{needs}. Free space there, keep fewer checkpoints "
+                "(ModelCheckpoint(save_top_k=...)), or save to a larger disk "
                 "(ModelCheckpoint(dirpath=...))")
     if code in _READ_ONLY:
         return (f"{dirpath} cannot be written ({words}): the disk was made read-only or the "

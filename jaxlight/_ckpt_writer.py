@@ -248,9 +248,9 @@ class CheckpointWriter:
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             self._failed = True
             step, self._writing = self._writing, None
-            what = "" if step is None else f" of step {step}"
+            what = "" if step is None else f" (step {step})"
             raise CheckpointError(
-                f"an asynchronous checkpoint save{what} to {self.dirpath} failed: "
+                f"an asynchronous checkpoint save to {self.dirpath}{what} failed: "
                 f"{self._reason(exc, step)}. Checkpoints saved before are untouched: "
                 f"steps {complete_steps(self.dirpath)}."
             ) from exc
