@@ -84,14 +84,22 @@ def check_matches(step_dir: str, target: dict, module, parts: Sequence[str]) -> 
     listing("in the checkpoint but not in the model", unexpected, lambda p: f"{p} {saved[p][0]}")
     listing("shape differs", shape,
             lambda p: f"{p} checkpoint {saved[p][0]} vs model {wanted[p][0]}")
-    what = " and ".join(parts)
+    differ = [k for k in parts
+              if any(p.startswith(f"['{k}']") for p in (*missing, *unexpected, *shape))]
+    what = " and ".join(differ)
+    if differ == ["opt_state"]:
+        advice = (f"\nThe {' and '.join(k for k in parts if k != 'opt_state')} match: the "
+                  "optimizer differs (another optax transformation, or other settings of it), "
+                  "so its state cannot be resumed. Resume with the optimizer the checkpoint was "
+                  "written with, or load the parameters alone, jaxlight.load_checkpoint(path, "
+                  "module), and fit without ckpt_path (the optimizer then starts afresh).")
+    else:
+        advice = ("\nWas it written for another model, configuration or optimizer? Build the "
+                  "module with the same hyperparameters (the checkpoint's are in its meta "
+                  "record).")
     raise CheckpointError(
         f"checkpoint {step_dir} does not match {type(module).__name__}'s {what}:\n"
-        + "\n".join(lines)
-        + "\nWas it written for another model, configuration or optimizer? Build the module with "
-        "the same hyperparameters (the checkpoint's are in its meta record)."
-        + ("" if "opt_state" not in parts else " If only the optimizer differs, "
-           "jaxlight.load_checkpoint reads the parameters alone.")
+        + "\n".join(lines) + advice
     )
 
 

@@ -22,8 +22,9 @@ from jaxlight._ckpt_format import (
     state_tree,
     unwrap_keys,
 )
+from jaxlight._ckpt_guard import DirectoryLock, disk_fault
 from jaxlight._ckpt_paths import complete_steps
-from jaxlight._errors import CheckpointError
+from jaxlight._errors import CheckpointError, JaxlightWarning
 
 
 @dataclasses.dataclass
@@ -120,6 +121,9 @@ class CheckpointWriter:
                  compress: bool = False):
         orbax = ocp()
         self.dirpath = os.path.abspath(dirpath)
+        # Before orbax opens the directory: its start-up deletes unfinished saves, which may be
+        # another live run's.
+        self._lock = DirectoryLock.for_job(self.dirpath)
         self.monitor = monitor
         self.retention = Retention(monitor, mode, save_top_k, save_last)
         options = orbax.CheckpointManagerOptions(
@@ -133,6 +137,10 @@ class CheckpointWriter:
             # Older steps are deleted in orbax's own thread, not in the next save's path
             # (close() waits for them).
             enable_background_delete=True,
+            # The step directory is made in the save call, so a directory that cannot be made
+            # (a read-only disk) fails that save, instead of leaving orbax's writer threads
+            # waiting (20 minutes) for a creation signal that never comes.
+            async_options=orbax.AsyncOptions(create_directories_asynchronously=False),
         )
         # The state item is plain orbax PyTree (what StandardSave writes), with orbax's zstd only
         # on request: it saves ~8% of a float32 train state's bytes and costs ~25% of a save's
@@ -144,9 +152,12 @@ class CheckpointWriter:
             self.manager = orbax.CheckpointManager(self.dirpath, options=options,
                                                    item_handlers=handlers)
         except Exception as exc:  # noqa: BLE001 - re-raised with the directory
+            self._lock.release()
             raise CheckpointError(
                 f"cannot open checkpoint directory {self.dirpath}: {exc}") from exc
         self.last_saved_step: int | None = None
+        self._writing: int | None = None  # the step whose write orbax runs in the background
+        self._needed: dict[int, int] = {}  # bytes each started save writes, about
         self._moved_aside_seen = _verify.moved_aside_count
         self._warned_exists: set[int] = set()
         self._failed = False
@@ -166,6 +177,9 @@ class CheckpointWriter:
         if step == self.last_saved_step:
             return False
         self._wait_handed_over()  # the manager is not touched by two threads at once
+        if self._thread is not None and not self.manager.is_saving_in_progress():
+            self._wait_committed()  # finished already: a failed write is reported now
+        self._check_directory()
         if self._moved_aside_seen != _verify.moved_aside_count:
             # A resume moved a damaged step aside: re-list, so that step is written again.
             self._moved_aside_seen = _verify.moved_aside_count
@@ -203,6 +217,7 @@ class CheckpointWriter:
             metrics = {} if monitor_value is None else {self.monitor: monitor_value}
         if pin:
             self.retention.pinned.add(step)
+        self._needed[step] = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
         args = orbax.args.Composite(**{STATE_ITEM: orbax.args.PyTreeSave(tree),
                                        META_ITEM: orbax.args.JsonSave(meta),
                                        _verify.CHECKSUM_ITEM: _verify.save_args(digests)})
@@ -220,10 +235,13 @@ class CheckpointWriter:
         try:
             self.manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
+            self._failed = True
             raise CheckpointError(
-                f"saving checkpoint step {step} to {self.dirpath} failed: {exc}. Checkpoints "
-                f"saved before are untouched: {complete_steps(self.dirpath)}."
+                f"saving checkpoint step {step} to {self.dirpath} failed: "
+                f"{self._reason(exc, step)}. Checkpoints saved before are untouched: "
+                f"{complete_steps(self.dirpath)}."
             ) from exc
+        self._writing = step
 
     def _wait_handed_over(self) -> None:
         """Blocks until the save handed to the background thread reached orbax; raises its
@@ -236,6 +254,13 @@ class CheckpointWriter:
                 self._failed = True
                 raise
 
+    def check_failed(self) -> None:
+        """Raises the CheckpointError of a save that failed in the background thread; does not
+        wait (the loop calls it after every step)."""
+        pending = self._handing_over
+        if pending is not None and pending.done() and pending.exception() is not None:
+            self._wait_handed_over()
+
     def wait(self) -> None:
         """Blocks until the save in flight has committed; raises CheckpointError if it failed."""
         self._wait_handed_over()
@@ -247,11 +272,34 @@ class CheckpointWriter:
             self.manager.check_for_errors()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             self._failed = True
+            step, self._writing = self._writing, None
+            what = "" if step is None else f" (step {step})"
             raise CheckpointError(
-                f"an asynchronous checkpoint save to {self.dirpath} failed: "
-                f"{type(exc).__name__}: {exc}. Checkpoints saved before are untouched: "
+                f"an asynchronous checkpoint save to {self.dirpath}{what} failed: "
+                f"{self._reason(exc, step)}. Checkpoints saved before are untouched: "
                 f"steps {complete_steps(self.dirpath)}."
             ) from exc
+        self._writing = None
+
+    def _reason(self, exc: BaseException, step: int | None) -> str:
+        """What went wrong, in jaxlight's words where the cause is a known disk fault."""
+        return disk_fault(exc, self.dirpath, self._needed.get(step, 0)
+                          if step is not None else 0)
+
+    def _check_directory(self) -> None:
+        """A directory removed while the run saves into it is made again, with a warning."""
+        if os.path.isdir(self.dirpath):
+            return
+        held = self.manager.all_steps()
+        warnings.warn(
+            f"the checkpoint directory {self.dirpath} was removed while this run was saving "
+            f"into it (it held steps {sorted(held)}, now lost); it is made again for the next "
+            "save. If that was not meant, check what cleans up the disk, or stop the run "
+            "and point ModelCheckpoint(dirpath=...) elsewhere.", JaxlightWarning, stacklevel=4)
+        os.makedirs(self.dirpath, exist_ok=True)
+        self._lock.release()
+        self._lock = DirectoryLock.for_job(self.dirpath)
+        self.manager.reload()
 
     def close(self) -> None:
         """Waits for the save in flight and releases orbax's threads.
@@ -280,6 +328,8 @@ class CheckpointWriter:
                         f"{complete_steps(self.dirpath)}. Delete the ones you do not need by "
                         "hand, and check the directory's permissions."
                     ) from exc
+            finally:
+                self._lock.release()
 
 
 #: A device-side snapshot is taken only where it fits in this fraction of the free memory.

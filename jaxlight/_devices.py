@@ -34,6 +34,24 @@ def _describe(local: list[jax.Device]) -> str:
     return f"{len(local)} {platform} device{'s' if len(local) != 1 else ''}"
 
 
+def _repeated_devices(devices: Sequence, local: list) -> str:
+    """The message for a device list naming a device twice, with what to pass instead."""
+    given = list(devices)
+    shown = [d if isinstance(d, int) else d.id for d in given]
+    repeated = sorted({d for d in shown if shown.count(d) > 1})
+    distinct = list(dict.fromkeys(shown))
+    wanted = len(given)
+    more = (f" For {wanted} devices, pass devices={wanted} (the first {wanted}) or "
+            f"{wanted} different indices, e.g. devices={list(range(wanted))}."
+            if wanted <= len(local) else
+            f" This process has {len(local)} devices, so at most devices={len(local)}.")
+    return (f"Fit(devices={shown}) names a device more than once (device "
+            f"{', '.join(map(str, repeated))}); "
+            f"each device holds one share of the mesh, so a list names each device once. Pass "
+            f"devices={distinct} to use {'it' if len(distinct) == 1 else 'them'} once each."
+            + more)
+
+
 def select_devices(devices: Any) -> list[jax.Device] | None:
     """The devices a fit uses, in mesh order; None means every device.
 
@@ -86,10 +104,7 @@ def select_devices(devices: Any) -> list[jax.Device] | None:
             "jax.Device objects, not a mix."
         )
     if len(set(chosen)) != len(chosen):
-        raise ConfigurationError(
-            f"Fit(devices={list(devices)}) names a device more than once; each device can "
-            "hold one share of the mesh."
-        )
+        raise ConfigurationError(_repeated_devices(devices, local))
     if jax.process_count() > 1:
         counts = {p: sum(d.process_index == p for d in chosen)
                   for p in range(jax.process_count())}

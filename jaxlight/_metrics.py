@@ -217,6 +217,30 @@ class LogSpec:
         return f"{name}_epoch" if opt.on_step else name
 
 
+def _refuse_suffix_collisions(metrics: dict, entries: dict[str, Logged], where: str) -> None:
+    """Refuses two training values that would reach the loggers under one name: a name logged
+    with `on_step=True, on_epoch=True` becomes `name_step` and `name_epoch`, so another value
+    named `name_epoch` (logged or returned) would overwrite, or be overwritten by, its mean."""
+    owner: dict[str, str] = {}
+    for key in metrics:
+        owner[key] = f"the returned metric {key!r}"
+    for name, entry in entries.items():
+        mine = f"self.log({name!r}, on_step={entry.options.on_step}, " \
+               f"on_epoch={entry.options.on_epoch})"
+        names = {name, *LogSpec._logged_names(name, entry.options)}
+        for shown in sorted(names):
+            other = owner.get(shown)
+            if other is not None and not other.startswith(f"the returned metric {name!r}") \
+                    and not other.startswith(f"self.log({name!r},"):
+                raise ConfigurationError(
+                    f"{where}: {mine} and {other} both reach the loggers as {shown!r} (a name "
+                    "logged with on_step=True and on_epoch=True is logged as '<name>_step' and "
+                    "'<name>_epoch'), so one value would silently replace the other. Rename "
+                    "one of them."
+                )
+            owner[shown] = mine
+
+
 def merge_training_logs(metrics: dict, logs: LogCollector, spec: LogSpec | None,
                         where: str) -> dict:
     """Adds `self.log`ged values to a training step's metrics; records their options in `spec`.
@@ -224,6 +248,7 @@ def merge_training_logs(metrics: dict, logs: LogCollector, spec: LogSpec | None,
     Logging "loss" replaces the returned loss's metric entry (the same value in Lightning ports,
     now with the logged flags); any other name a returned metric already has is refused.
     """
+    _refuse_suffix_collisions(metrics, logs.entries, where)
     out = dict(metrics)
     for name, entry in logs.entries.items():
         if name in metrics:

@@ -35,7 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._errors import ConfigurationError, PortingError, StepOutputError, suggest
+from jaxlight._errors import (
+    ConfigurationError,
+    JaxlightWarning,
+    PortingError,
+    StepOutputError,
+    suggest,
+)
 
 GUIDE = "docs/porting.md"
 
@@ -200,6 +206,33 @@ def _unknown_keys(got, valid, where: str) -> None:
         )
 
 
+#: Steps at which a schedule in the "scheduler" slot is sampled to tell a rate from a factor.
+_SAMPLES = (0, 1, 10, 100, 1_000, 10_000, 100_000)
+#: A factor schedule that stays below this everywhere is almost surely a learning rate.
+_RATE_LIKE = 0.05
+
+
+def _warn_if_a_rate(sched: Callable, where: str) -> None:
+    """Warns when the "scheduler" slot (a factor of the optimizer's rate) holds what looks like
+    a learning-rate schedule: values far below 1 everywhere would multiply the rate twice."""
+    try:
+        values = [abs(float(sched(n))) for n in _SAMPLES]
+    except Exception:  # noqa: BLE001 - a schedule that cannot be sampled is not judged
+        return
+    peak = max(values)
+    if peak >= _RATE_LIKE:
+        return
+    warnings.warn(
+        f"{where}['lr_scheduler']['scheduler'] gives values no larger than {peak:.3g} (steps "
+        f"{_SAMPLES[0]}-{_SAMPLES[-1]}: {values[0]:.3g} at step 0), but that slot holds a factor "
+        "the optimizer's learning rate is multiplied by (torch's LambdaLR): with "
+        f"optax.adam(1e-3) the rate would be about {1e-3 * peak:.3g}. If it is the learning "
+        "rate itself, give it to the optimizer and drop 'lr_scheduler': "
+        "{'optimizer': optax.adam(schedule)} (or return optax.adam(schedule)); if it is a "
+        "factor, make it peak at 1: e.g. optax.cosine_decay_schedule(1.0, steps) with "
+        "optax.adam(1e-3).", JaxlightWarning, stacklevel=4)
+
+
 def _scheduler(entry: Any, top_monitor: str | None, where: str) -> Scheduler:
     if callable(entry) and not isinstance(entry, dict):
         entry = {"scheduler": entry}
@@ -239,6 +272,7 @@ def _scheduler(entry: Any, top_monitor: str | None, where: str) -> Scheduler:
                 "optax.exponential_decay(1.0, 1, 0.5)) or optax.contrib.reduce_on_plateau(...)."
                 f" See {GUIDE}."
             )
+        _warn_if_a_rate(sched, where)
         if "monitor" in entry:
             raise ConfigurationError(
                 f"{where}['lr_scheduler'] monitors {monitor!r}, but its scheduler is a fixed "
@@ -347,6 +381,22 @@ class ScheduleUpdate:
     def needs_validation(self) -> bool:
         return self.scheduler.monitor is not None
 
+    def check_monitor(self, metrics: dict[str, float], when: str = "") -> None:
+        """Refuses (warns, with 'strict': False) a monitor the validation `metrics` lack; the
+        sanity check calls it too, so the mistake shows before the first training step."""
+        sched = self.scheduler
+        if sched.monitor is None or sched.monitor in metrics:
+            return
+        names = sorted(metrics)
+        message = (
+            f"the lr_scheduler monitors {sched.monitor!r}, which validation did not "
+            f"produce{when}; validation metrics: {names}.{suggest(sched.monitor, names)}")
+        if sched.strict:
+            raise ConfigurationError(message + " Fix 'monitor', or set 'strict': False "
+                                               "to skip the update with a warning.")
+        warnings.warn(message + " The learning rate is not updated ('strict': False).",
+                      stacklevel=3)
+
     def after_validation(self, state, metrics: dict[str, float], global_step: int,
                          epoch: int, epoch_end: bool):
         """Writes the monitored metric into the state; feeds the plateau when it is due."""
@@ -354,15 +404,7 @@ class ScheduleUpdate:
         if sched.monitor is None:
             return state
         if sched.monitor not in metrics:
-            names = sorted(metrics)
-            message = (
-                f"the lr_scheduler monitors {sched.monitor!r}, which validation did not "
-                f"produce; validation metrics: {names}.{suggest(sched.monitor, names)}")
-            if sched.strict:
-                raise ConfigurationError(message + " Fix 'monitor', or set 'strict': False "
-                                                   "to skip the update with a warning.")
-            warnings.warn(message + " The learning rate is not updated ('strict': False).",
-                          stacklevel=2)
+            self.check_monitor(metrics)
             return state
         if sched.interval == "step":
             feed = global_step % sched.frequency == 0

@@ -180,6 +180,24 @@ def validation_interval(config: FitConfig, train_data: Any) -> int | None:
     return int(v)
 
 
+def check_validation_interval(config: FitConfig, train_data: Any) -> None:
+    """Refuses an int `val_check_interval` longer than an epoch (validation would never run),
+    as Lightning does, unless `check_val_every_n_epoch=None` counts steps across epochs."""
+    v = config.val_check_interval
+    if not isinstance(v, int) or config.check_val_every_n_epoch is None:
+        return
+    per_epoch = epoch_length(config, train_data)
+    if per_epoch is not None and v > per_epoch:
+        raise ConfigurationError(
+            f"val_check_interval={v} is more than the {per_epoch} training batches of an epoch "
+            "(after limit_train_batches), so validation would never run: with "
+            f"check_val_every_n_epoch={config.check_val_every_n_epoch} the interval counts "
+            f"batches within an epoch, as in Lightning. Give val_check_interval <= {per_epoch} "
+            "(or a float fraction of the epoch), set check_val_every_n_epoch=None to count "
+            "training batches across epochs, or pass no val_data to skip validation."
+        )
+
+
 def epoch_length(config: FitConfig, data: Any) -> int | None:
     """Training batches per epoch (after limit_train_batches); None when unknown (no len())."""
     try:

@@ -122,9 +122,11 @@ class Evaluator:
         if n > 0:
             limit = n if limit is None else min(n, limit)
         self.hooks("on_sanity_check_start")
-        self.evaluate(val_data, "validation_step", "val", limit, "sanity check before training",
-                      "val_data", batch_hooks=False,
-                      advice="num_sanity_val_steps=0 skips this check.")
+        metrics = self.evaluate(val_data, "validation_step", "val", limit,
+                                "sanity check before training", "val_data", batch_hooks=False,
+                                advice="num_sanity_val_steps=0 skips this check.")
+        if self.session.schedule is not None:  # a monitor validation never produces
+            self.session.schedule.check_monitor(metrics, " in the sanity check before training")
         self.hooks("on_sanity_check_end")
 
     def eval_state(self) -> TrainState:

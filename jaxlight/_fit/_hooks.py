@@ -22,6 +22,28 @@ def loggers_into_callbacks(logger, callbacks) -> tuple[list, bool]:
     return [*callbacks, *given], True
 
 
+#: Step transforms of which a fit takes one: two would both apply (a bf16 loss and fp16 loss
+#: scaling; accumulation of accumulation; clipping at the smaller norm), never what was meant.
+#: Each with the attribute that tells two apart in the message.
+ONE_OF_EACH = {"MixedPrecision": "precision", "GradientAccumulation": "k",
+               "GradientClipping": "max_norm"}
+
+
+def refuse_duplicate_transforms(user: list) -> None:
+    """Refuses two callbacks of one `ONE_OF_EACH` kind (their transforms would both apply)."""
+    for name, attr in ONE_OF_EACH.items():
+        cls = getattr(cbs, name, None)
+        found = [(i, cb) for i, cb in enumerate(user) if cls is not None and isinstance(cb, cls)]
+        if len(found) > 1:
+            shown = ", ".join(f"callbacks[{i}] = {name}({getattr(cb, attr, '...')!r})"
+                              for i, cb in found)
+            raise ConfigurationError(
+                f"Fit got {len(found)} {name} callbacks ({shown}); their step transforms would "
+                f"all apply, one on top of the other. Keep one {name} with the setting you "
+                "mean."
+            )
+
+
 def assemble_callbacks(user, config) -> list[Callback]:
     """The Fit's callback list: shortcut callbacks, then the user's, then the defaults.
 
@@ -34,6 +56,8 @@ def assemble_callbacks(user, config) -> list[Callback]:
                 f"callbacks must be jaxlight.callbacks.Callback objects; got "
                 f"{type(cb).__name__}. Wrap plain functions in callbacks.LambdaCallback."
             )
+
+    refuse_duplicate_transforms(user)
 
     def present(name: str) -> bool:
         cls = getattr(cbs, name, None)

@@ -21,7 +21,12 @@ import jax
 
 from jaxlight import _batch
 from jaxlight._errors import DataError, TrainingStopped
-from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
+from jaxlight._fit._config import (
+    FitConfig,
+    batch_limit,
+    check_validation_interval,
+    validation_interval,
+)
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
@@ -30,6 +35,7 @@ from jaxlight._metrics import EpochAccumulator
 from jaxlight._microbatch import stack_batches
 from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._accumulation import batches_per_step
+from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher
 
@@ -167,6 +173,8 @@ class TrainLoop:
             return
         limit = batch_limit(config.limit_train_batches, train_data)
         val_every = validation_interval(config, train_data)
+        if val_data is not None:
+            check_validation_interval(config, train_data)
         pairs = self._epoch_batches(limit)
         try:
             first, first_position = next(pairs)
@@ -182,6 +190,7 @@ class TrainLoop:
         _batch.check_batch_agreement(one, "training batch", _len_or_none(train_data))
         abstract_batch = abstract_global_batch(one if k == 1 else stack_batches(first, k))
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
+        check_dtypes(one, first_name)  # later batches: the signature check below
         with tracing_for(first_name, "train_data", one):
             session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)

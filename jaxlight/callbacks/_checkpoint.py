@@ -181,6 +181,8 @@ class ModelCheckpoint(Callback):
             )
 
     def on_train_batch_end(self, fit, module, outputs, batch, batch_idx: int) -> None:
+        if self._writer is not None:
+            self._writer.check_failed()  # a background save's failure shows at the next step
         if self.every_n_steps is None or fit.global_step % self.every_n_steps:
             return
         if _validation_due(fit):

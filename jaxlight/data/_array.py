@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxlight import distributed
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import CheckpointError, ConfigurationError, DataError
 from jaxlight.data._convert import is_hf_dataset, to_numpy
 
 __all__ = ["ArrayLoader"]
@@ -117,14 +117,32 @@ class ArrayLoader:
 
     def state_dict(self) -> dict[str, int]:
         """The loader's position: restoring it resumes with the next unseen batch."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Restores a position: the next pass (`iter`) continues after its last batch."""
+        self._check_batch_size(state)
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.seed = int(state.get("seed", self.seed))
         self._resume_at = self.position
+
+    def _check_batch_size(self, state: dict[str, int]) -> None:
+        """A position counts batches: under another batch size it names other examples."""
+        saved = state.get("batch_size")  # absent in checkpoints of older jaxlight versions
+        if saved is None or int(saved) == self.batch_size or not int(state["position"]):
+            return
+        done = int(state["position"]) * int(saved)
+        raise CheckpointError(
+            f"the checkpoint's ArrayLoader position was saved with batch_size={saved} (epoch "
+            f"{state['epoch']}, {state['position']} batches read: examples 0-{done - 1} of that "
+            f"epoch's order), but this ArrayLoader has batch_size={self.batch_size}: counted in "
+            f"its batches the epoch would go on at example "
+            f"{int(state['position']) * self.batch_size} and train some examples twice or "
+            f"never. Resume with batch_size={saved}, or start the data afresh: load the "
+            "weights with jaxlight.load_checkpoint(path, module) and fit without ckpt_path."
+        )
 
     def _order(self) -> np.ndarray:
         if not self.shuffle:

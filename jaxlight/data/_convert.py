@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._errors import DataError
+from jaxlight._errors import DataError, DataTypeError
 
 __all__ = ["numpy_batches", "to_numpy"]
 
@@ -70,6 +70,13 @@ def check_iterable(data: Any, what: str) -> None:
             "with_format('numpy'), batch_size=...) (shuffled, resumable, sharded per process) or "
             "dataset.with_format('numpy').iter(batch_size=..., drop_last_batch=True)."
         )
+    if not isinstance(data, Iterable) and not hasattr(data, "__iter__") and callable(data):
+        name = getattr(data, "__qualname__", None) or type(data).__name__
+        raise DataError(
+            f"the {what} data is {name}, a function or method, not its result: call it, for "
+            f"example Fit.fit(module, dm.train_dataloader()) rather than dm.train_dataloader "
+            "(or pass the DataModule itself: Fit.fit(module, datamodule=dm))."
+        )
     if not isinstance(data, Iterable) and not hasattr(data, "__iter__"):
         raise DataError(
             f"the {what} data ({type(data).__name__}) is not iterable: pass an iterable of "
@@ -78,7 +85,30 @@ def check_iterable(data: Any, what: str) -> None:
         )
 
 
-def numpy_batches(data: Iterable) -> Iterator[Any]:
-    """Iterates `data`, converting torch tensor leaves to NumPy (see `to_numpy`)."""
-    for batch in data:
-        yield to_numpy(batch)
+#: NumPy dtype kinds no JAX array holds: strings, bytes, Python objects, records, datetimes.
+_NOT_ARRAYS = {"U": "strings", "S": "bytes", "O": "Python objects", "V": "records",
+               "M": "datetimes", "m": "timedeltas"}
+
+
+def check_dtypes(batch: Any, where: str) -> None:
+    """Refuses a batch leaf JAX cannot hold (strings such as file names), naming the leaf."""
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+        dtype = getattr(x, "dtype", None)
+        kind = np.dtype(dtype).kind if dtype is not None else np.asarray(x).dtype.kind
+        if kind in _NOT_ARRAYS:
+            shown = dtype if dtype is not None else np.asarray(x).dtype
+            raise DataTypeError(
+                f"{where} has leaf {jax.tree_util.keystr(path) or 'batch'} of dtype {shown} "
+                f"({_NOT_ARRAYS[kind]}), which a JAX array cannot hold. Keep it out of the "
+                "batches given to Fit (drop the key in the loader or a collate function), or "
+                "turn it into numbers (an index, token ids)."
+            )
+
+
+def numpy_batches(data: Iterable, where: str = "batch") -> Iterator[Any]:
+    """Iterates `data`, converting torch tensor leaves to NumPy (see `to_numpy`); refuses
+    leaves JAX cannot hold (`check_dtypes`)."""
+    for i, batch in enumerate(data):
+        batch = to_numpy(batch)
+        check_dtypes(batch, f"{where} {i}")
+        yield batch

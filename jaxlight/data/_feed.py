@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxlight import distributed as _distributed
-from jaxlight._errors import CheckpointError
+from jaxlight._errors import CheckpointError, DataError
 from jaxlight.data._convert import check_iterable, to_numpy
 
 __all__ = ["TrainFeed"]
@@ -63,6 +63,45 @@ def _prepare_grain(data: Any) -> None:
         flags.FLAGS.mark_as_parsed()  # their defaults, as absl.app.run would leave them
 
 
+def _stacked_shapes(exc: BaseException) -> list | None:
+    """The shapes NumPy was asked to stack when grain's batching failed (its frame's locals)."""
+    cause = exc.__cause__ or exc.__context__
+    tb = cause.__traceback__ if cause is not None else None
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    arrays = tb.tb_frame.f_locals.get("arrays") if tb is not None else None
+    try:
+        return [tuple(a.shape) for a in arrays] if arrays is not None else None
+    except (AttributeError, TypeError):
+        return None
+
+
+def _grain_batches(iterator: Iterator, data: Any, epoch: int, skip: int) -> Iterator:
+    """A grain pipeline's batches; an error grain raises while making one gets jaxlight's
+    context (which batch, the records' shapes where grain could not stack them)."""
+    index = skip
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            shapes = _stacked_shapes(exc)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            stacking = shapes is not None or "same shape" in str(exc) or \
+                "same structure" in str(exc)
+            hint = (" Records batched together must have the same shapes: pad or crop them to "
+                    "one length in a map before batching (or group records by length), or "
+                    "batch them yourself." if stacking else "")
+            shown = f" (records of shapes {shapes} in one batch)" if shapes else ""
+            raise DataError(
+                f"grain could not make training batch {index} of epoch {epoch} from the "
+                f"{type(data).__name__}: {type(exc).__name__}: {first}{shown}.{hint}"
+            ) from exc
+        index += 1
+        yield batch
+
+
 class TrainFeed:
     """Yields an epoch's batches with the data's position after each; saves and restores it.
 
@@ -98,6 +137,8 @@ class TrainFeed:
             iterator = itertools.islice(iterator, skip, None)
         self._pending = None
         self._iterator = iterator if stateful else None
+        if type(data).__module__.startswith("grain"):
+            iterator = _grain_batches(iterator, data, epoch, skip)
         if budget is not None:
             iterator = itertools.islice(iterator, max(budget, 0))
         if self._loader:

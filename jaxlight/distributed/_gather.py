@@ -16,6 +16,8 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jaxlight._errors import ConfigurationTypeError
+
 T = TypeVar("T")
 
 
@@ -39,12 +41,25 @@ def gather(tree: T) -> T:
         >>> type(host["w"]).__name__, host["w"].shape
         ('ndarray', (2, 3))
     """
+    _refuse_train_module(tree)
     if isinstance(tree, nnx.Module):
         graphdef, state = nnx.split(tree)
         return nnx.merge(graphdef, gather(state))
     if jax.process_count() == 1:
         return jax.device_get(tree)
     return jax.tree.map(_whole, tree)
+
+
+def _refuse_train_module(tree) -> None:
+    """A TrainModule is a pytree leaf, so it would come back unchanged, arrays on device."""
+    names = {c.__name__ for c in type(tree).__mro__}
+    if "TrainModule" in names:
+        raise ConfigurationTypeError(
+            f"jaxlight.distributed.gather got a {type(tree).__name__} (a TrainModule), which "
+            "holds its arrays in its model, not as pytree leaves: it would come back unchanged, "
+            "on the devices. Gather the model: jaxlight.distributed.gather(module.model) (or "
+            "its state, nnx.state(module.model))."
+        )
 
 
 def _whole(x):

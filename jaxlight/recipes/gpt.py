@@ -486,7 +486,10 @@ RECIPE = Recipe(
     summary="byte-level transformer LM on the Python standard library; reports bits per byte",
     config=Config,
     build=build,
-    fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100},
+    # Validation every val_check_interval steps counted across epochs (Lightning's
+    # check_val_every_n_epoch=None): the interval may be longer than an epoch.
+    fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100,
+                  "check_val_every_n_epoch": None},
     presets=PRESETS,
     after_fit=after_fit,
 )

@@ -387,7 +387,10 @@ RECIPE = Recipe(
     summary="fine-tune (LoRA by default) a gpt model to reverse words; exact match before/after",
     config=Config,
     build=build,
-    fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100},
+    # Validation every val_check_interval steps counted across epochs (Lightning's
+    # check_val_every_n_epoch=None): the interval may be longer than an epoch.
+    fit_defaults={"max_steps": 300, "log_every_n_steps": 25, "val_check_interval": 100,
+                  "check_val_every_n_epoch": None},
     before_fit=before_fit,
     after_fit=after_fit,
     ckpt_overrides=_ckpt_overrides,

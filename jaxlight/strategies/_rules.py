@@ -108,6 +108,21 @@ def _mesh_axis(name: Any) -> Any:
     return AXIS_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
+def _refuse_repeated_axis(shown: str, target: tuple, who: str) -> None:
+    """One axis can split one dimension of an array; a second use would silently replicate."""
+    axes = [_mesh_axis(n) for n in target]
+    for i, name in enumerate(axes):
+        if name is not None and name in axes[:i]:
+            first = axes.index(name)
+            fixed = tuple(None if j == i else n for j, n in enumerate(target))
+            raise ConfigurationError(
+                f"{who}: path rule (r{shown!r} -> {target!r}) names {target[i]!r} for "
+                f"dimensions {first} and {i}; one axis can split only one dimension of an "
+                f"array (dimension {i} would silently be left unsplit). "
+                f"Give the other dimension None or another axis, for example {fixed!r}."
+            )
+
+
 def _path_rule(key: Any, target: Any, who: str, group: str | None) -> PathRule:
     shown = key.pattern if isinstance(key, re.Pattern) else key
     if not isinstance(target, tuple | list) or not all(
@@ -117,6 +132,7 @@ def _path_rule(key: Any, target: Any, who: str, group: str | None) -> PathRule:
             f"axis name, mesh axis or None per dimension of the parameters it matches, for "
             f"example (r{shown!r}, (None, 'tp')) for a 2-d kernel split over tp by columns."
         )
+    _refuse_repeated_axis(shown, tuple(target), who)
     try:
         return PathRule(key, tuple(_mesh_axis(n) for n in target), group)
     except re.error as err:

@@ -55,7 +55,7 @@ def test_layout_is_readable_with_plain_orbax(tmp_path):
     # Saved after the last batch of epoch 0 (a resume starts epoch 1).
     assert meta["step"] == 8 and meta["epoch"] == 0 and meta["batch_idx"] == 8
     assert meta["hparams"] == {"din": 16, "hidden": 32, "classes": 4, "lr": 0.01}
-    assert meta["loader"] == {"epoch": 0, "position": 8, "seed": 1}
+    assert meta["loader"] == {"epoch": 0, "position": 8, "seed": 1, "batch_size": 32}
     assert meta["module"].endswith("Classifier") and meta["strategy"]["name"] == "fsdp"
     json.dumps(meta)  # plain JSON
 
