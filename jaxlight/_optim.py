@@ -260,15 +260,22 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None
     The transformation already includes the scheduler's factor (`Scheduler.wrap`).
     """
     where = f"{type(module).__name__}.configure_optimizers()"
-    out = module.configure_optimizers()
+    return resolve_output(module.configure_optimizers(), where)
+
+
+def resolve_output(out: Any, where: str) -> tuple[optax.GradientTransformation, Scheduler | None]:
+    """`resolve` for an output already read (`where` names configure_optimizers for messages)."""
     if isinstance(out, optax.GradientTransformation):
         return out, None
     if isinstance(out, tuple | list):
         raise PortingError(
             f"{where} returned a {type(out).__name__} of {len(out)} items, Lightning's "
-            "([optimizers], [schedulers]) form; jaxlight trains one optax transformation: "
-            "return it, or {'optimizer': tx, 'lr_scheduler': {'scheduler': ..., 'interval': "
-            f"...}}}} (combine several with optax.multi_transform). See {GUIDE}."
+            "([optimizers], [schedulers]) form, which does not say which parameters each "
+            "optimizer updates. Return a list of named optimizers, each bound to part of the "
+            "model: [{'name': 'generator', 'params': 'generator', 'optimizer': tx_g}, "
+            "{'name': 'discriminator', 'params': 'discriminator', 'optimizer': tx_d, "
+            "'lr_scheduler': {...}}] ('params': a sub-module attribute, a path regex or an nnx "
+            f"filter). See docs/models.md ('Several optimizers') and {GUIDE}."
         )
     if not isinstance(out, dict):
         torch_hint = (" A torch optimizer has no JAX counterpart: return optax.adam(lr) (no "

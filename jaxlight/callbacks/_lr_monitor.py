@@ -150,6 +150,9 @@ class LearningRateMonitor(Callback):
         >>> monitor = LearningRateMonitor()
     """
 
+    #: Its transform_optimizer only looks (manual optimization accepts it).
+    observes_optimizer_only = True
+
     def __init__(self, log_momentum: bool = False):
         self.log_momentum = log_momentum
         self.schedules: list[Callable] = []
