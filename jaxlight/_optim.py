@@ -254,6 +254,11 @@ def _scheduler(entry: Any, top_monitor: str | None, where: str) -> Scheduler:
                      strict=bool(entry.get("strict", True)), name=entry.get("name"))
 
 
+def as_transformation(x: Any) -> Any:
+    """`optax.MultiSteps(tx, k)` is a class around a transformation: its transformation."""
+    return x.gradient_transformation() if isinstance(x, optax.MultiSteps) else x
+
+
 def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None]:
     """Calls `module.configure_optimizers()`; returns the optax transformation and scheduler.
 
@@ -265,6 +270,9 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None
 
 def resolve_output(out: Any, where: str) -> tuple[optax.GradientTransformation, Scheduler | None]:
     """`resolve` for an output already read (`where` names configure_optimizers for messages)."""
+    out = as_transformation(out)
+    if isinstance(out, dict) and "optimizer" in out:
+        out = {**out, "optimizer": as_transformation(out["optimizer"])}
     if isinstance(out, optax.GradientTransformation):
         return out, None
     if isinstance(out, tuple | list):

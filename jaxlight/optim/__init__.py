@@ -31,7 +31,11 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
     """`jaxlight._step.build_optimizer`, reading named optimizers too (see `resolve`)."""
     tx, scheduler, _ = resolve(module)
     if is_manual(module):
-        return tx, scheduler  # its callbacks are checked by build_manual_step
+        # Only observers see it (LearningRateMonitor); build_manual_step refuses the rest.
+        for cb in callbacks:
+            if getattr(cb, "observes_optimizer_only", False):
+                cb.transform_optimizer(tx)
+        return tx, scheduler
     for cb in callbacks:
         tx = cb.transform_optimizer(tx)
     return tx, scheduler

@@ -152,7 +152,7 @@ def read_named(out: list, module: Any, where: str) -> NamedOptimizers:
         tx, scheduler = _optim.resolve_output(single, f"{where}[{name!r}]")
         if scheduler is not None and scheduler.name is None:
             scheduler = dataclasses.replace(scheduler, name=f"lr-{name}")
-            tx = scheduler.wrap(entry["optimizer"])
+            tx = scheduler.wrap(_optim.as_transformation(single["optimizer"]))
         names.append(name)
         txs[name], schedulers[name], bindings[name] = tx, scheduler, entry["params"]
     _, _, params_state, _ = abstract_model(module)
