@@ -80,7 +80,7 @@ def _sgd_step(params, name, loss, lr=0.1):
     return {**params, name: jax.tree.map(lambda p, g: p - lr * g, params[name], grad)}, value
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp"])
+@pytest.mark.parametrize("strategy", ["single", "dp", "ddp"])
 def test_later_update_sees_the_earlier_one_in_one_compiled_step(strategy):
     fit, logged, params = _fit(Manual(), strategy=strategy)
     assert fit.compile_counts["train"] == 1
