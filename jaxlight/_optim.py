@@ -290,13 +290,25 @@ def _scheduler(entry: Any, top_monitor: str | None, where: str) -> Scheduler:
                      strict=bool(entry.get("strict", True)), name=entry.get("name"))
 
 
+def as_transformation(x: Any) -> Any:
+    """`optax.MultiSteps(tx, k)` is a class around a transformation: its transformation."""
+    return x.gradient_transformation() if isinstance(x, optax.MultiSteps) else x
+
+
 def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None]:
     """Calls `module.configure_optimizers()`; returns the optax transformation and scheduler.
 
     The transformation already includes the scheduler's factor (`Scheduler.wrap`).
     """
     where = f"{type(module).__name__}.configure_optimizers()"
-    out = module.configure_optimizers()
+    return resolve_output(module.configure_optimizers(), where)
+
+
+def resolve_output(out: Any, where: str) -> tuple[optax.GradientTransformation, Scheduler | None]:
+    """`resolve` for an output already read (`where` names configure_optimizers for messages)."""
+    out = as_transformation(out)
+    if isinstance(out, dict) and "optimizer" in out:
+        out = {**out, "optimizer": as_transformation(out["optimizer"])}
     if isinstance(out, optax.GradientTransformation):
         return out, None
     if isinstance(out, tuple | list):
@@ -308,11 +320,13 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, Scheduler | None
                 f"{len(out)} optimizer{'s' if len(out) != 1 else ''}, Lightning's form for "
                 "several optimizers")
         raise PortingError(
-            f"{where} returned a {type(out).__name__} of {len(out)} items ({form}); jaxlight "
-            "trains one optax "
-            "transformation here: return it, or {'optimizer': tx, 'lr_scheduler': "
-            "{'scheduler': ..., 'interval': ...}}; to give parts of the model their own "
-            f"optimizer, combine them with optax.multi_transform. See {GUIDE}."
+            f"{where} returned a {type(out).__name__} of {len(out)} items ({form}), which does "
+            "not say which parameters each "
+            "optimizer updates. Return a list of named optimizers, each bound to part of the "
+            "model: [{'name': 'generator', 'params': 'generator', 'optimizer': tx_g}, "
+            "{'name': 'discriminator', 'params': 'discriminator', 'optimizer': tx_d, "
+            "'lr_scheduler': {...}}] ('params': a sub-module attribute, a path regex or an nnx "
+            f"filter). See docs/models.md ('Several optimizers') and {GUIDE}."
         )
     if not isinstance(out, dict):
         torch_hint = (" A torch optimizer has no JAX counterpart: return optax.adam(lr) (no "

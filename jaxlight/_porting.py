@@ -1,7 +1,7 @@
 """Lightning habits that jaxlight cannot run as written, refused at setup with the jaxlight form.
 
 A LightningModule ported by renaming mostly just works (DESIGN.md). What cannot carry over —
-the model living on `self`, `(batch, batch_idx)` steps, manual optimization — fails deep inside
+the model living on `self`, `(batch, batch_idx)` steps, `manual_backward` — fails deep inside
 tracing with a message about JAX (`'Linear' object is not subscriptable`). `check_module` looks
 at the module's class before anything is traced and says what to write instead, pointing to
 the porting guide.
@@ -53,10 +53,13 @@ LIGHTNING_METHODS = {
                                    "callbacks.GradientClipping",
     "configure_sharded_model": "build the model in configure_model(self, rngs); strategies "
                                "shard it as it is created",
-    "manual_backward": "manual optimization is not supported; write the update with optax or "
-                       "a callback's transform_step",
-    "toggle_optimizer": "jaxlight has one optax transformation per module; combine several "
-                        "with optax.multi_transform",
+    "manual_backward": "with automatic_optimization = False, training_step(self, model, "
+                       "batch, opt) calls opt.step('name', loss_fn), which takes the gradient "
+                       "and applies that optimizer's update",
+    "toggle_optimizer": "opt.step('name', loss_fn) differentiates only the parameters bound "
+                        "to that optimizer (its 'params' entry in configure_optimizers)",
+    "untoggle_optimizer": "opt.step('name', loss_fn) differentiates only the parameters bound "
+                          "to that optimizer; remove it",
 }
 
 
@@ -82,7 +85,8 @@ def _signature_text(fn) -> str:
 
 
 def check_step_signature(module: Any, name: str) -> None:
-    """Refuses a step that cannot be called as `step(model, batch)`."""
+    """Refuses a step that cannot be called as `step(model, batch)` (a manual-optimization
+    training_step: `step(model, batch, opt)`)."""
     fn = getattr(module, name)
     try:
         sig = inspect.signature(fn)
@@ -99,13 +103,17 @@ def check_step_signature(module: Any, name: str) -> None:
             f"call model(x) where Lightning calls self(x). There is no batch_idx (steps are "
             f"compiled once; read fit.batch_idx in a callback). See {GUIDE}."
         )
+    manual = name == "training_step" and getattr(module, "automatic_optimization", True) is False
+    args = ("model", "batch", "opt") if manual else ("model", "batch")
     try:
-        sig.bind(None, None)
+        sig.bind(*[None] * len(args))
     except TypeError:
+        why = (" (automatic_optimization = False: the step receives the optimizers as `opt` and "
+               "calls opt.step('name', loss_fn))" if manual else "")
         raise PortingError(
             f"{_where(module, name)}{_signature_text(fn)} cannot be called as "
-            f"{name}(model, batch), which is how jaxlight calls it: write "
-            f"{name}(self, model, batch). See {GUIDE}."
+            f"{name}({', '.join(args)}), which is how jaxlight calls it{why}: write "
+            f"{name}(self, {', '.join(args)}). See {GUIDE}."
         ) from None
 
 
@@ -174,8 +182,10 @@ _SELF_USE_FIX = {
                             "optax.adam(lr)",
     "self.named_parameters(...)": "optax transformations need no parameter list; select "
                                   "parameters with optax.masked or TrainModule.trainable",
-    "self.manual_backward(...)": "manual optimization is not supported; return the loss and "
-                                 "let the compiled step take gradients",
+    "self.manual_backward(...)": "with automatic_optimization = False, write "
+                                 "training_step(self, model, batch, opt) and call "
+                                 "opt.step('name', loss_fn): it takes the gradient and applies "
+                                 "that optimizer's update",
     "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
     "self.log(...)": "self.log records traced values while a step is traced, so it works in "
                      "training_step / validation_step / test_step (and helpers they call; "
@@ -218,13 +228,6 @@ def check_module(module: Any) -> None:
                 f"{cls}.{name}{_signature_text(fn)} is a LightningModule method jaxlight never "
                 f"calls: {fix}. See {GUIDE}."
             )
-    if getattr(module, "automatic_optimization", True) is False:
-        raise PortingError(
-            f"{cls}.automatic_optimization = False asks for Lightning's manual optimization, "
-            "which jaxlight does not have: the compiled step takes gradients of the loss "
-            "training_step returns and applies the optax transformation from "
-            f"configure_optimizers. See {GUIDE}."
-        )
     # Layers on self with no configure_model is Lightning's layout; with one, a module held
     # on self is a backbone configure_model builds on (a pretrained model under LoRA).
     layers = [] if _overrides(module, "configure_model") else _nn_attributes(module)

@@ -45,15 +45,6 @@ class ModelSpec:
     frozen: Any = None
 
 
-class _Axes:
-    """Logical axis names, as an opaque (non-pytree) leaf so tuples survive tree maps."""
-
-    __slots__ = ("names",)
-
-    def __init__(self, names):
-        self.names = names
-
-
 def logical_names(state: nnx.State) -> Any:
     """Per leaf, the logical axis names from `nnx.with_partitioning`, or None."""
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
@@ -128,22 +119,85 @@ def model_spec(module, tx: optax.GradientTransformation, seed: int,
         params = jax.eval_shape(params_transform, params)
     abs_opt = jax.eval_shape(tx.init, params)
     param_axes = logical_names(params_state)
-    wrapped = jax.tree.map(_Axes, param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
-    opt_axes = optax.tree_map_params(
-        tx,
-        lambda _, axes: axes,
-        abs_opt,
-        wrapped,
-        transform_non_params=lambda _: _Axes(None),
-        is_leaf=lambda x: isinstance(x, _Axes),
-    )
-    opt_axes = jax.tree.map(lambda a: a.names, opt_axes, is_leaf=lambda x: isinstance(x, _Axes))
+    opt_axes = opt_state_axes(abs_opt, params, param_axes)
     abstract_state = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=abs_opt, rest=rest
     )
     logical = TrainState(step=None, params=param_axes, opt_state=opt_axes,
                          rest=logical_names(rest_state))
     return ModelSpec(graphdef, eval_graphdef, abstract_state, logical, frozen_mask(rest_state))
+
+
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _is_axes(x: Any) -> bool:
+    return x is None or (isinstance(x, tuple) and not _is_masked(x))
+
+
+def opt_state_axes(abstract_opt: Any, params: Any, param_axes: Any) -> Any:
+    """The logical axes of `abstract_opt` (mirrors it; a tuple of names or None per leaf).
+
+    Logical axes of an optimizer state: each slot sharded like the parameter it covers.
+
+    An optax state holds copies of the parameter tree (Adam's `mu` and `nu`, momentum's `trace`)
+    beside scalars (`count`). Partitioned transformations (`optax.multi_transform`,
+    `optax.partition`, `optax.masked`) keep the same copies with `optax.MaskedNode` where a
+    parameter belongs to another partition. `opt_state_axes` finds every subtree shaped like the
+    parameters (MaskedNode counting as a leaf) and gives each of its arrays the logical axes of
+    the parameter at the same position when the shapes agree; every other leaf (counts, a
+    factored second moment of another shape, a scheduler's scalars) gets None (replicated).
+
+    This reads the abstract state only, so it works for any transformation (`optax.tree_map_params`
+    re-runs `init` on a placeholder, which a `multi_transform` with a labelling function cannot
+    take, and cannot place a MaskedNode).
+
+    Args:
+        abstract_opt: the optimizer state as ShapeDtypeStructs (`jax.eval_shape(tx.init, p)`).
+        params: the parameters the state was made for (ShapeDtypeStructs or arrays).
+        param_axes: per leaf of `params`, its logical names (a tuple) or None.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> p = {"a": jax.ShapeDtypeStruct((4, 2), jnp.float32),
+        ...      "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+        >>> tx = optax.masked(optax.adam(1e-3), {"a": True, "b": False})
+        >>> axes = opt_state_axes(jax.eval_shape(tx.init, p), p, {"a": ("embed", "mlp"),
+        ...                                                        "b": None})
+        >>> axes.inner_state[0].mu
+        {'a': ('embed', 'mlp'), 'b': MaskedNode()}
+    """
+    params_def = jax.tree.structure(params)
+    param_leaves = params_def.flatten_up_to(params)
+    axes_leaves = params_def.flatten_up_to(param_axes)
+
+    def shaped_like_params(node: Any) -> list | None:
+        """`node`'s leaves (MaskedNodes included) when its structure is the parameters'."""
+        leaves, treedef = jax.tree.flatten(node, is_leaf=_is_masked)
+        return leaves if treedef == params_def else None
+
+    def one(leaf: Any, param: Any, axes: Any) -> Any:
+        if _is_masked(leaf):
+            return leaf
+        same = tuple(getattr(leaf, "shape", ())) == tuple(getattr(param, "shape", ()))
+        return axes if same else None
+
+    def walk(node: Any) -> Any:
+        if _is_masked(node):
+            return node
+        children, treedef = jax.tree.flatten(node, is_leaf=lambda x: x is not node)
+        if jax.tree_util.treedef_is_leaf(treedef):
+            # an array outside any parameter-shaped tree, or an empty node (EmptyState)
+            return None if children else node
+        leaves = shaped_like_params(node)
+        if leaves:
+            return params_def.unflatten(
+                [one(x, p, a) for x, p, a in zip(leaves, param_leaves, axes_leaves,
+                                                 strict=True)])
+        return treedef.unflatten([walk(c) for c in children])
+
+    return walk(abstract_opt)
 
 
 def make_init_fn(module, tx: optax.GradientTransformation, seed: int, params_transform=None):

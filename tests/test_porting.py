@@ -104,8 +104,21 @@ def test_manual_optimization_and_lightning_hooks_are_refused():
     class Manual(Classifier):
         automatic_optimization = False
 
-    with pytest.raises(jl.PortingError, match="manual optimization"):
+    # Manual optimization is accepted; a training_step without the optimizers is refused with
+    # the form it needs, and Lightning's manual_backward points at opt.step.
+    with pytest.raises(jl.PortingError, match=r"training_step\(model, batch, opt\).*"
+                       r"opt\.step\('name', loss_fn\)"):
         check_module(Manual())
+
+    class Backward(Classifier):
+        automatic_optimization = False
+
+        def training_step(self, model, batch, opt):
+            loss = model(batch["x"]).mean()
+            self.manual_backward(loss)
+
+    with pytest.raises(jl.PortingError, match=r"manual_backward.*opt\.step\('name', loss_fn\)"):
+        check_module(Backward())
 
     class Clip(Classifier):
         def configure_gradient_clipping(self, optimizer, clip_val=None, algorithm=None):

@@ -25,13 +25,8 @@ from jaxlight._errors import ConfigurationError
 from jaxlight._module import TrainModule
 from jaxlight._optim import ScheduleUpdate
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
-from jaxlight._step import (
-    build_eval_step,
-    build_optimizer,
-    build_params_transform,
-    build_predict_step,
-    build_train_step,
-)
+from jaxlight._step import build_eval_step, build_params_transform, build_predict_step
+from jaxlight.optim import build_optimizer, build_train_step  # named & manual optimizers too
 
 
 def abstract_global_batch(batch: Any) -> Any:

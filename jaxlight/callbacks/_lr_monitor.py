@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._optim import Scheduler, current_factor
+from jaxlight._optim import Scheduler, current_factor, states_of
 from jaxlight.callbacks._base import Callback
+from jaxlight.optim._named import NamedOptimizers, named_optimizers
 
 #: Hyperparameter names read from `optax.inject_hyperparams` states.
 LR_NAMES = ("learning_rate", "lr", "step_size")
@@ -141,6 +142,10 @@ class LearningRateMonitor(Callback):
     reductions included), under the scheduler's `name` if it has one. Where the optimizer's
     own rate is a hidden constant, the factor alone is logged as `lr_scale`.
 
+    With named optimizers (configure_optimizers returning several, see docs/models.md) each is
+    logged as `lr-<name>` (its scheduler's `name` if it has one; `lr_scale-<name>` for a
+    factor alone), its schedule read at its own update count.
+
     Args:
         log_momentum: also log the momentum (`b1`/`momentum`) of inject_hyperparams optimizers.
 
@@ -150,21 +155,28 @@ class LearningRateMonitor(Callback):
         >>> monitor = LearningRateMonitor()
     """
 
+    #: Its transform_optimizer only looks (manual optimization accepts it).
+    observes_optimizer_only = True
+
     def __init__(self, log_momentum: bool = False):
         self.log_momentum = log_momentum
         self.schedules: list[Callable] = []
         self.schedulers: list[Scheduler] = []
+        self.named: NamedOptimizers | None = None
         #: Metric names this monitor adds to the step, known once the step is traced.
         self.names: list[str] = []
 
     def transform_optimizer(self, tx):
         self.schedules = find_schedules(tx)
         self.schedulers = find_schedulers(tx)
+        self.named = named_optimizers(tx)
         return tx  # observed only
 
     def transform_step(self, step_fn):
         schedules = self.schedules
         monitor = self
+        if self.named is not None:
+            return self._named_step(step_fn, self.named)
 
         def step_with_lr(state, batch):
             new_state, metrics = step_fn(state, batch)
@@ -203,6 +215,46 @@ class LearningRateMonitor(Callback):
                 for i, value in enumerate(vals):
                     extra[name if len(vals) == 1 else f"{name}/{i}"] = jnp.asarray(
                         value, jnp.float32)
+            monitor.names = list(extra)
+            return new_state, {**metrics, **extra}
+
+        return step_with_lr
+
+    def _named_step(self, step_fn, named: NamedOptimizers):
+        """Named optimizers: `lr-<name>` (or the scheduler's `name`) per optimizer, each read
+        from its own part of the optimizer state (its own update count)."""
+        monitor = self
+        schedules = {name: find_schedules(named.txs[name]) for name in named.names}
+
+        def step_with_lr(state, batch):
+            new_state, metrics = step_fn(state, batch)
+            old = states_of(state.opt_state, optax.PartitionState)[0].inner_states
+            new = states_of(new_state.opt_state, optax.PartitionState)[0].inner_states
+            extra = {}
+            for name in named.names:
+                counts = optax.tree_utils.tree_get_all_with_path(old[name], "count")
+                count = counts[0][1] if counts else state.step
+                values = [fn(count) for fn in schedules[name]]
+                values += [h[k] for h in _injected(new[name]) for k in LR_NAMES if k in h]
+                if monitor.log_momentum:
+                    momenta = [h[k] for h in _injected(new[name]) for k in MOMENTUM_NAMES
+                               if k in h]
+                    if momenta:
+                        extra[f"momentum-{name}"] = jnp.asarray(momenta[0], jnp.float32)
+                factors = current_factor(new[name])
+                scheduler = named.schedulers.get(name)
+                key = scheduler.name if scheduler is not None and scheduler.name else f"lr-{name}"
+                if values:
+                    factor = factors[0] if factors else 1.0
+                    extra[key] = jnp.asarray(values[0] * factor, jnp.float32)
+                elif factors:
+                    extra[f"lr_scale-{name}"] = jnp.asarray(factors[0], jnp.float32)
+            if not extra:
+                warnings.warn(
+                    "LearningRateMonitor found no learning-rate schedule and no "
+                    "optax.inject_hyperparams state in any named optimizer, so it logs nothing. "
+                    "Wrap an optimizer, e.g. optax.inject_hyperparams(optax.adam)(learning_rate="
+                    "1e-3), to log its rate as 'lr-<name>'.", stacklevel=2)
             monitor.names = list(extra)
             return new_state, {**metrics, **extra}
 

@@ -18,6 +18,7 @@ import jaxlight as jl  # noqa: E402
 from jaxlight import callbacks  # noqa: E402
 from tests.checkpoint._common import SlowBatches, loader, make_fit  # noqa: E402
 from tests.models import Classifier  # noqa: E402
+from tests.optim.modules import PartitionedClassifier  # noqa: E402
 
 
 def on_step(fit, module, outputs, batch, batch_idx):
@@ -57,7 +58,8 @@ fit = make_fit(cfg["strategy"], cfg["max_steps"], cbs, log_every_n_steps=1,
                default_root_dir=cfg.get("root", "jaxlight_logs"))
 data = SlowBatches(cfg["delay"]) if "delay" in cfg else loader()
 try:
-    fit.fit(Classifier(), data, ckpt_path=cfg.get("ckpt_path"))
+    module = PartitionedClassifier() if cfg.get("module") == "partitioned" else Classifier()
+    fit.fit(module, data, ckpt_path=cfg.get("ckpt_path"))
 except jl.CheckpointError as exc:
     print(f"CHECKPOINT_ERROR {exc}", flush=True)
     sys.exit(3)

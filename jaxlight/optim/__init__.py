@@ -1,0 +1,48 @@
+"""Several optimizers and manual optimization (docs/models.md, section 'Several optimizers').
+
+`configure_optimizers` may return named optimizers, each bound to part of the model
+(`_named`); with `automatic_optimization = False`, `training_step(self, model, batch, opt)`
+sequences their updates inside the one compiled step (`_manual`). `build_optimizer` and
+`build_train_step` are what the fit's session calls: they hand everything else to
+`jaxlight._step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optax
+
+from jaxlight import _step
+from jaxlight.optim._manual import Optimizers, build_manual_step
+from jaxlight.optim._named import NamedOptimizers, named_optimizers, resolve
+
+__all__ = ["NamedOptimizers", "Optimizers", "build_optimizer", "build_train_step",
+           "is_manual", "named_optimizers"]
+
+
+def is_manual(module: Any) -> bool:
+    """Whether `module` asks for manual optimization (`automatic_optimization = False`)."""
+    return getattr(module, "automatic_optimization", True) is False
+
+
+def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransformation, Any]:
+    """`jaxlight._step.build_optimizer`, reading named optimizers too (see `resolve`)."""
+    tx, scheduler, _ = resolve(module)
+    if is_manual(module):
+        # Only observers see it (LearningRateMonitor); build_manual_step refuses the rest.
+        for cb in callbacks:
+            if getattr(cb, "observes_optimizer_only", False):
+                cb.transform_optimizer(tx)
+        return tx, scheduler
+    for cb in callbacks:
+        tx = cb.transform_optimizer(tx)
+    return tx, scheduler
+
+
+def build_train_step(module, graphdef, tx, callbacks: Sequence, strategy, frozen: Any = None,
+                     log_spec=None):
+    """`jaxlight._step.build_train_step`, or the manual-optimization step."""
+    build = build_manual_step if is_manual(module) else _step.build_train_step
+    return build(module, graphdef, tx, callbacks, strategy, frozen=frozen, log_spec=log_spec)
