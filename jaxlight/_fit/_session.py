@@ -240,19 +240,21 @@ class Session:
         entry = self._compiled.get("train")
         return None if entry is None else entry[1]
 
-    def compile_train_step(self, abstract_batch: Any, *, keep: bool = True):
+    def compile_train_step(self, abstract_batch: Any, *, keep: bool = True,
+                           kind: str = "train"):
         """The compiled training step and the batch shardings for `abstract_batch`.
 
         Compiled once and kept; `keep=False` (the plan) compiles afresh and keeps nothing, so
-        that a later fit compiles for its own batches.
+        that a later fit compiles for its own batches. `kind="train_partial"` is the one more
+        step kind for a loader's last partial batch (counted apart in `compile_counts`).
         """
-        if keep and "train" in self._compiled:
-            return self._compiled["train"]
+        if keep and kind in self._compiled:
+            return self._compiled[kind]
         step = build_train_step(self.module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy, frozen=self._spec.frozen, log_spec=self.log_spec)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
         _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
-        with self.compiling("train"):
+        with self.compiling(kind):
             compiled = self.strategy.compile(
                 step,
                 (self._spec.abstract_state, abstract_batch),
@@ -261,7 +263,7 @@ class Session:
                 donate_argnums=(0,),
             )
         if keep:
-            self._compiled["train"] = (compiled, batch_sh)
+            self._compiled[kind] = (compiled, batch_sh)
         return compiled, batch_sh
 
     def compile_state_update(self, fn, extra_abstract: tuple):

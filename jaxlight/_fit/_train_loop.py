@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from jaxlight import _batch
-from jaxlight._errors import DataError, TrainingStopped
+from jaxlight._errors import DataError, ShardingError, TrainingStopped
 from jaxlight._fit._config import FitConfig, batch_limit, validation_interval
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog
@@ -61,6 +61,62 @@ class StepOutput:
 
     def __getitem__(self, key):
         return self.metrics[key]
+
+
+class _PartialStep:
+    """The one more compiled step kind for a loader's last partial batch.
+
+    torch's `DataLoader(drop_last=False)` (and `jaxlight.data.DataLoader`) ends an epoch with a
+    short batch, which Lightning trains on. Its shape gets its own compiled step (compiled at
+    its first use, kept for the fit, counted as `compile_counts["train_partial"]`); every full
+    batch still runs the one main step. A partial batch the strategy cannot split (its
+    data-parallel degree, GPipe's microbatches, GradientAccumulation's k) is refused with the
+    sizes. Measured against padding the batch with zero-weight rows (benchmarks/partial_batch.py):
+    padding cannot keep a user's `.mean()` loss exact without changing `training_step`, while
+    one more compile costs once per fit and nothing per step.
+    """
+
+    def __init__(self, session: Session, reference: _batch.BatchSignature, full_rows: int):
+        self.session, self.reference, self.full_rows = session, reference, full_rows
+        self.rows: int | None = None
+        self.abstract = self.shardings = self.compiled = None
+
+    def _refuse(self, rows: int, where: str, exc: Exception) -> DataError:
+        return DataError(
+            f"{where} is a partial batch of {rows} examples (full batches have "
+            f"{self.full_rows}), which is trained on as in Lightning, but it cannot be split "
+            f"here: {exc} Drop it (jaxlight.data.DataLoader(..., drop_last=True)), or choose a "
+            f"batch size whose remainder ({rows}) the strategy divides.")
+
+    def accepts(self, batch: Any, where: str) -> bool:
+        """True for a partial batch (checked, its shardings fixed); False for any other."""
+        rows = _batch.partial_rows(batch, self.reference)
+        if rows is None:
+            return False
+        if self.rows is None:
+            abstract = abstract_global_batch(batch)
+            try:
+                self.session.strategy.check_batch(abstract)
+            except (DataError, ShardingError) as exc:
+                raise self._refuse(rows, where, exc) from None
+            self.shardings = self.session.strategy.batch_shardings(abstract)
+            _batch.check_batch_layout(self.shardings, abstract, "partial training batch")
+            self.abstract, self.rows = abstract, rows
+        elif rows != self.rows:
+            raise DataError(
+                f"{where} has {rows} examples, a second partial batch size after {self.rows} "
+                f"(full batches have {self.full_rows}): one partial batch size per fit is "
+                "compiled (a loader's last batch). Give every epoch the same length.")
+        return True
+
+    def step(self, where: str):
+        if self.compiled is None:
+            try:
+                self.compiled, _ = self.session.compile_train_step(self.abstract,
+                                                                   kind="train_partial")
+            except (DataError, ShardingError) as exc:
+                raise self._refuse(self.rows, where, exc) from None
+        return self.compiled
 
 
 class TrainLoop:
@@ -109,9 +165,13 @@ class TrainLoop:
             budget = left if budget is None else min(budget, left)
         return self.feed.epoch(pos.epoch, pos.batch_idx, budget)
 
-    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int,
+                     partial: _PartialStep | None = None) -> None:
+        where = f"training batch {index} of epoch {self.position.epoch}"
+        if partial is not None and partial.accepts(batch, where):
+            return
         _batch.check_same_signature(
-            batch, reference, f"training batch {index} of epoch {self.position.epoch}",
+            batch, reference, where,
             "Every training batch must have the same structure and shapes (drop a last partial "
             "batch, for example ArrayLoader(drop_remainder=True)).")
 
@@ -169,8 +229,16 @@ class TrainLoop:
         epoch_metrics = EpochAccumulator(session.log_spec)
         call("on_train_start")
 
+        full_rows = jax.tree.leaves(first)[0].shape[0] if jax.tree.leaves(first) else 0
+        partial = _PartialStep(session, reference, full_rows)
+
+        def is_partial(batch) -> bool:
+            leaves = jax.tree.leaves(batch)
+            return partial.rows is not None and bool(leaves) and leaves[0].shape[0] != full_rows
+
         def put(batch):
-            return session.strategy.put_batch(batch, batch_sh)
+            return session.strategy.put_batch(
+                batch, partial.shardings if is_partial(batch) else batch_sh)
 
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()
@@ -185,15 +253,18 @@ class TrainLoop:
             call("on_train_epoch_start")
             start = pos.batch_idx
             batches = Prefetcher(pairs, put, config.prefetch_batches,
-                                 lambda b, n, s=start: self._check_batch(b, reference, s + n))
+                                 lambda b, n, s=start: self._check_batch(b, reference, s + n,
+                                                                         partial))
             first_epoch = False
             got_any = False
             try:
                 for batch, device_batch, position in batches:
                     got_any = True
                     call("on_train_batch_start", batch, pos.batch_idx)
-                    session.state, metrics = compiled(session.state, device_batch)
-                    epoch_metrics.add(metrics)
+                    step = (partial.step(f"training batch {pos.batch_idx} of epoch "
+                                         f"{pos.epoch}") if is_partial(batch) else compiled)
+                    session.state, metrics = step(session.state, device_batch)
+                    epoch_metrics.add(metrics, jax.tree.leaves(batch)[0].shape[0])
                     self.feed.consumed(position)
                     pos.global_step += 1
                     pos.batch_idx += 1
