@@ -131,7 +131,7 @@ class Evaluator:
         """The state to evaluate: the training state, else the module's model, else a new one."""
         session = self.session
         if session.state is not None:
-            return session.state
+            return session.evaluation_state(session.state)
         if session.module.assigned_model is not None:
             return session.state_from_model(session.module.assigned_model)
         session.state = session.init_state()

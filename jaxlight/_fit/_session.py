@@ -32,6 +32,7 @@ from jaxlight._step import (
     build_predict_step,
     build_train_step,
 )
+from jaxlight.callbacks._base import StepTransform
 
 
 def abstract_global_batch(batch: Any) -> Any:
@@ -183,6 +184,14 @@ class Session:
         init = make_init_fn(self.module, self._tx, self.seed, self._params_transform)
         with self.compiling("init"):
             return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
+
+    def evaluation_state(self, state: TrainState) -> TrainState:
+        """`state` as validation during fit and the final model read it: each callback's
+        `evaluation_state` in order (the averaged parameters of `WeightAveraging`)."""
+        for cb in self.callbacks:
+            if type(cb).evaluation_state is not StepTransform.evaluation_state:
+                state = cb.evaluation_state(state)
+        return state
 
     def state_from_model(self, model: nnx.Module) -> TrainState:
         """Places an existing model's variables into this strategy's layout (no optimizer)."""

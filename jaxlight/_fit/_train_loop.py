@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxlight import _batch
 from jaxlight._errors import DataError, ShardingError, TrainingStopped
@@ -329,4 +330,10 @@ class TrainLoop:
             pos.agree_stop()  # a guard's last-moment error must end every process alike
         if pos.stop_reason is not None and pos.stop_reason.startswith("error:"):
             raise TrainingStopped(pos.stop_reason[len("error:"):].strip())
+        # Training ends with the parameters evaluation reads (WeightAveraging's average is
+        # copied into the model, as in Lightning), as fresh arrays: the state is donated later.
+        final = session.evaluation_state(session.state)
+        if final is not session.state:
+            session.state = session.state.replace(params=jax.tree.map(jnp.copy, final.params),
+                                                  rest=jax.tree.map(jnp.copy, final.rest))
         call("on_train_end")

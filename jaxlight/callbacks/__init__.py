@@ -15,11 +15,13 @@ from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
 from jaxlight.callbacks._wandb import WandbLogger
+from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
     "CSVLogger",
     "Callback",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulation",
     "GradientClipping",
@@ -35,4 +37,5 @@ __all__ = [
     "TensorBoardLogger",
     "ThroughputMonitor",
     "WandbLogger",
+    "WeightAveraging",
 ]

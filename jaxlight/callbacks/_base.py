@@ -91,6 +91,17 @@ class StepTransform:
         """Wraps the whole `train_step(state, batch) -> (state, metrics)`."""
         return step_fn
 
+    def evaluation_state(self, state: Any) -> Any:
+        """The train state that validation inside a fit, and the model when training ends,
+        read in place of `state` (identity by default).
+
+        `WeightAveraging` returns the state with the averaged parameters it keeps in its
+        optimizer state, as Lightning swaps them in for validation and copies them into the
+        module at the end of training. Only rearrange arrays already in `state` (no compute):
+        it runs on the host between steps.
+        """
+        return state
+
 
 class HostHooks:
     """The host-side hooks, with Lightning's names; each receives `(fit, module, ...)`.
