@@ -37,6 +37,7 @@ class FitConfig:
 
     max_steps: int | None
     max_epochs: int | None
+    max_time: Any
     precision: str | None
     accumulate_grad_batches: int
     gradient_clip_val: float | None
@@ -61,6 +62,7 @@ class FitConfig:
         *,
         max_steps: int | None = None,
         max_epochs: int | None = None,
+        max_time: Any = None,
         precision: str | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
@@ -95,10 +97,11 @@ class FitConfig:
             limit_train_batches, limit_val_batches, val_check_interval = n, n, None
             logger, enable_model_summary = False, False
             num_sanity_val_steps = 0  # as Lightning: the run itself validates n batches
-        if max_steps is None and max_epochs is None:
+        if max_steps is None and max_epochs is None and max_time is None:
             raise ConfigurationError(
-                "Fit needs max_steps or max_epochs (both are None): say how long to train, "
-                "for example Fit(max_steps=1000) or Fit(max_epochs=10)."
+                "Fit needs max_steps, max_epochs or max_time (all are None): say how long to "
+                "train, for example Fit(max_steps=1000), Fit(max_epochs=10) or "
+                "Fit(max_time=\"00:12:00:00\")."
             )
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
                             ("log_every_n_steps", log_every_n_steps)):
@@ -117,7 +120,7 @@ class FitConfig:
                 "prefetching off, 2 is the default)."
             )
         return cls(
-            max_steps=max_steps, max_epochs=max_epochs, precision=precision,
+            max_steps=max_steps, max_epochs=max_epochs, max_time=max_time, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
             val_check_interval=val_check_interval,

@@ -223,6 +223,10 @@ class TrainLoop:
             session.state = session.init_state()
         # Validation's errors show before training, not at the first validation.
         self.evaluator.sanity_check(val_data)
+        if self.done():
+            # Done before the first step (a Timer's limit, max_steps reached by the resumed
+            # checkpoint): Lightning skips the training loop, its hooks included.
+            return
         with tracing_for(first_name, "train_data", first):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the

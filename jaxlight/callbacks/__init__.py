@@ -8,12 +8,14 @@ from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
+from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
 from jaxlight.callbacks._precision import MixedPrecision
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
 from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
+from jaxlight.callbacks._timer import Timer
 from jaxlight.callbacks._wandb import WandbLogger
 from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
@@ -32,10 +34,12 @@ __all__ = [
     "ModelSummary",
     "NonFiniteGuard",
     "NonFiniteState",
+    "OnExceptionCheckpoint",
     "Profiler",
     "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
+    "Timer",
     "WandbLogger",
     "WeightAveraging",
 ]

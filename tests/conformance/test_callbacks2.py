@@ -99,3 +99,106 @@ def test_callbacks2(case_id):
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(module.model.bias[...]), case["final"]["bias"],
                                rtol=1e-5, atol=1e-6)
+
+
+CLAIMS.update({
+    "timer_step_interval_stops_after_the_batch_that_reaches_it":
+        "Timer(duration, interval='step') stops after the batch that reaches the limit; the "
+        "epoch-end and train-end hooks still run",
+    "timer_epoch_interval_stops_at_an_epoch_end":
+        "Timer(interval='epoch') checks at epoch ends only",
+    "max_time_string_is_a_step_timer": "Fit(max_time='DD:HH:MM:SS') is Timer(interval='step')",
+    "timer_zero_duration_trains_nothing":
+        "a limit already reached when the fit starts trains no step and runs no train hooks",
+})
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+class _Tick(callbacks.Callback):
+    def __init__(self, clock, events):
+        self.clock, self.events = clock, events
+
+    def on_train_batch_start(self, fit, module, batch, batch_idx):
+        self.clock.now += 10.0
+
+    def on_train_epoch_end(self, fit, module):
+        self.events.append(f"epoch_end:{fit.global_step}")
+
+    def on_train_end(self, fit, module):
+        self.events.append(f"train_end:{fit.global_step}")
+
+
+@pytest.mark.parametrize("case_id", sorted(FIXTURE["timer_cases"]))
+def test_callbacks2_timer(case_id, monkeypatch):
+    from jaxlight.callbacks import _timer
+
+    case = FIXTURE["timer_cases"][case_id]
+    prob = _problem.make_problem(case["n"], seed=case["seed"])
+    np.testing.assert_allclose(_problem.checksum(prob), case["checksum"], rtol=1e-12)
+    clock, events = _FakeClock(), []
+    monkeypatch.setattr(_timer, "time", clock)
+    spec = case["spec"]
+    extra = [callbacks.Timer(**spec["timer"])] if "timer" in spec else []
+    fit = jl.Fit("single", max_epochs=case["epochs"], max_time=spec.get("max_time"),
+                 callbacks=[_Tick(clock, events), *extra], enable_progress_bar=False,
+                 logger=False, enable_model_summary=False)
+    fit.fit(Reg(prob["kernel"], prob["bias"], 0.05, "sgd"),
+            jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"]))
+    assert fit.global_step == case["global_step"]
+    assert events == case["events"]
+
+
+CLAIMS["on_exception_checkpoint_resumes"] = (
+    "OnExceptionCheckpoint(dirpath) saves <dirpath>/on_exception.ckpt at the step a hook "
+    "raised (7), and Fit.fit(ckpt_path=that path) resumes to Lightning's step count (10). "
+    "Departure (docs/porting.md, 'Resuming mid-epoch'): jaxlight resumes with the next unseen "
+    "batch and ends equal to the uninterrupted run; Lightning re-reads a plain DataLoader "
+    "from its start, so its resumed weights differ from its own uninterrupted run")
+
+
+class _Boom(callbacks.Callback):
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
+        if fit.global_step == self.at_step:
+            raise RuntimeError(f"boom at step {self.at_step}")
+
+
+def test_callbacks2_on_exception_checkpoint_resumes(tmp_path):
+    case = FIXTURE["other_cases"]["on_exception_checkpoint_resumes"]
+    prob = _problem.make_problem(case["n"], seed=case["seed"])
+    np.testing.assert_allclose(_problem.checksum(prob), case["checksum"], rtol=1e-12)
+
+    def fit_with(extra):
+        return jl.Fit("single", max_epochs=case["epochs"], callbacks=extra,
+                      enable_progress_bar=False, logger=False, enable_model_summary=False)
+
+    def module():
+        return Reg(prob["kernel"], prob["bias"], 0.05, "sgd")
+
+    def loader():
+        return jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"])
+
+    on_exception = callbacks.OnExceptionCheckpoint(tmp_path)
+    with pytest.raises(RuntimeError, match="boom at step 7"):
+        fit_with([_Boom(case["at_step"]), on_exception]).fit(module(), loader())
+    assert on_exception.ckpt_path == str(tmp_path / "on_exception.ckpt" / "7")
+    assert int(case["saved_global_step"]) == 7
+    resumed_module = module()
+    resumed = fit_with([])
+    resumed.fit(resumed_module, loader(), ckpt_path=str(tmp_path / "on_exception.ckpt"))
+    assert resumed.global_step == case["resumed_global_step"]
+    # The departure: jaxlight's resumed run equals the uninterrupted one (Lightning's own
+    # uninterrupted weights), where Lightning's resumed run re-read the epoch's first batches.
+    for key in ("kernel", "bias"):
+        got = np.asarray(getattr(resumed_module.model, key)[...])
+        np.testing.assert_allclose(got, case["uninterrupted"][key], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(got, case["resumed"][key], rtol=1e-3)

@@ -8,6 +8,7 @@ writes tests/conformance/fixtures/callbacks2.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pathlib
@@ -94,7 +95,105 @@ def averaging_case(make_callback, spec: dict, n=48, n_val=16, batch_size=8, epoc
             "val_losses": module.val_losses, "final": weights(module)}
 
 
+class FakeClock:
+    """`time.monotonic` advanced by 10 s at each training batch start: Timer cases become
+    deterministic (the jaxlight side patches its Timer's clock the same way)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+class Tick(callbacks.Callback):
+    def __init__(self, clock, events):
+        self.clock, self.events = clock, events
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.clock.now += 10.0
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.events.append(f"epoch_end:{trainer.global_step}")
+
+    def on_train_end(self, trainer, pl_module):
+        self.events.append(f"train_end:{trainer.global_step}")
+
+
+def timer_case(spec: dict, epochs=3, batches=5) -> dict:
+    """spec: {"timer": Timer kwargs} or {"max_time": value}; 10 s per batch, 5 per epoch."""
+    from lightning.pytorch.callbacks import timer as timer_module
+
+    prob = make_problem(batches * 8, seed=2)
+    clock, events = FakeClock(), []
+    saved = timer_module.time
+    timer_module.time = clock
+    try:
+        module = Reg(prob, 0.05)
+        extra = [callbacks.Timer(**spec["timer"])] if "timer" in spec else []
+        with tempfile.TemporaryDirectory() as root:
+            trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=root,
+                                max_time=spec.get("max_time"),
+                                callbacks=[Tick(clock, events), *extra])
+            trainer.fit(module, DataLoader(Examples(prob["x"], prob["y"]), batch_size=8))
+    finally:
+        timer_module.time = saved
+    return {"spec": spec, "epochs": epochs, "n": batches * 8, "seed": 2,
+            "checksum": checksum(prob), "batch_size": 8, "global_step": trainer.global_step,
+            "events": events}
+
+
+class Boom(callbacks.Callback):
+    def __init__(self, at_step):
+        self.at_step = at_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at_step:
+            raise RuntimeError(f"boom at step {self.at_step}")
+
+
+def on_exception_case(at_step=7, epochs=2, batches=5) -> dict:
+    """A hook raises after step `at_step`; OnExceptionCheckpoint saves; a new fit resumes."""
+    prob = make_problem(batches * 8, seed=3)
+
+    def loader():
+        return DataLoader(Examples(prob["x"], prob["y"]), batch_size=8)
+
+    def trainer(root, extra):
+        # A Checkpoint callback (OnExceptionCheckpoint is one) needs enable_checkpointing.
+        return L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=bool(extra), enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=root, callbacks=extra)
+
+    with tempfile.TemporaryDirectory() as root:
+        failed = trainer(root, [Boom(at_step), callbacks.OnExceptionCheckpoint(root)])
+        with contextlib.suppress(RuntimeError):
+            failed.fit(Reg(prob, 0.05), loader())
+        ckpt = torch.load(f"{root}/on_exception.ckpt", weights_only=False)
+        resumed_module = Reg(prob, 0.05)
+        resumed = trainer(root, [])
+        resumed.fit(resumed_module, loader(), ckpt_path=f"{root}/on_exception.ckpt")
+    whole_module = Reg(prob, 0.05)
+    with tempfile.TemporaryDirectory() as root:
+        trainer(root, []).fit(whole_module, loader())
+    return {"at_step": at_step, "epochs": epochs, "n": batches * 8, "seed": 3,
+            "checksum": checksum(prob), "batch_size": 8,
+            "saved_global_step": ckpt["global_step"], "resumed_global_step": resumed.global_step,
+            "resumed": weights(resumed_module), "uninterrupted": weights(whole_module)}
+
+
 def main() -> None:
+    timer_cases = {
+        "timer_step_interval_stops_after_the_batch_that_reaches_it": timer_case(
+            {"timer": {"duration": {"seconds": 25}, "interval": "step"}}),
+        "timer_epoch_interval_stops_at_an_epoch_end": timer_case(
+            {"timer": {"duration": {"seconds": 25}, "interval": "epoch"}}),
+        "max_time_string_is_a_step_timer": timer_case({"max_time": "00:00:01:10"}),
+        "timer_zero_duration_trains_nothing": timer_case(
+            {"timer": {"duration": "00:00:00:00"}}),
+    }
     cases = {
         "weight_averaging_default_is_swa_mean": averaging_case(
             lambda: callbacks.WeightAveraging(), {"name": "WeightAveraging", "kwargs": {}}),
@@ -113,8 +212,9 @@ def main() -> None:
             {"name": "EMAWeightAveraging",
              "kwargs": {"decay": 0.5, "update_starting_at_step": 8}}),
     }
+    other_cases = {"on_exception_checkpoint_resumes": on_exception_case()}
     out = {"group": "callbacks2", "torch": torch.__version__, "lightning": lightning.__version__,
-           "cases": cases}
+           "cases": cases, "timer_cases": timer_cases, "other_cases": other_cases}
     FIXTURES.mkdir(exist_ok=True)
     path = FIXTURES / "callbacks2.json"
     path.write_text(json.dumps(out, indent=1))
