@@ -264,7 +264,9 @@ class Evaluator:
             step, batch_sh = compiled[key]
             out = step(state, self._put(batch, whole, sharded, batch_sh))
             outputs.append(jax.tree.map(lambda x, sharded=sharded: _host(x, sharded), out))
+            self.hooks("on_predict_batch_end", outputs[-1], batch, idx)
             idx += 1
+        self.hooks("on_predict_epoch_end")
         return outputs
 
 

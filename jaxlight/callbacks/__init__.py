@@ -10,6 +10,7 @@ from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
 from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
 from jaxlight.callbacks._precision import MixedPrecision
+from jaxlight.callbacks._prediction_writer import BasePredictionWriter
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
 from jaxlight.callbacks._summary import ModelSummary
@@ -20,6 +21,7 @@ from jaxlight.callbacks._wandb import WandbLogger
 from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BasePredictionWriter",
     "CSVLogger",
     "Callback",
     "DeviceStatsMonitor",

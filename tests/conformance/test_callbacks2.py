@@ -202,3 +202,51 @@ def test_callbacks2_on_exception_checkpoint_resumes(tmp_path):
         got = np.asarray(getattr(resumed_module.model, key)[...])
         np.testing.assert_allclose(got, case["uninterrupted"][key], rtol=1e-5, atol=1e-6)
         assert not np.allclose(got, case["resumed"][key], rtol=1e-3)
+
+
+for _interval in ("batch", "epoch", "batch_and_epoch"):
+    CLAIMS[f"prediction_writer_{_interval}"] = (
+        f"BasePredictionWriter(write_interval={_interval!r}) is called as Lightning calls it: "
+        "per batch with the prediction, the examples' indices, batch_idx and dataloader_idx 0; "
+        "at the end with every batch's prediction and [[indices per batch]]")
+
+
+class _Writer(callbacks.BasePredictionWriter):
+    def __init__(self, write_interval, calls):
+        super().__init__(write_interval)
+        self.calls = calls
+
+    def write_on_batch_end(self, fit, module, prediction, batch_indices, batch, batch_idx,
+                           dataloader_idx):
+        self.calls.append(["batch", batch_idx, list(batch_indices), dataloader_idx,
+                           np.asarray(prediction).tolist()])
+
+    def write_on_epoch_end(self, fit, module, predictions, batch_indices):
+        self.calls.append(["epoch", [np.asarray(p).tolist() for p in predictions],
+                           batch_indices])
+
+
+class _Predicting(Reg):
+    def predict_step(self, model, batch):
+        return model(batch["x"])
+
+
+@pytest.mark.parametrize("interval", ["batch", "epoch", "batch_and_epoch"])
+def test_callbacks2_prediction_writer(interval):
+    case = FIXTURE["other_cases"][f"prediction_writer_{interval}"]
+    prob = _problem.make_problem(case["n"], seed=case["seed"])
+    np.testing.assert_allclose(_problem.checksum(prob), case["checksum"], rtol=1e-12)
+    calls = []
+    fit = jl.Fit("single", max_steps=1, callbacks=[_Writer(interval, calls)],
+                 enable_progress_bar=False, logger=False, enable_model_summary=False)
+    module = _Predicting(prob["kernel"], prob["bias"], 0.0, "sgd")
+    module.model = module.configure_model(nnx.Rngs(0))
+    returned = fit.predict(module, jl.data.DataLoader({"x": prob["x"], "y": prob["y"]},
+                                                      case["batch_size"]))
+    assert len(returned) == case["returned"]
+    assert [c[:-1] if c[0] == "batch" else [c[0], c[2]] for c in calls] == \
+        [c[:-1] if c[0] == "batch" else [c[0], c[2]] for c in case["calls"]]
+    for got, want in zip(calls, case["calls"], strict=True):
+        pairs = [(got[4], want[4])] if got[0] == "batch" else zip(got[1], want[1], strict=True)
+        for g, w in pairs:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

@@ -184,6 +184,40 @@ def on_exception_case(at_step=7, epochs=2, batches=5) -> dict:
             "resumed": weights(resumed_module), "uninterrupted": weights(whole_module)}
 
 
+class Writer(callbacks.BasePredictionWriter):
+    def __init__(self, write_interval, calls):
+        super().__init__(write_interval)
+        self.calls = calls
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch,
+                           batch_idx, dataloader_idx):
+        self.calls.append(["batch", batch_idx, list(batch_indices), dataloader_idx,
+                           prediction.detach().numpy().tolist()])
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.calls.append(["epoch", [p.detach().numpy().tolist() for p in predictions],
+                           batch_indices])
+
+
+def prediction_writer_case(write_interval: str, n=20, batch_size=8) -> dict:
+    prob = make_problem(n, seed=4)
+    calls = []
+
+    class Predicting(Reg):
+        def predict_step(self, batch, batch_idx):
+            return self.layer(batch["x"])
+
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root,
+                            callbacks=[Writer(write_interval, calls)])
+        returned = trainer.predict(Predicting(prob, 0.0),
+                                   DataLoader(Examples(prob["x"], prob["y"]),
+                                              batch_size=batch_size))
+    return {"write_interval": write_interval, "n": n, "seed": 4, "checksum": checksum(prob),
+            "batch_size": batch_size, "calls": calls, "returned": len(returned)}
+
+
 def main() -> None:
     timer_cases = {
         "timer_step_interval_stops_after_the_batch_that_reaches_it": timer_case(
@@ -213,6 +247,8 @@ def main() -> None:
              "kwargs": {"decay": 0.5, "update_starting_at_step": 8}}),
     }
     other_cases = {"on_exception_checkpoint_resumes": on_exception_case()}
+    for interval in ("batch", "epoch", "batch_and_epoch"):
+        other_cases[f"prediction_writer_{interval}"] = prediction_writer_case(interval)
     out = {"group": "callbacks2", "torch": torch.__version__, "lightning": lightning.__version__,
            "cases": cases, "timer_cases": timer_cases, "other_cases": other_cases}
     FIXTURES.mkdir(exist_ok=True)
