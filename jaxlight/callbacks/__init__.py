@@ -13,6 +13,7 @@ from jaxlight.callbacks._precision import MixedPrecision
 from jaxlight.callbacks._prediction_writer import BasePredictionWriter
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
+from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
@@ -38,10 +39,12 @@ __all__ = [
     "NonFiniteState",
     "OnExceptionCheckpoint",
     "Profiler",
+    "SpikeDetection",
     "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
     "Timer",
+    "TrainingSpikeException",
     "WandbLogger",
     "WeightAveraging",
 ]

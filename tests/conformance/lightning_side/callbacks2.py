@@ -218,6 +218,32 @@ def prediction_writer_case(write_interval: str, n=20, batch_size=8) -> dict:
             "batch_size": batch_size, "calls": calls, "returned": len(returned)}
 
 
+def spike_case(kwargs: dict, spike_batch=6, batches=10, epochs=2) -> dict:
+    """Batch `spike_batch` of each epoch has targets x50: a loss spike Lightning may catch."""
+    from lightning.fabric.utilities.spike import TrainingSpikeException
+
+    prob = make_problem(batches * 8, seed=5)
+    y = prob["y"].copy()
+    y[spike_batch * 8:(spike_batch + 1) * 8] *= 50
+    module = Reg(prob, 0.02)
+    raised = None
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root,
+                            callbacks=[callbacks.SpikeDetection(**kwargs)])
+        try:
+            trainer.fit(module, DataLoader(Examples(prob["x"], y), batch_size=8))
+        except TrainingSpikeException as exc:
+            raised = str(exc)
+        path = pathlib.Path(root) / "skip_batches.json"
+        skipped = json.loads(path.read_text()) if path.exists() else None
+    return {"kwargs": kwargs, "spike_batch": spike_batch, "epochs": epochs,
+            "n": batches * 8, "seed": 5, "checksum": checksum(prob), "batch_size": 8,
+            "raised": raised, "global_step": trainer.global_step,
+            "skip_batches": skipped}
+
+
 def main() -> None:
     timer_cases = {
         "timer_step_interval_stops_after_the_batch_that_reaches_it": timer_case(
@@ -247,6 +273,10 @@ def main() -> None:
              "kwargs": {"decay": 0.5, "update_starting_at_step": 8}}),
     }
     other_cases = {"on_exception_checkpoint_resumes": on_exception_case()}
+    other_cases["spike_detection_raises_at_the_spike"] = spike_case(
+        {"window": 3, "warmup": 2})
+    other_cases["spike_detection_tolerant_trains_on"] = spike_case(
+        {"window": 3, "warmup": 2, "rtol": 1e6})
     for interval in ("batch", "epoch", "batch_and_epoch"):
         other_cases[f"prediction_writer_{interval}"] = prediction_writer_case(interval)
     out = {"group": "callbacks2", "torch": torch.__version__, "lightning": lightning.__version__,
