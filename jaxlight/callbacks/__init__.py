@@ -6,6 +6,7 @@ from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
 from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
@@ -48,3 +49,10 @@ __all__ = [
     "WandbLogger",
     "WeightAveraging",
 ]
+
+
+def __getattr__(name: str):
+    # Lightning's names jaxlight lacks: say what to use instead (an AttributeError still).
+    if name in NOT_IN_JAXLIGHT:
+        raise missing(name)
+    raise AttributeError(f"module 'jaxlight.callbacks' has no attribute {name!r}")

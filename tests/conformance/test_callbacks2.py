@@ -285,3 +285,30 @@ def test_callbacks2_spike_detection(case_id, tmp_path):
     assert info.value.batch_idx == case["spike_batch"]
     assert json.loads(path.read_text()) == case["skip_batches"]
     assert fit.global_step == case["global_step"] + 1  # the pinned departure
+
+
+CLAIMS["porting_table_lists_every_lightning_callback_and_logger"] = (
+    "docs/porting.md's callback table names every callback and logger of Lightning 2.6; each "
+    "is in jaxlight.callbacks or raises an AttributeError saying what to use instead")
+
+
+def test_callbacks2_porting_table_lists_every_lightning_callback_and_logger():
+    import re
+
+    from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT
+
+    text = (HERE.parent.parent / "docs" / "porting.md").read_text()
+    section = text.split("## Lightning's callbacks and loggers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
+    listed = {name: row for row in rows for name in re.findall(r"`(\w+)`", row[0])}
+    names = FIXTURE["lightning_names"]
+    for name in names["callbacks"] + names["loggers"]:
+        assert name in listed, f"{name} is missing from porting.md's callback table"
+        ours = listed[name][1].strip()
+        if name in NOT_IN_JAXLIGHT:
+            assert ours == "—", (name, ours)
+            with pytest.raises(AttributeError, match=f"has no {name} .*porting.md"):
+                getattr(callbacks, name)
+        else:
+            assert ours != "—", name
+            assert name in callbacks.__all__, name

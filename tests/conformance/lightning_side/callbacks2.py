@@ -279,8 +279,12 @@ def main() -> None:
         {"window": 3, "warmup": 2, "rtol": 1e6})
     for interval in ("batch", "epoch", "batch_and_epoch"):
         other_cases[f"prediction_writer_{interval}"] = prediction_writer_case(interval)
+    from lightning.pytorch import loggers
+
+    names = {"callbacks": sorted(callbacks.__all__), "loggers": sorted(loggers.__all__)}
     out = {"group": "callbacks2", "torch": torch.__version__, "lightning": lightning.__version__,
-           "cases": cases, "timer_cases": timer_cases, "other_cases": other_cases}
+           "cases": cases, "timer_cases": timer_cases, "other_cases": other_cases,
+           "lightning_names": names}
     FIXTURES.mkdir(exist_ok=True)
     path = FIXTURES / "callbacks2.json"
     path.write_text(json.dumps(out, indent=1))
