@@ -21,7 +21,6 @@ NOT_IN_JAXLIGHT = {
     "LearningRateFinder": "not yet",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
-    "RichModelSummary": "not yet: callbacks.ModelSummary prints the same table as text",
     "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
     "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
                                  "average of every step, without SWA's learning-rate schedule",
