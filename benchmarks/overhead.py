@@ -16,6 +16,7 @@ With `--accumulate K` one optimizer step takes K loader batches: Fit gets
 `accumulate_grad_batches=K`; the hand-written loop stacks K batches on the host, puts them on
 the devices split along the batch axis, and its jitted step scans them (`lax.scan`, gradients
 summed in fp32, divided by K), so both do the same work per optimizer step.
+    python benchmarks/overhead.py --ema 0.999         # EMAWeightAveraging vs a hand-written EMA
 
 Prints JSON; writes benchmarks/results/overhead.json (when run for every configuration).
 """
@@ -94,7 +95,8 @@ def run_one(args) -> dict:
         rec = callbacks.LambdaCallback(
             on_train_batch_end=lambda f, m, o, b, i: stamps.append(time.perf_counter()))
         module = Module(log=args.log)
-        fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec],
+        extra = [] if args.ema is None else [callbacks.EMAWeightAveraging(decay=args.ema)]
+        fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec, *extra],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
                      log_every_n_steps=args.log_every, accumulate_grad_batches=k)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
@@ -110,6 +112,8 @@ def run_one(args) -> dict:
         mesh = fit.strategy.mesh
         param_sh = fit.session.shardings.params
         opt_sh = fit.session.shardings.opt_state
+        if args.ema is not None:  # Fit's optimizer state holds the average around the optimizer's
+            opt_sh = opt_sh.inner
         batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
             if args.devices > 1 else PartitionSpec()
         if k > 1:  # K stacked batches: (K, batch, ...), split along the batch axis
@@ -117,8 +121,12 @@ def run_one(args) -> dict:
         batch_sh = NamedSharding(mesh, batch_spec)
         params = jax.device_put(params, param_sh)
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+        # --ema: the hand-written average, as torch's AveragedModel + get_ema_avg_fn (the first
+        # update copies), sharded like the parameters and donated with them.
+        ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)(params) \
+            if args.ema is not None else None
 
-        def step(params, opt_state, batch):
+        def step(params, opt_state, ema, batch):
             def loss_fn(p):
                 return module.training_step(nnx.merge(graphdef, p, rest), batch)
 
@@ -135,11 +143,20 @@ def run_one(args) -> dict:
                 grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
                 loss = losses.mean()
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+            params = optax.apply_updates(params, updates)
+            if ema is not None:
+                first = ema[1] == 0
+                ema = (jax.tree.map(lambda a, c: jnp.where(first, c, args.ema * a
+                                                           + (1 - args.ema) * c),
+                                    ema[0], params), ema[1] + 1)
+            return params, opt_state, ema, loss
 
-        step = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
-                       out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
-                       donate_argnums=(0, 1))
+        ema_sh = None if ema is None else (param_sh, NamedSharding(mesh, PartitionSpec()))
+        ema = None if ema is None else (ema, jnp.zeros((), jnp.int32))
+        step = jax.jit(step, in_shardings=(param_sh, opt_sh, ema_sh, batch_sh),
+                       out_shardings=(param_sh, opt_sh, ema_sh,
+                                      NamedSharding(mesh, PartitionSpec())),
+                       donate_argnums=(0, 1, 2))
         loader = jl.data.ArrayLoader(data, args.batch, seed=0)
         it = iter(loader)
         batches = []
@@ -157,7 +174,8 @@ def run_one(args) -> dict:
             if k > 1:
                 group = [batch] + [next_batch() for _ in range(k - 1)]
                 batch = jax.tree.map(lambda *xs: np.stack(xs), *group)
-            params, opt_state, loss = step(params, opt_state, jax.device_put(batch, batch_sh))
+            params, opt_state, ema, loss = step(params, opt_state, ema,
+                                                jax.device_put(batch, batch_sh))
             if prev is not None:
                 prev.block_until_ready()
             prev = loss
@@ -165,7 +183,7 @@ def run_one(args) -> dict:
             if i == 0:
                 batches.append(None)
         prev.block_until_ready()
-        return stamps, jax.device_get(params)
+        return stamps, jax.device_get(params if ema is None else ema[0])
 
     def median_step(stamps):
         d = np.diff(stamps[args.warmup:])
@@ -193,6 +211,7 @@ def run_one(args) -> dict:
         "hidden": args.hidden,
         "self_log": args.log,
         "accumulate_grad_batches": k,
+        "ema_decay": args.ema,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
         "median_hand_ms": float(np.median([r["hand_ms"] for r in rounds])),
         "median_ratio": float(np.median(ratios)),
@@ -221,6 +240,8 @@ def main(argv=None):
                    help="Fit's training_step also calls self.log(..., on_epoch=True, prog_bar)")
     p.add_argument("--accumulate", type=int, default=1,
                    help="loader batches per optimizer step (Fit's accumulate_grad_batches)")
+    p.add_argument("--ema", type=float, default=None,
+                   help="Fit runs callbacks.EMAWeightAveraging(decay); the hand loop the same EMA")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.devices is not None:
@@ -234,6 +255,7 @@ def main(argv=None):
                "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
         cmd += ["--log"] if args.log else []
         cmd += ["--accumulate", str(args.accumulate)]
+        cmd += ["--ema", str(args.ema)] if args.ema is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             results.append({"devices": devices, "strategy": strategy,
@@ -245,6 +267,8 @@ def main(argv=None):
         args.out = os.path.join(HERE, "results", "overhead_log.json")
     if args.accumulate > 1 and args.out == os.path.join(HERE, "results", "overhead.json"):
         args.out = os.path.join(HERE, "results", "overhead_accumulate.json")
+    if args.ema is not None and args.out == os.path.join(HERE, "results", "overhead.json"):
+        args.out = os.path.join(HERE, "results", "overhead_ema.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -39,16 +39,19 @@ BENCHMARKS = {
     "overhead_accumulate": ["--steps", "40", "--rounds", "3", "--batch", "128", "--hidden", "512",
                             "--accumulate", "4"],
     "gan_step": [],
+    "overhead_ema": ["--steps", "100", "--rounds", "3", "--ema", "0.999"],
     "auto": [],
     "startup": [],
     "prefetch": [],
     "gpt_input": [],
     "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
+    "partial_batch": [],
 }
 
 
 #: Entries that run another entry's script with other flags.
-SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead"}
+SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
+           "overhead_ema": "overhead"}
 
 
 def _load(name):
@@ -84,6 +87,23 @@ def summarize_overhead_accumulate(r):
     return [(what.replace("Fit / hand-written", f"Fit(accumulate_grad_batches={k}) / hand-written")
              .replace("final params Fit", f"final params Fit(accumulate_grad_batches={k})"),
              measured, target, met) for what, measured, target, met in summarize_overhead(r)]
+def summarize_overhead_ema(r):
+    """The same, with callbacks.EMAWeightAveraging(0.999) against a hand-written EMA."""
+    return [(what.replace("Fit / hand-written", "Fit with EMAWeightAveraging / hand-written EMA")
+             .replace("final params Fit", "final averaged params Fit"), measured, target, met)
+            for what, measured, target, met in summarize_overhead(r)]
+
+
+def summarize_partial_batch(r):
+    p, d = r["partial"], r["padded"]
+    return [("last partial batch: one more compiled step kind (s, once per fit)",
+             _fmt(p["compile_train_partial_s"]), "—", None),
+            ("partial step / full step time (the short batch's own shape)",
+             _fmt(p["partial_step_s"] / p["full_step_s"]), "—", None),
+            ("params: partial step vs padding with zero-weight rows (max abs diff)",
+             f"{r['max_param_diff']:.1e}", "—", None),
+            ("padded step / full step time", _fmt(d["padded_step_s"] / d["full_step_s"]),
+             "—", None)]
 
 
 def summarize_overhead(r):

@@ -78,6 +78,28 @@ def check_same_signature(batch: Any, reference: BatchSignature, where: str, advi
     )
 
 
+def partial_rows(batch: Any, reference: BatchSignature) -> int | None:
+    """The rows of `batch` if it is a short (partial) batch of `reference`'s kind, else None.
+
+    A partial batch has the reference's structure and dtypes, and every leaf's shape equal to
+    the reference's but for a smaller leading dimension common to all leaves (the last batch
+    of a loader that keeps its remainder, as torch's `DataLoader(drop_last=False)`).
+    """
+    got = batch_signature(batch, reference.origin)
+    if got.treedef != reference.treedef:
+        return None
+    rows = set()
+    for (_, shape, dtype), (_, ref_shape, ref_dtype) in zip(got.leaves, reference.leaves,
+                                                            strict=True):
+        if dtype != ref_dtype or len(shape) != len(ref_shape) or not shape:
+            return None
+        if shape[1:] != ref_shape[1:] or shape[0] >= ref_shape[0]:
+            return None
+        rows.add(shape[0])
+    return rows.pop() if len(rows) == 1 and len({s[0] for _, s, _ in reference.leaves}) == 1 \
+        else None
+
+
 def check_batch_agreement(batch: Any, what: str = "training batch",
                           num_batches: int | None = None) -> None:
     """Refuses per-process batches whose shapes or dtypes differ between processes.

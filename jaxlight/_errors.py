@@ -76,6 +76,15 @@ class TrainingStopped(JaxlightError, RuntimeError):
     """Training was stopped by a guard (for example too many non-finite steps in a row)."""
 
 
+class TrainingSpikeException(TrainingStopped):
+    """`callbacks.SpikeDetection` found a loss spike (Lightning's name); `batch_idx` is the
+    spiking batch's index in its epoch."""
+
+    def __init__(self, batch_idx: int, message: str = ""):
+        self.batch_idx = batch_idx
+        super().__init__(message or f"Training spike detected in batch {batch_idx}")
+
+
 def suggest(name: str, options) -> str:
     """Returns ' Did you mean X?' for the closest option, or ''."""
     match = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)

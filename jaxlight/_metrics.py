@@ -275,22 +275,29 @@ class EpochAccumulator:
         self.names = list(spec.epoch_names)
         self._acc = None
 
-        def pick(metrics):
-            return {n: (metrics[n] * metrics.get(n + WEIGHT, 1.0),
-                        jnp.asarray(metrics.get(n + WEIGHT, 1.0), jnp.float32))
+        def pick(metrics, rows):
+            # Without batch_size=, a value weighs as many as its batch's examples, as
+            # Lightning's inferred batch size does (a short last batch weighs less).
+            return {n: (metrics[n] * metrics.get(n + WEIGHT, rows),
+                        jnp.asarray(metrics.get(n + WEIGHT, rows), jnp.float32))
                     for n in self.names}
 
-        self._start = jax.jit(pick)
-        self._add = jax.jit(lambda acc, metrics: jax.tree.map(jnp.add, acc, pick(metrics)),
-                            donate_argnums=0)
+        # `rows` is static: one trace per batch size (the full batches and a last partial one).
+        self._start = jax.jit(pick, static_argnums=1)
+        self._add = jax.jit(lambda acc, metrics, rows: jax.tree.map(jnp.add, acc,
+                                                                     pick(metrics, rows)),
+                            donate_argnums=0, static_argnums=2)
 
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def add(self, metrics: dict) -> None:
+    def add(self, metrics: dict, rows: int = 1) -> None:
+        """Adds one step's values; `rows`: the batch's examples (its leading dimension)."""
         if not self.names:
             return
-        self._acc = self._start(metrics) if self._acc is None else self._add(self._acc, metrics)
+        rows = float(rows)
+        self._acc = (self._start(metrics, rows) if self._acc is None
+                     else self._add(self._acc, metrics, rows))
 
     def compute(self) -> dict[str, float]:
         """The epoch's weighted means, named as logged; resets for the next epoch."""

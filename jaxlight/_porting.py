@@ -287,8 +287,6 @@ TRAINER_ARGS = {
                   "with max_epochs",
     "min_steps": "not supported: EarlyStopping stops when its monitor stalls; train longer "
                  "with max_steps",
-    "max_time": "use max_steps / max_epochs, or a callback that calls fit.request_stop(...) "
-                "after a time",
     "overfit_batches": "limit_train_batches=n, and pass the same batches as validation data",
     "sync_batchnorm": "batch statistics are computed over the global batch under every SPMD "
                       "strategy already; remove it",

@@ -37,6 +37,7 @@ class FitConfig:
 
     max_steps: int | None
     max_epochs: int | None
+    max_time: Any
     precision: str | None
     accumulate_grad_batches: int
     gradient_clip_val: float | None
@@ -61,6 +62,7 @@ class FitConfig:
         *,
         max_steps: int | None = None,
         max_epochs: int | None = None,
+        max_time: Any = None,
         precision: str | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
@@ -112,7 +114,7 @@ class FitConfig:
                 "prefetching off, 2 is the default)."
             )
         return cls(
-            max_steps=max_steps, max_epochs=max_epochs, precision=precision,
+            max_steps=max_steps, max_epochs=max_epochs, max_time=max_time, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
             val_check_interval=val_check_interval,
@@ -127,11 +129,12 @@ class FitConfig:
 
     def require_length(self) -> None:
         """`Fit.fit` needs a length; a Fit used only to validate, test or predict does not."""
-        if self.max_steps is None and self.max_epochs is None:
+        if self.max_steps is None and self.max_epochs is None and self.max_time is None:
             raise ConfigurationError(
-                "Fit.fit needs max_steps or max_epochs (both are None): say how long to train, "
-                "for example Fit(max_steps=1000) or Fit(max_epochs=10). (Lightning would "
-                "silently train 1000 epochs; jaxlight asks.)"
+                "Fit.fit needs max_steps, max_epochs or max_time (all are None): say how long to "
+                "train, for example Fit(max_steps=1000), Fit(max_epochs=10) or "
+                "Fit(max_time=\"00:12:00:00\"). (Lightning would silently train 1000 epochs; "
+                "jaxlight asks.)"
             )
 
     def summary(self, strategy_name: str) -> dict[str, Any]:

@@ -133,7 +133,7 @@ class Evaluator:
         """The state to evaluate: the training state, else the module's model, else a new one."""
         session = self.session
         if session.state is not None:
-            return session.state
+            return session.evaluation_state(session.state)
         if session.module.assigned_model is not None:
             return session.state_from_model(session.module.assigned_model)
         session.state = session.init_state()
@@ -266,7 +266,9 @@ class Evaluator:
             step, batch_sh = compiled[key]
             out = step(state, self._put(batch, whole, sharded, batch_sh))
             outputs.append(jax.tree.map(lambda x, sharded=sharded: _host(x, sharded), out))
+            self.hooks("on_predict_batch_end", outputs[-1], batch, idx)
             idx += 1
+        self.hooks("on_predict_epoch_end")
         return outputs
 
 

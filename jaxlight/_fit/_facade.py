@@ -47,6 +47,9 @@ class Fit(FitView):
             strategy's mesh spans only these; the rest stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
         max_epochs: passes over the training data; None means "until max_steps".
+        max_time: shortcut for `callbacks.Timer(duration=max_time, interval="step")`: stop
+            after this long ("DD:HH:MM:SS", a `datetime.timedelta` or a dict such as
+            {"hours": 2}), checked after every training batch, as Lightning's.
         callbacks: `jaxlight.callbacks` objects (host hooks and step transforms).
         precision: shortcut for `callbacks.MixedPrecision(precision)`.
         accumulate_grad_batches: shortcut for `callbacks.GradientAccumulation(k)` when k > 1.
@@ -86,6 +89,7 @@ class Fit(FitView):
         devices: int | str | Sequence | None = None,
         max_steps: int | None = None,
         max_epochs: int | None = None,
+        max_time: Any = None,
         callbacks: Sequence[Callback] = (),
         precision: str | None = None,
         accumulate_grad_batches: int = 1,
@@ -119,7 +123,7 @@ class Fit(FitView):
         chosen = select_devices(devices)
         check_strategy_devices(resolved, chosen)
         self._config = FitConfig.create(
-            max_steps=max_steps, max_epochs=max_epochs, precision=precision,
+            max_steps=max_steps, max_epochs=max_epochs, max_time=max_time, precision=precision,
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm,
             val_check_interval=val_check_interval,

@@ -73,6 +73,8 @@ def assemble_callbacks(user, config) -> list[Callback]:
          lambda: cbs.GradientAccumulation(accumulate)),
         ("gradient_clip_val", clip_val, None, "GradientClipping",
          lambda: cbs.GradientClipping(clip_val, algorithm=clip_algo)),
+        ("max_time", config.max_time, None, "Timer",
+         lambda: cbs.Timer(duration=config.max_time, interval="step")),
     ):
         if value == default or (arg == "precision" and value in ("32-true", "32", 32)):
             continue

@@ -26,6 +26,7 @@ from jaxlight._module import TrainModule
 from jaxlight._optim import ScheduleUpdate
 from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
 from jaxlight._step import build_eval_step, build_params_transform, build_predict_step
+from jaxlight.callbacks._base import StepTransform
 from jaxlight.optim import build_optimizer, build_train_step  # named & manual optimizers too
 
 
@@ -179,6 +180,14 @@ class Session:
         with self.compiling("init"):
             return self.strategy.init_state(init, self._spec.abstract_state, self._shardings)
 
+    def evaluation_state(self, state: TrainState) -> TrainState:
+        """`state` as validation during fit and the final model read it: each callback's
+        `evaluation_state` in order (the averaged parameters of `WeightAveraging`)."""
+        for cb in self.callbacks:
+            if type(cb).evaluation_state is not StepTransform.evaluation_state:
+                state = cb.evaluation_state(state)
+        return state
+
     def state_from_model(self, model: nnx.Module) -> TrainState:
         """Places an existing model's variables into this strategy's layout (no optimizer)."""
         _, params, rest = split_model(model, self.module.trainable)
@@ -235,19 +244,21 @@ class Session:
         entry = self._compiled.get("train")
         return None if entry is None else entry[1]
 
-    def compile_train_step(self, abstract_batch: Any, *, keep: bool = True):
+    def compile_train_step(self, abstract_batch: Any, *, keep: bool = True,
+                           kind: str = "train"):
         """The compiled training step and the batch shardings for `abstract_batch`.
 
         Compiled once and kept; `keep=False` (the plan) compiles afresh and keeps nothing, so
-        that a later fit compiles for its own batches.
+        that a later fit compiles for its own batches. `kind="train_partial"` is the one more
+        step kind for a loader's last partial batch (counted apart in `compile_counts`).
         """
-        if keep and "train" in self._compiled:
-            return self._compiled["train"]
+        if keep and kind in self._compiled:
+            return self._compiled[kind]
         step = build_train_step(self.module, self._spec.graphdef, self._tx, self.callbacks,
                                 self.strategy, frozen=self._spec.frozen, log_spec=self.log_spec)
         batch_sh = self.strategy.batch_shardings(abstract_batch)
         _batch.check_batch_layout(batch_sh, abstract_batch, "training batch")
-        with self.compiling("train"):
+        with self.compiling(kind):
             compiled = self.strategy.compile(
                 step,
                 (self._spec.abstract_state, abstract_batch),
@@ -256,7 +267,7 @@ class Session:
                 donate_argnums=(0,),
             )
         if keep:
-            self._compiled["train"] = (compiled, batch_sh)
+            self._compiled[kind] = (compiled, batch_sh)
         return compiled, batch_sh
 
     def compile_state_update(self, fn, extra_abstract: tuple):

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxlight import _batch
-from jaxlight._errors import DataError, TrainingStopped
+from jaxlight._errors import DataError, ShardingError, TrainingStopped
 from jaxlight._fit._config import (
     FitConfig,
     batch_limit,
@@ -85,6 +86,62 @@ class StepOutput:
         return self.metrics[key]
 
 
+class _PartialStep:
+    """The one more compiled step kind for a loader's last partial batch.
+
+    torch's `DataLoader(drop_last=False)` (and `jaxlight.data.DataLoader`) ends an epoch with a
+    short batch, which Lightning trains on. Its shape gets its own compiled step (compiled at
+    its first use, kept for the fit, counted as `compile_counts["train_partial"]`); every full
+    batch still runs the one main step. A partial batch the strategy cannot split (its
+    data-parallel degree, GPipe's microbatches, GradientAccumulation's k) is refused with the
+    sizes. Measured against padding the batch with zero-weight rows (benchmarks/partial_batch.py):
+    padding cannot keep a user's `.mean()` loss exact without changing `training_step`, while
+    one more compile costs once per fit and nothing per step.
+    """
+
+    def __init__(self, session: Session, reference: _batch.BatchSignature, full_rows: int):
+        self.session, self.reference, self.full_rows = session, reference, full_rows
+        self.rows: int | None = None
+        self.abstract = self.shardings = self.compiled = None
+
+    def _refuse(self, rows: int, where: str, exc: Exception) -> DataError:
+        return DataError(
+            f"{where} is a partial batch of {rows} examples (full batches have "
+            f"{self.full_rows}), which is trained on as in Lightning, but it cannot be split "
+            f"here: {exc} Drop it (jaxlight.data.DataLoader(..., drop_last=True)), or choose a "
+            f"batch size whose remainder ({rows}) the strategy divides.")
+
+    def accepts(self, batch: Any, where: str) -> bool:
+        """True for a partial batch (checked, its shardings fixed); False for any other."""
+        rows = _batch.partial_rows(batch, self.reference)
+        if rows is None:
+            return False
+        if self.rows is None:
+            abstract = abstract_global_batch(batch)
+            try:
+                self.session.strategy.check_batch(abstract)
+            except (DataError, ShardingError) as exc:
+                raise self._refuse(rows, where, exc) from None
+            self.shardings = self.session.strategy.batch_shardings(abstract)
+            _batch.check_batch_layout(self.shardings, abstract, "partial training batch")
+            self.abstract, self.rows = abstract, rows
+        elif rows != self.rows:
+            raise DataError(
+                f"{where} has {rows} examples, a second partial batch size after {self.rows} "
+                f"(full batches have {self.full_rows}): one partial batch size per fit is "
+                "compiled (a loader's last batch). Give every epoch the same length.")
+        return True
+
+    def step(self, where: str):
+        if self.compiled is None:
+            try:
+                self.compiled, _ = self.session.compile_train_step(self.abstract,
+                                                                   kind="train_partial")
+            except (DataError, ShardingError) as exc:
+                raise self._refuse(self.rows, where, exc) from None
+        return self.compiled
+
+
 class TrainLoop:
     """Runs epochs of training steps with hooks, logging, validation and stop agreement."""
 
@@ -136,9 +193,13 @@ class TrainLoop:
         pairs = self.feed.epoch(pos.epoch, pos.batch_idx, budget)
         return pairs if k == 1 else _grouped(pairs, k)
 
-    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int) -> None:
+    def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int,
+                     partial: _PartialStep | None = None) -> None:
+        where = f"training batch {index} of epoch {self.position.epoch}"
+        if partial is not None and partial.accepts(batch, where):
+            return
         _batch.check_same_signature(
-            batch, reference, f"training batch {index} of epoch {self.position.epoch}",
+            batch, reference, where,
             "Every training batch must have the same structure and shapes (drop a last partial "
             "batch, for example ArrayLoader(drop_remainder=True)).")
 
@@ -188,9 +249,9 @@ class TrainLoop:
         # With GradientAccumulation(k) the step takes k loader batches stacked as one input.
         one = first if k == 1 else first[0]
         _batch.check_batch_agreement(one, "training batch", _len_or_none(train_data))
-        abstract_batch = abstract_global_batch(one if k == 1 else stack_batches(first, k))
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
         check_dtypes(one, first_name)  # later batches: the signature check below
+        abstract_batch = abstract_global_batch(one if k == 1 else stack_batches(first, k))
         with tracing_for(first_name, "train_data", one):
             session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)
@@ -199,6 +260,10 @@ class TrainLoop:
             session.state = session.init_state()
         # Validation's errors show before training, not at the first validation.
         self.evaluator.sanity_check(val_data)
+        if self.done():
+            # Done before the first step (a Timer's limit, max_steps reached by the resumed
+            # checkpoint): Lightning skips the training loop, its hooks included.
+            return
         with tracing_for(first_name, "train_data", one):
             compiled, batch_sh = session.compile_train_step(abstract_batch)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the
@@ -206,14 +271,36 @@ class TrainLoop:
         epoch_metrics = EpochAccumulator(session.log_spec)
         call("on_train_start")
 
+        full_rows = jax.tree.leaves(one)[0].shape[0] if jax.tree.leaves(one) else 0
+        partial = _PartialStep(session, reference, full_rows)
+
+        def is_partial(batch) -> bool:
+            leaves = jax.tree.leaves(batch)
+            return partial.rows is not None and bool(leaves) and leaves[0].shape[0] != full_rows
+
         def put(batch):
             if k > 1:
-                batch = stack_batches(batch, k)
-            return session.strategy.put_batch(batch, batch_sh)
+                return session.strategy.put_batch(stack_batches(batch, k), batch_sh)
+            return session.strategy.put_batch(
+                batch, partial.shardings if is_partial(batch) else batch_sh)
 
         def check(batch, n: int, start: int) -> None:
-            for j, one in enumerate(batch if k > 1 else [batch]):
-                self._check_batch(one, reference, start + n * k + j)
+            if k == 1:
+                self._check_batch(batch, reference, start + n, partial)
+                return
+            for j, one in enumerate(batch):
+                index = start + n * k + j
+                rows = _batch.partial_rows(one, reference)
+                if rows is not None:
+                    raise DataError(
+                        f"training batch {index} of epoch {pos.epoch} is a partial batch of "
+                        f"{rows} examples (full batches have {full_rows}): with "
+                        f"accumulate_grad_batches={k} the {k} loader batches of one optimizer "
+                        "step are stacked into one input and must have one shape. Drop the last "
+                        "partial batch (jaxlight.data.DataLoader(..., drop_last=True); "
+                        "ArrayLoader drops it by default), or choose a batch size that divides "
+                        "the number of examples.")
+                self._check_batch(one, reference, index)
 
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()
@@ -238,8 +325,11 @@ class TrainLoop:
                     taken = 1 if k == 1 else len(batch)
                     batch = batch if k == 1 else batch[-1]
                     call("on_train_batch_start", batch, pos.batch_idx + taken - 1)
-                    session.state, metrics = compiled(session.state, device_batch)
-                    epoch_metrics.add(metrics)
+                    step = (partial.step(f"training batch {pos.batch_idx} of epoch "
+                                         f"{pos.epoch}") if k == 1 and is_partial(batch)
+                            else compiled)
+                    session.state, metrics = step(session.state, device_batch)
+                    epoch_metrics.add(metrics, jax.tree.leaves(batch)[0].shape[0] * taken)
                     self.feed.consumed(position)
                     pos.global_step += 1
                     pos.batch_idx += taken
@@ -307,4 +397,10 @@ class TrainLoop:
             pos.agree_stop()  # a guard's last-moment error must end every process alike
         if pos.stop_reason is not None and pos.stop_reason.startswith("error:"):
             raise TrainingStopped(pos.stop_reason[len("error:"):].strip())
+        # Training ends with the parameters evaluation reads (WeightAveraging's average is
+        # copied into the model, as in Lightning), as fresh arrays: the state is donated later.
+        final = session.evaluation_state(session.state)
+        if final is not session.state:
+            session.state = session.state.replace(params=jax.tree.map(jnp.copy, final.params),
+                                                  rest=jax.tree.map(jnp.copy, final.rest))
         call("on_train_end")

@@ -6,20 +6,29 @@ from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
+from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
 from jaxlight.callbacks._precision import MixedPrecision
+from jaxlight.callbacks._prediction_writer import BasePredictionWriter
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
+from jaxlight.callbacks._rich import RichModelSummary
+from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
+from jaxlight.callbacks._timer import Timer
 from jaxlight.callbacks._wandb import WandbLogger
+from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BasePredictionWriter",
     "CSVLogger",
     "Callback",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulation",
     "Microbatches",
@@ -31,9 +40,22 @@ __all__ = [
     "ModelSummary",
     "NonFiniteGuard",
     "NonFiniteState",
+    "OnExceptionCheckpoint",
     "Profiler",
+    "RichModelSummary",
+    "SpikeDetection",
     "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
+    "Timer",
+    "TrainingSpikeException",
     "WandbLogger",
+    "WeightAveraging",
 ]
+
+
+def __getattr__(name: str):
+    # Lightning's names jaxlight lacks: say what to use instead (an AttributeError still).
+    if name in NOT_IN_JAXLIGHT:
+        raise missing(name)
+    raise AttributeError(f"module 'jaxlight.callbacks' has no attribute {name!r}")

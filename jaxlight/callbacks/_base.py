@@ -91,6 +91,17 @@ class StepTransform:
         """Wraps the whole `train_step(state, batch) -> (state, metrics)`."""
         return step_fn
 
+    def evaluation_state(self, state: Any) -> Any:
+        """The train state that validation inside a fit, and the model when training ends,
+        read in place of `state` (identity by default).
+
+        `WeightAveraging` returns the state with the averaged parameters it keeps in its
+        optimizer state, as Lightning swaps them in for validation and copies them into the
+        module at the end of training. Only rearrange arrays already in `state` (no compute):
+        it runs on the host between steps.
+        """
+        return state
+
 
 class HostHooks:
     """The host-side hooks, with Lightning's names; each receives `(fit, module, ...)`.
@@ -132,6 +143,10 @@ class HostHooks:
     def on_test_end(self, fit, module) -> None: ...
     def on_predict_start(self, fit, module) -> None: ...
     def on_predict_end(self, fit, module) -> None: ...
+    # `outputs`: the batch's predict_step output on the host (NumPy, the global rows).
+    def on_predict_batch_end(self, fit, module, outputs: Any, batch: Any,
+                             batch_idx: int) -> None: ...
+    def on_predict_epoch_end(self, fit, module) -> None: ...
 
     # -- checkpoints -------------------------------------------------------------------------
     def on_save_checkpoint(self, fit, module, checkpoint: dict) -> None: ...

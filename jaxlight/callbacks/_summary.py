@@ -18,10 +18,10 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
-    """A text table of parameters and a dict of totals; per-device bytes when sharded."""
+def parameter_rows(params, shardings=None, strategy=None) -> tuple[list[tuple], dict]:
+    """`(name, shape, dtype, bytes, bytes per device)` per parameter, and a dict of totals."""
     flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    rows = [f"{'name':<48} {'shape':<18} {'dtype':<9} {'bytes':>10} {'per device':>11}"]
+    rows = []
     total_bytes = per_device_total = 0
     total_count = 0
     shard_flat = (dict(zip(flat, jax.tree.leaves(shardings), strict=True))
@@ -39,12 +39,24 @@ def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
         total_bytes += nbytes
         per_device_total += per_device
         total_count += math.prod(shape)
-        rows.append(f"{name:<48} {str(shape):<18} {str(np.dtype(x.dtype)):<9} "
-                    f"{_bytes(nbytes):>10} {_bytes(per_device):>11}")
-    rows.append(f"Total: {total_count:,} parameters, {_bytes(total_bytes)}; "
-                f"per device {_bytes(per_device_total)}")
+        rows.append((name, shape, str(np.dtype(x.dtype)), nbytes, per_device))
     totals = {"parameters": total_count, "bytes": total_bytes, "bytes_per_device": per_device_total}
-    return "\n".join(rows), totals
+    return rows, totals
+
+
+def totals_line(totals: dict) -> str:
+    return (f"Total: {totals['parameters']:,} parameters, {_bytes(totals['bytes'])}; "
+            f"per device {_bytes(totals['bytes_per_device'])}")
+
+
+def parameter_table(params, shardings=None, strategy=None) -> tuple[str, dict]:
+    """A text table of parameters and a dict of totals; per-device bytes when sharded."""
+    rows, totals = parameter_rows(params, shardings, strategy)
+    lines = [f"{'name':<48} {'shape':<18} {'dtype':<9} {'bytes':>10} {'per device':>11}"]
+    lines += [f"{name:<48} {str(shape):<18} {dtype:<9} {_bytes(nbytes):>10} "
+              f"{_bytes(per_device):>11}" for name, shape, dtype, nbytes, per_device in rows]
+    lines.append(totals_line(totals))
+    return "\n".join(lines), totals
 
 
 class ModelSummary(Callback):

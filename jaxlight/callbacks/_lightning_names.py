@@ -1,0 +1,38 @@
+"""Lightning 2.6's callback and logger names that jaxlight does not have (yet), each with what
+to use instead: `jaxlight.callbacks.<Name>` raises `MissingAttributeError` with it, and
+docs/porting.md's callback table lists the same (tests/callbacks/test_lightning_names.py keeps
+the two in step)."""
+
+from __future__ import annotations
+
+from jaxlight._errors import MissingAttributeError
+
+#: Lightning name -> what a jaxlight user does instead.
+NOT_IN_JAXLIGHT = {
+    "BaseFinetuning": "not yet: a part frozen for a whole fit is `module.trainable` (e.g. "
+                      "nnx.LoRAParam; docs/checkpoints.md); freezing mid-run needs a second "
+                      "compiled step and is not built",
+    "BackboneFinetuning": "not yet (see BaseFinetuning)",
+    "BatchSizeFinder": "not yet: Fit.plan(module, batch) reports the compiled step's "
+                       "per-device bytes for a batch size",
+    "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "
+                  "the checkpoint callbacks",
+    "GradientAccumulationScheduler": "not yet: Fit(accumulate_grad_batches=k) takes one k",
+    "LearningRateFinder": "not yet",
+    "ModelPruning": "not yet",
+    "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
+    "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
+    "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
+                                 "average of every step, without SWA's learning-rate schedule",
+    "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
+    "MLFlowLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
+    "LitLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
+    "Logger": "subclass callbacks.Callback and implement on_log(fit, module, metrics, step)",
+}
+
+
+def missing(name: str) -> MissingAttributeError:
+    return MissingAttributeError(
+        f"jaxlight.callbacks has no {name} (Lightning's lightning.pytorch.callbacks/loggers "
+        f"name): {NOT_IN_JAXLIGHT[name]}. See docs/porting.md (section 'Lightning's callbacks "
+        "and loggers').")
