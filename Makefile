@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean posttrain-oracle
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,5 +26,16 @@ lint: $(STAMP)
 bench: $(STAMP)  ## every benchmark; JSON and PNG charts in benchmarks/results/
 	$(BIN)/python benchmarks/run_all.py
 
+# Tunix, the oracle of the post-training losses, lives in a venv of its own: it brings
+# tensorflow-datasets, which jaxlight's environment never gets.
+TUNIX_VENV ?= .venv-tunix
+$(TUNIX_VENV)/.installed:
+	$(PY) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/pip install -q google-tunix==0.1.7
+	touch $@
+
+posttrain-oracle: $(TUNIX_VENV)/.installed  ## rerun Tunix's DPO/GRPO losses: tests/posttrain/fixtures
+	XLA_FLAGS= $(TUNIX_VENV)/bin/python tests/posttrain/make_tunix_fixtures.py
+
 clean:
-	rm -rf $(VENV) jaxlight_logs .pytest_cache
+	rm -rf $(VENV) $(TUNIX_VENV) jaxlight_logs .pytest_cache
