@@ -91,6 +91,11 @@ def _dispatch(argv: list[str]) -> int:
     if command == "devices":
         devices_command(rest)
         return 0
+    if command == "generate":
+        from jaxlight._cli._generate import generate_command  # needs jaxlight[pretrained]
+
+        generate_command(rest)
+        return 0
     if not rest or rest[0].startswith("-"):
         if rest and rest[0] in ("-h", "--help"):
             print(_top_help())

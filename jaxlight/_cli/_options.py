@@ -27,6 +27,8 @@ COMMANDS = {
     "validate": "run the validation data through a model (from --ckpt-path)",
     "test": "run the test data through a model (from --ckpt-path)",
     "predict": "run predict_step over the prediction data (from --ckpt-path); --output saves it",
+    "generate": "sample from a Hugging Face model directory (Llama 3, Qwen 2/3, Gemma 3) with "
+                "a key/value cache: jaxlight generate PATH --prompt TEXT",
     "devices": "print devices, process index and count, and the mesh a strategy builds",
     "launch": "start N local processes of a command (multi-process training on one machine)",
 }
