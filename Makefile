@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench conformance fixtures clean
+.PHONY: demo test lint bench conformance fixtures posttrain-oracle clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,5 +50,16 @@ HF_PYTHON ?= python3
 fixtures:  ## regenerate the tiny pretrained-model fixtures and transformers' reference outputs
 	HF_HUB_OFFLINE=1 $(HF_PYTHON) tests/nn/pretrained/make_fixtures.py
 
+# Tunix, the oracle of the post-training losses, lives in a venv of its own: it brings
+# tensorflow-datasets, which jaxlight's environment never gets.
+TUNIX_VENV ?= .venv-tunix
+$(TUNIX_VENV)/.installed:
+	$(PY) -m venv $(TUNIX_VENV)
+	$(TUNIX_VENV)/bin/pip install -q google-tunix==0.1.7
+	touch $@
+
+posttrain-oracle: $(TUNIX_VENV)/.installed  ## rerun Tunix's DPO/GRPO losses: tests/posttrain/fixtures
+	XLA_FLAGS= $(TUNIX_VENV)/bin/python tests/posttrain/make_tunix_fixtures.py
+
 clean:
-	rm -rf $(VENV) $(CONF_VENV) jaxlight_logs .pytest_cache
+	rm -rf $(VENV) $(CONF_VENV) $(TUNIX_VENV) jaxlight_logs .pytest_cache

@@ -5,6 +5,7 @@
 | `digits` | an MLP on scikit-learn's 8x8 digits (offline); ~97% validation accuracy in seconds |
 | `gpt` | a byte-level decoder-only transformer on the Python standard library's source |
 | `sft` | supervised fine-tuning (optionally LoRA) of a `gpt` model on string reversal |
+| `dpo` | DPO of a pretrained Hugging Face model against a frozen copy of itself |
 
 Each recipe module defines a `Config` dataclass (every field has a default and a help text), a
 `TrainModule`, `build(config, max_steps) -> (module, data)` and `RECIPE`, the object the command
@@ -13,7 +14,7 @@ line uses. Recipe modules are imported on first use, so listing them costs nothi
 Example:
     >>> from jaxlight import recipes
     >>> recipes.names()
-    ['digits', 'gpt', 'sft']
+    ['digits', 'gpt', 'sft', 'dpo']
     >>> recipes.get("digits").config().model.hidden
     256
 """
@@ -32,6 +33,7 @@ REGISTRY: dict[str, str] = {
     "digits": "jaxlight.recipes.digits",
     "gpt": "jaxlight.recipes.gpt",
     "sft": "jaxlight.recipes.sft",
+    "dpo": "jaxlight.recipes.dpo",
 }
 
 

@@ -1,0 +1,38 @@
+"""Post-training: DPO and GRPO losses, and a frozen reference model beside the trained policy.
+
+The losses are pure functions of log-probabilities (Tunix's semantics and defaults, checked
+against `tunix.rl.algo_core` and `tunix.sft.dpo` by `tests/posttrain/`), for use inside a
+`TrainModule.training_step`; `PolicyAndReference` with `trainable = POLICY` puts a frozen
+reference in the same compiled step, outside the optimizer state and the checkpoints.
+"""
+
+from jaxlight.posttrain._dpo import DPO_LOSSES, dpo_loss
+from jaxlight.posttrain._grpo import ADVANTAGES, KL_MODES, group_advantages, grpo_loss, kl_penalty
+from jaxlight.posttrain._logprobs import (
+    AGGREGATIONS,
+    aggregate,
+    batch_weights,
+    masked_mean,
+    sequence_log_probs,
+    token_log_probs,
+)
+from jaxlight.posttrain._reference import POLICY, PolicyAndReference, without_adapters
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "DPO_LOSSES",
+    "KL_MODES",
+    "POLICY",
+    "PolicyAndReference",
+    "aggregate",
+    "batch_weights",
+    "dpo_loss",
+    "group_advantages",
+    "grpo_loss",
+    "kl_penalty",
+    "masked_mean",
+    "sequence_log_probs",
+    "token_log_probs",
+    "without_adapters",
+]
