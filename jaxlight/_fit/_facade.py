@@ -56,6 +56,8 @@ class Fit(FitView):
         gradient_clip_val, gradient_clip_algorithm: shortcut for `callbacks.GradientClipping`.
         val_check_interval: validate every this many training steps (int), or this fraction of
             an epoch (float); None validates at the end of every `check_val_every_n_epoch` epoch.
+            As in Lightning, an int longer than the epoch is refused unless
+            `check_val_every_n_epoch=None` (then it counts steps across epochs).
         check_val_every_n_epoch: epochs between end-of-epoch validations.
         limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
         num_sanity_val_steps: validation batches run before training (-1: all, 0: none), as

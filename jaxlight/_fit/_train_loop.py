@@ -397,10 +397,12 @@ class TrainLoop:
             pos.agree_stop()  # a guard's last-moment error must end every process alike
         if pos.stop_reason is not None and pos.stop_reason.startswith("error:"):
             raise TrainingStopped(pos.stop_reason[len("error:"):].strip())
+        call("on_train_end")
         # Training ends with the parameters evaluation reads (WeightAveraging's average is
-        # copied into the model, as in Lightning), as fresh arrays: the state is donated later.
+        # copied into the model, as in Lightning), as fresh arrays (a state is donated to the
+        # steps it enters). After on_train_end, whose checkpoints keep the current parameters
+        # beside the average, so that resuming one continues the run as it was.
         final = session.evaluation_state(session.state)
         if final is not session.state:
             session.state = session.state.replace(params=jax.tree.map(jnp.copy, final.params),
                                                   rest=jax.tree.map(jnp.copy, final.rest))
-        call("on_train_end")

@@ -17,6 +17,7 @@ from jaxlight.posttrain._logprobs import (
     token_log_probs,
 )
 from jaxlight.posttrain._reference import POLICY, PolicyAndReference, without_adapters
+from jaxlight.posttrain._rollout import completion_log_probs, rollout
 
 __all__ = [
     "ADVANTAGES",
@@ -27,11 +28,13 @@ __all__ = [
     "PolicyAndReference",
     "aggregate",
     "batch_weights",
+    "completion_log_probs",
     "dpo_loss",
     "group_advantages",
     "grpo_loss",
     "kl_penalty",
     "masked_mean",
+    "rollout",
     "sequence_log_probs",
     "token_log_probs",
     "without_adapters",

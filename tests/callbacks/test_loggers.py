@@ -36,7 +36,10 @@ class Recorder(callbacks.Callback):
 
 def _fit(logger_cbs, strategy="single", max_steps=12, **kw):
     recorder = Recorder()
+    # 4 batches per epoch: validation every 6 steps counted across epochs (as in Lightning, an
+    # interval longer than the epoch needs check_val_every_n_epoch=None).
     fit = jl.Fit(strategy, max_steps=max_steps, log_every_n_steps=3, val_check_interval=6,
+                 check_val_every_n_epoch=None,
                  callbacks=[*logger_cbs, recorder], enable_progress_bar=False,
                  enable_model_summary=False, **kw)
     train, val = _data()

@@ -35,6 +35,8 @@ def on_step(fit, module, outputs, batch, batch_idx):
                 f.write(b"\0" * (stat.f_bavail * stat.f_frsize))
         else:
             subprocess.run(["mount", "-o", "remount,ro", cfg["mount"]], check=True, timeout=30)
+    if cfg.get("fault_at") is not None and step > cfg["fault_at"]:
+        time.sleep(0.5)  # steps of a real size, so a failing write ends before the next save
     if step == cfg.get("hold_at"):
         print("HOLDING", flush=True)
         time.sleep(600)
