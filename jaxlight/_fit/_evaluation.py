@@ -175,7 +175,8 @@ class Evaluator:
         """
         loaders = several_loaders(data)
         if loaders is None or len(loaders) == 1:  # one loader: no suffix, as in Lightning
-            return self._evaluate_one(data if loaders is None else loaders[0], method, prefix, limit_arg, occasion, data_name,
+            one = data if loaders is None else loaders[0]
+            return self._evaluate_one(one, method, prefix, limit_arg, occasion, data_name,
                                       batch_hooks=batch_hooks, advice=advice)
         pass_idx = takes_dataloader_idx(getattr(self.session.module, method))
         out: dict[str, float] = {}
