@@ -412,3 +412,40 @@ def test_several_validation_loaders_are_each_evaluated_with_their_index():
     assert set(fit.validate(module, [_loader(8)])) == {"val_loss", "val_idx"}
     batches = list(_loader(8))
     assert set(fit.validate(module, batches)) == {"val_loss", "val_idx"}
+
+
+# -- differences the conformance suite found (notes/findings-conf.md) ----------------------------
+
+
+class ValidationHooks(callbacks.Callback):
+    def __init__(self):
+        self.calls = []
+
+    def on_validation_start(self, fit, module):
+        self.calls.append("on_validation_start")
+
+    def on_validation_epoch_start(self, fit, module):
+        self.calls.append("on_validation_epoch_start")
+
+    def on_validation_epoch_end(self, fit, module):
+        self.calls.append("on_validation_epoch_end")
+
+    def on_validation_end(self, fit, module):
+        self.calls.append("on_validation_end")
+
+
+def test_conformance_findings_checkpoint_names_and_validate_hooks(tmp_path):
+    # Lightning's every_n_train_steps; without a monitor best_model_path is the newest save.
+    ckpt = callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=1,
+                                     save_last=False, async_save=False)
+    hooks = ValidationHooks()
+    fit = _fit(max_steps=6, callbacks=[ckpt, hooks])
+    module = Regression()
+    fit.fit(module, _loader())
+    assert ckpt.every_n_steps == 3
+    assert ckpt.best_model_path == str(tmp_path / "ckpt" / "6")
+    # Fit.validate runs the validation epoch hooks, as Trainer.validate does.
+    hooks.calls.clear()
+    fit.validate(module, _loader(seed=1))
+    assert hooks.calls == ["on_validation_start", "on_validation_epoch_start",
+                           "on_validation_epoch_end", "on_validation_end"]
