@@ -449,3 +449,20 @@ def test_conformance_findings_checkpoint_names_and_validate_hooks(tmp_path):
     fit.validate(module, _loader(seed=1))
     assert hooks.calls == ["on_validation_start", "on_validation_epoch_start",
                            "on_validation_epoch_end", "on_validation_end"]
+
+
+def test_throughput_counts_every_loader_batch_of_an_accumulated_step():
+    rates = {}
+
+    class Rates(callbacks.Callback):
+        def on_log(self, fit, module, metrics, step):
+            if "throughput/samples_per_sec" in metrics:
+                rates[step] = (metrics["throughput/samples_per_sec"],
+                               metrics["throughput/steps_per_sec"])
+
+    monitor = callbacks.ThroughputMonitor()
+    _fit(max_steps=8, accumulate_grad_batches=2, log_every_n_steps=4,
+         callbacks=[monitor, Rates()]).fit(Regression(), _loader(64))
+    assert rates
+    for samples, steps in rates.values():  # 2 loader batches of 4 per optimizer step
+        assert samples == pytest.approx(8 * steps, rel=1e-6)
