@@ -94,7 +94,8 @@ def _run_blocks(path: pathlib.Path) -> None:
                 "`bash` block so they are tested, or mark the block <!-- skip: reason -->")
 
 
-#: Every module a page trains, first fit per class: "page:Class" -> (module, args, kwargs).
+#: Every module a page trains, first successful fit per class: "page:Class" -> (module, args,
+#: kwargs).
 FITTED: dict[str, tuple] = {}
 
 
@@ -104,8 +105,10 @@ def recording_fits(page: str):
     original = Fit.fit
 
     def fit(self, module, *args, **kwargs):
+        out = original(self, module, *args, **kwargs)
+        # Only fits that trained (a page may show a refused module on purpose).
         FITTED.setdefault(f"{page}:{type(module).__qualname__}", (module, args, kwargs))
-        return original(self, module, *args, **kwargs)
+        return out
 
     Fit.fit = fit
     try:
