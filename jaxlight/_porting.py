@@ -90,8 +90,13 @@ def check_step_signature(module: Any, name: str) -> None:
         return  # a builtin or C callable: nothing to read
     params = list(sig.parameters.values())
     names = [p.name for p in params]
+    # validation/test/predict_step(self, model, batch, dataloader_idx=0): jaxlight passes the
+    # loader's index, as Lightning does, when several loaders are given.
+    takes_idx = (name != "training_step" and names[:2] == ["model", "batch"]
+                 and names[2:3] == ["dataloader_idx"])
     lightning = (names[:1] == ["batch"]
-                 or any(n in LIGHTNING_STEP_ARGS for n in names))
+                 or any(n in LIGHTNING_STEP_ARGS for n in names
+                        if not (takes_idx and n == "dataloader_idx")))
     if lightning:
         raise PortingError(
             f"{_where(module, name)}{_signature_text(fn)} has Lightning's step signature; "

@@ -30,6 +30,7 @@ trace-time state on the callback, and no private metric carries values between p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -217,7 +218,8 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
 
 
 def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _eval_totals.EvalSpec, *,
-                    sharded: bool = True) -> tuple[Callable, Callable]:
+                    sharded: bool = True, dataloader_idx: int | None = None
+                    ) -> tuple[Callable, Callable]:
     """`eval_step(state, batch, totals, first) -> totals`: one whole batch added to the totals.
 
     Also returns `batch_totals(state, batch)`, whose abstract output gives the totals' shapes.
@@ -232,6 +234,8 @@ def build_eval_step(module, eval_graphdef, method: str, strategy, spec: _eval_to
     sharding constraints (they would ask to split its odd batch dimension).
     """
     user_fn = getattr(module, method)
+    if dataloader_idx is not None:  # several loaders: the step is told which (as Lightning)
+        user_fn = functools.partial(user_fn, dataloader_idx=dataloader_idx)
     where = f"{type(module).__name__}.{method}"
 
     def batch_totals(state: TrainState, batch) -> dict:

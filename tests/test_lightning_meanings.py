@@ -6,6 +6,7 @@ jaxlight once did differently; tests/conformance/ compares against Lightning its
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -380,3 +381,34 @@ def test_a_tuple_of_optimizers_is_named_for_what_it_is():
     with pytest.raises(jl.PortingError, match=r"\(Lightning's \(\[optimizers\], \[schedulers\]\) "
                                               r"pair\)"):
         _fit(max_steps=1).fit(OptimizersAndSchedulers(), _loader())
+
+
+# -- item 12: several validation/test loaders ----------------------------------------------------
+
+
+class KnowsItsLoader(Regression):
+    def validation_step(self, model, batch, dataloader_idx=0):
+        loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
+        return {"loss": loss, "idx": jnp.float32(dataloader_idx)}
+
+    test_step = validation_step
+
+
+def test_several_validation_loaders_are_each_evaluated_with_their_index():
+    module = KnowsItsLoader()
+    fit = _fit(max_epochs=1)
+    fit.fit(module, _loader(), [_loader(8, seed=1), _loader(16, seed=2)])
+    names = {k for k in fit.callback_metrics if k.startswith("val_")}
+    # Lightning 2.6.6's names for self.log("val_loss") with two loaders.
+    assert names == {"val_loss/dataloader_idx_0", "val_loss/dataloader_idx_1",
+                     "val_idx/dataloader_idx_0", "val_idx/dataloader_idx_1"}
+    tested = fit.test(module, [_loader(8, seed=1), _loader(16, seed=2)])
+    for i, (n, seed) in enumerate([(8, 1), (16, 2)]):
+        x, y = _arrays(n, seed).values()
+        expected = float(((np.asarray(module.model(x)) - y) ** 2).mean())
+        assert tested[f"test_loss/dataloader_idx_{i}"] == pytest.approx(expected, rel=1e-5)
+        assert tested[f"test_idx/dataloader_idx_{i}"] == i
+    # One loader in a list: no suffix, as in Lightning; a list of batches is one loader.
+    assert set(fit.validate(module, [_loader(8)])) == {"val_loss", "val_idx"}
+    batches = list(_loader(8))
+    assert set(fit.validate(module, batches)) == {"val_loss", "val_idx"}

@@ -143,7 +143,7 @@ def test_step_interval_equals_the_same_schedule_inside_optax():
     ({"lr_scheduler": optax.constant_schedule(1.0)},
      jl.ConfigurationError, r"without 'optimizer' \(keys: \['lr_scheduler'\]\)"),
     (([optax.sgd(0.1)], [optax.constant_schedule(1.0)]),
-     jl.PortingError, r"Lightning's \(\[optimizers\], \[schedulers\]\) form"),
+     jl.PortingError, r"Lightning.s \(\[optimizers\], \[schedulers\]\) pair"),
 ])
 def test_a_bad_configure_optimizers_is_refused(returned, error, match):
     fit = jl.Fit("single", max_steps=1, enable_progress_bar=False, logger=False)

@@ -19,7 +19,8 @@ process (`multihost_utils.process_allgather`) and evaluated whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import inspect
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -38,6 +39,29 @@ from jaxlight._user_step import tracing_for
 from jaxlight.data._convert import check_iterable, numpy_batches
 
 _END = -1  # a process whose data ran out, in the per-batch row-count exchange
+
+
+def several_loaders(data: Any) -> list | None:
+    """The loaders of `data` when it is a list/tuple of loaders (Lightning's several validation
+    or test dataloaders), else None (one loader, or a list of batches)."""
+    if not isinstance(data, list | tuple) or not data:
+        return None
+
+    def loader(x: Any) -> bool:
+        if isinstance(x, Mapping) or hasattr(x, "shape") or not hasattr(x, "__iter__"):
+            return False  # a batch (a dict, an array), or not iterable
+        if isinstance(x, list | tuple):  # a list of batches, not a batch tuple of arrays
+            return bool(x) and not hasattr(x[0], "shape")
+        return True
+
+    return list(data) if all(loader(x) for x in data) else None
+
+
+def takes_dataloader_idx(fn: Any) -> bool:
+    try:
+        return "dataloader_idx" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _rows(batch: Any) -> int:
@@ -144,7 +168,29 @@ class Evaluator:
 
         `occasion` and `data_name` name the batch in errors raised while tracing the step, and
         `advice` adds a sentence to them; `batch_hooks=False` calls no per-batch hook.
+
+        Several loaders (a list or tuple of them) are evaluated one after the other, as in
+        Lightning: each metric name gets the suffix `/dataloader_idx_N`, and a step with a
+        `dataloader_idx` parameter is told N (it compiles once per loader).
         """
+        loaders = several_loaders(data)
+        if loaders is None or len(loaders) == 1:  # one loader: no suffix, as in Lightning
+            one = data if loaders is None else loaders[0]
+            return self._evaluate_one(one, method, prefix, limit_arg, occasion, data_name,
+                                      batch_hooks=batch_hooks, advice=advice)
+        pass_idx = takes_dataloader_idx(getattr(self.session.module, method))
+        out: dict[str, float] = {}
+        for i, loader in enumerate(loaders):
+            metrics = self._evaluate_one(loader, method, prefix, limit_arg, occasion,
+                                         f"{data_name}[{i}]", batch_hooks=batch_hooks,
+                                         advice=advice, dataloader_idx=i if pass_idx else None)
+            out.update((f"{k}/dataloader_idx_{i}", v) for k, v in metrics.items())
+        return out
+
+    def _evaluate_one(self, data: Iterable, method: str, prefix: str, limit_arg,
+                      occasion: str = "", data_name: str = "the data", *,
+                      batch_hooks: bool = True, advice: str = "",
+                      dataloader_idx: int | None = None) -> dict[str, float]:
         limit = batch_limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
             data.set_epoch(0)  # every evaluation reads the data from its start, in one order
@@ -164,7 +210,7 @@ class Evaluator:
             with tracing_for(f"{what} batch {idx}" + (f" ({occasion})" if occasion else ""),
                              data_name, batch, advice):
                 compiled, device_batch, zeros = self._place(method, prefix, batch, state,
-                                                            counts)
+                                                            counts, dataloader_idx)
             if totals is None:
                 totals = zeros
             elif _shapes(totals) != _shapes(zeros):
@@ -183,8 +229,8 @@ class Evaluator:
             idx += 1
         if totals is None:
             raise DataError(f"the {prefix} data yielded no batch; pass a non-empty iterable.")
-        return _eval_totals.finish(jax.device_get(totals), self.session.eval_spec(method, prefix),
-                               where)
+        return _eval_totals.finish(jax.device_get(totals),
+                                   self.session.eval_spec(method, prefix, dataloader_idx), where)
 
     def _flag(self, value: bool) -> jax.Array:
         """`first` of the eval step, as a replicated device scalar (made once)."""
@@ -230,11 +276,11 @@ class Evaluator:
             whole, batch_sh)
 
     def _place(self, method: str, prefix: str, batch: Any, state: TrainState,
-               counts: list[int] | None):
+               counts: list[int] | None, dataloader_idx: int | None = None):
         """The compiled step for this batch's shape, the batch on the devices, zero totals."""
         sharded, whole, abstract = self._layout(batch, counts)
         compiled, batch_sh, zeros = self.session.compile_eval_step(
-            method, prefix, abstract, state, sharded, batch)
+            method, prefix, abstract, state, sharded, batch, dataloader_idx)
         return compiled, self._put(batch, whole, sharded, batch_sh), zeros
 
     def predict(self, data: Iterable) -> list[Any]:

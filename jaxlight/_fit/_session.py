@@ -274,14 +274,17 @@ class Session:
                 in_shardings=(self._shardings, *(rep for _ in extra_abstract)),
                 out_shardings=self._shardings, donate_argnums=(0,))
 
-    def eval_spec(self, method: str, prefix: str) -> _eval_totals.EvalSpec:
+    def eval_spec(self, method: str, prefix: str,
+                  dataloader_idx: int | None = None) -> _eval_totals.EvalSpec:
         """What `method` reports (filled when it is traced); kept with its compiled steps."""
-        if method not in self._eval_specs:
-            self._eval_specs[method] = _eval_totals.EvalSpec(prefix)
-        return self._eval_specs[method]
+        key = method if dataloader_idx is None else (method, dataloader_idx)
+        if key not in self._eval_specs:
+            self._eval_specs[key] = _eval_totals.EvalSpec(prefix)
+        return self._eval_specs[key]
 
     def compile_eval_step(self, method: str, prefix: str, abstract_batch: Any, state: TrainState,
-                          sharded: bool, local_batch: Any = None):
+                          sharded: bool, local_batch: Any = None,
+                          dataloader_idx: int | None = None):
         """`(compiled, batch_sh, zero_totals)` for `method` over whole batches of this shape.
 
         One compile per distinct global batch shape and layout (usually two: the full batches
@@ -291,15 +294,16 @@ class Session:
         """
         key = ("eval", method, state.opt_state is None, sharded,
                tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(abstract_batch)),
-               jax.tree.structure(abstract_batch))
+               jax.tree.structure(abstract_batch), dataloader_idx)
         if key not in self._compiled:
             self._compiled[key] = self._compile_eval_uncached(
-                method, self.eval_spec(method, prefix), abstract_batch, state, sharded,
-                local_batch)
+                method, self.eval_spec(method, prefix, dataloader_idx), abstract_batch, state,
+                sharded, local_batch, dataloader_idx)
         return self._compiled[key]
 
     def _compile_eval_uncached(self, method: str, spec, abstract_batch: Any, state: TrainState,
-                               sharded: bool, local_batch: Any):
+                               sharded: bool, local_batch: Any,
+                               dataloader_idx: int | None = None):
         strategy = self.strategy
         if sharded:
             if local_batch is not None:
@@ -310,7 +314,8 @@ class Session:
         else:
             batch_sh = strategy.replicated_like(abstract_batch)
         eval_step, batch_totals = build_eval_step(self.module, self._spec.eval_graphdef, method,
-                                                  strategy, spec, sharded=sharded)
+                                                  strategy, spec, sharded=sharded,
+                                                  dataloader_idx=dataloader_idx)
         abstract_state = self.canonical_abstract(state)
         with strategy.trace_context():
             abstract_totals = jax.eval_shape(batch_totals, abstract_state, abstract_batch)
