@@ -412,3 +412,57 @@ def test_several_validation_loaders_are_each_evaluated_with_their_index():
     assert set(fit.validate(module, [_loader(8)])) == {"val_loss", "val_idx"}
     batches = list(_loader(8))
     assert set(fit.validate(module, batches)) == {"val_loss", "val_idx"}
+
+
+# -- differences the conformance suite found (notes/findings-conf.md) ----------------------------
+
+
+class ValidationHooks(callbacks.Callback):
+    def __init__(self):
+        self.calls = []
+
+    def on_validation_start(self, fit, module):
+        self.calls.append("on_validation_start")
+
+    def on_validation_epoch_start(self, fit, module):
+        self.calls.append("on_validation_epoch_start")
+
+    def on_validation_epoch_end(self, fit, module):
+        self.calls.append("on_validation_epoch_end")
+
+    def on_validation_end(self, fit, module):
+        self.calls.append("on_validation_end")
+
+
+def test_conformance_findings_checkpoint_names_and_validate_hooks(tmp_path):
+    # Lightning's every_n_train_steps; without a monitor best_model_path is the newest save.
+    ckpt = callbacks.ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=1,
+                                     save_last=False, async_save=False)
+    hooks = ValidationHooks()
+    fit = _fit(max_steps=6, callbacks=[ckpt, hooks])
+    module = Regression()
+    fit.fit(module, _loader())
+    assert ckpt.every_n_steps == 3
+    assert ckpt.best_model_path == str(tmp_path / "ckpt" / "6")
+    # Fit.validate runs the validation epoch hooks, as Trainer.validate does.
+    hooks.calls.clear()
+    fit.validate(module, _loader(seed=1))
+    assert hooks.calls == ["on_validation_start", "on_validation_epoch_start",
+                           "on_validation_epoch_end", "on_validation_end"]
+
+
+def test_throughput_counts_every_loader_batch_of_an_accumulated_step():
+    rates = {}
+
+    class Rates(callbacks.Callback):
+        def on_log(self, fit, module, metrics, step):
+            if "throughput/samples_per_sec" in metrics:
+                rates[step] = (metrics["throughput/samples_per_sec"],
+                               metrics["throughput/steps_per_sec"])
+
+    monitor = callbacks.ThroughputMonitor()
+    _fit(max_steps=8, accumulate_grad_batches=2, log_every_n_steps=4,
+         callbacks=[monitor, Rates()]).fit(Regression(), _loader(64))
+    assert rates
+    for samples, steps in rates.values():  # 2 loader batches of 4 per optimizer step
+        assert samples == pytest.approx(8 * steps, rel=1e-6)

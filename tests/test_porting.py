@@ -27,12 +27,18 @@ def test_batch_idx_signature_is_refused():
     assert GUIDE in str(e.value)
 
 
-def test_validation_step_with_dataloader_idx_is_refused():
-    class Lit(Classifier):
+def test_dataloader_idx_is_taken_by_evaluation_steps_only():
+    class SeveralLoaders(Classifier):  # told its loader's index, as Lightning (issue 25 item 12)
         def validation_step(self, model, batch, dataloader_idx=0):
             return {}
 
-    with pytest.raises(jl.PortingError, match=r"validation_step\(self, model, batch\)"):
+    check_module(SeveralLoaders())
+
+    class Lit(Classifier):
+        def training_step(self, model, batch, dataloader_idx=0):
+            return 0.0
+
+    with pytest.raises(jl.PortingError, match=r"training_step\(self, model, batch\)"):
         check_module(Lit())
 
 

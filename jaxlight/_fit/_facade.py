@@ -274,10 +274,15 @@ class Fit(FitView):
         As Lightning's `trainer.validate(model, dataloaders, ckpt_path, datamodule=)`: `module`
         may be left out after a fit (the fit's module), and `dataloaders=` is `data`'s
         Lightning name; the same holds for `test` and `predict`."""
+        def run(d):  # the epoch hooks inside the stage's start/end, as Lightning's validate
+            self._call("on_validation_epoch_start")
+            metrics = self._metrics(d, "validation_step", "val", self._config.limit_val_batches,
+                                    "validate")
+            self._call("on_validation_epoch_end")
+            return metrics
+
         return self._stage(module, "validate", ckpt_path, "on_validation_start",
-                           "on_validation_end", lambda d: self._metrics(
-                               d, "validation_step", "val", self._config.limit_val_batches,
-                               "validate"), data, datamodule, unknown)
+                           "on_validation_end", run, data, datamodule, unknown)
 
     def test(self, module: TrainModule | None = None, data: Iterable | DataModule | None = None,
              ckpt_path: str | None = None, *, datamodule: DataModule | None = None,

@@ -51,7 +51,8 @@ class ModelCheckpoint(Callback):
 
     Args:
         dirpath: the checkpoint directory (default `<default_root_dir>/checkpoints`).
-        every_n_steps: save every this many optimizer steps.
+        every_n_steps: save every this many optimizer steps (Lightning's `every_n_train_steps`,
+            accepted too).
         every_n_epochs: save every this many epochs (after the epoch's validation).
         monitor: a metric name in `fit.callback_metrics` ranking the checkpoints.
         mode: "min" or "max": which monitored values are better.
@@ -78,7 +79,15 @@ class ModelCheckpoint(Callback):
         save_last: bool = True,
         async_save: bool = True,
         compress: bool = False,
+        every_n_train_steps: int | None = None,
     ):
+        if every_n_train_steps is not None:  # Lightning's name for every_n_steps
+            if every_n_steps is not None and every_n_steps != every_n_train_steps:
+                raise ConfigurationError(
+                    f"ModelCheckpoint(every_n_steps={every_n_steps}, every_n_train_steps="
+                    f"{every_n_train_steps}): the two are one setting (Lightning's name and "
+                    "jaxlight's); give one.")
+            every_n_steps = every_n_train_steps
         _positive_or_none("every_n_steps", every_n_steps)
         _positive_or_none("every_n_epochs", every_n_epochs)
         if every_n_steps is not None and every_n_epochs is not None:
@@ -264,9 +273,11 @@ class ModelCheckpoint(Callback):
             path = self._writer.step_dir(fit.global_step)
             if self.save_last:  # Lightning's last_model_path: only with save_last
                 self.last_model_path = path
-            if finite and (self.best_model_score is None or
-                           (value < self.best_model_score if self.mode == "min"
-                            else value > self.best_model_score)):
+            if self.monitor is None:  # Lightning: without a monitor, the newest is "best"
+                self.best_step, self.best_model_path = fit.global_step, path
+            elif finite and (self.best_model_score is None or
+                             (value < self.best_model_score if self.mode == "min"
+                              else value > self.best_model_score)):
                 self.best_model_score, self.best_step, self.best_model_path = \
                     value, fit.global_step, path
         return saved

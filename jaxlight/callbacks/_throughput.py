@@ -77,6 +77,7 @@ class ThroughputMonitor(Callback):
         self._pause_start: float | None = None
         self._windows: list[tuple[float, int, float, float, float]] = []
         self._tokens = self._samples = None
+        self._module_flops = False
         self._noted: set[str] = set()
 
     def _note(self, key: str, message: str) -> None:
@@ -109,6 +110,9 @@ class ThroughputMonitor(Callback):
 
     def on_train_batch_start(self, fit, module, batch, batch_idx) -> None:
         procs = jax.process_count()
+        # accumulate_grad_batches=k: this step trains the loader batches fit.batch_idx ..
+        # batch_idx (the hook gets the last one), each of the same shape.
+        taken = max(1, batch_idx - fit.batch_idx + 1)
         if self._samples is None:  # every training batch has the same shape (Fit checks it)
             self._samples = int(np.shape(jax.tree.leaves(batch)[0])[0]) * procs
             # Same shape every step, so the module's counts are asked once: they may be
@@ -116,11 +120,15 @@ class ThroughputMonitor(Callback):
             tokens = module.tokens_per_batch(batch)
             self._tokens = None if tokens is None else float(tokens) * procs
             flops = module.flops_per_batch(batch)
+            self._module_flops = flops is not None
             if flops is None and self.flop_count is not None:
                 flops = self.flop_count.flops * self._devices
             self.flops_per_step = None if flops is None else float(flops)
-        self._per_step.append((fit.global_step + 1, self._samples, self._tokens,
-                               self.flops_per_step))
+        per_batch_flops = self._module_flops and self.flops_per_step is not None
+        self._per_step.append((
+            fit.global_step + 1, self._samples * taken,
+            None if self._tokens is None else self._tokens * taken,
+            self.flops_per_step * taken if per_batch_flops else self.flops_per_step))
 
     def on_validation_start(self, fit, module) -> None:
         if self._t_last is not None:
