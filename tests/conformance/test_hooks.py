@@ -128,7 +128,6 @@ def _eval_calls(verb, n):
     return calls
 
 
-@known_difference("Fit.validate calls no on_validation_epoch_start / on_validation_epoch_end")
 @claim("validate's hooks run in Lightning's order (2 batches)")
 def test_validate_2_batches():
     assert_sequence(_eval_calls("validate", 2), case(G, "validate_2_batches")["calls"])
