@@ -19,7 +19,14 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from tests.conformance._cases import assert_sequence, case, claim, departure
+from tests.conformance._cases import (
+    assert_sequence,
+    case,
+    cases_of,
+    claim,
+    departure,
+    known_difference,
+)
 from tests.conformance._jaxlight import Batches, Recorder, Reg, batches, hooked, make_fit
 
 G = "hooks"
@@ -99,6 +106,9 @@ def test_resume_max_epochs(tmp_path):
     assert fit.global_step == expected["global_step"]
 
 
+@known_difference("resuming mid-epoch calls on_train_epoch_start again, and ending at max_steps "
+                  "mid-epoch calls no on_train_epoch_end (Lightning: none, then one, with the "
+                  "checkpoint saved there)")
 @claim("resuming mid-epoch (max_steps 1 -> 3) continues at batch 1 with Lightning's hooks")
 def test_resume_max_steps(tmp_path):
     calls, fit = _resume(tmp_path, dict(max_steps=1), dict(max_steps=3))
@@ -123,6 +133,8 @@ def test_validate_2_batches():
     assert_sequence(_eval_calls("validate", 2), case(G, "validate_2_batches")["calls"])
 
 
+@known_difference("limit_val_batches=0 is refused (ConfigurationError); Lightning validates "
+                  "nothing")
 @claim("validate with limit_val_batches=0 calls only setup and teardown, as Lightning")
 def test_validate_0_batches():
     assert_sequence(_eval_calls("validate", 0), case(G, "validate_0_batches")["calls"])
@@ -190,7 +202,9 @@ class HookedDataModule(jl.DataModule):
         return self._val()
 
 
-@pytest.mark.parametrize("verb", ["fit", "validate", "test", "predict"])
+@pytest.mark.parametrize("verb", cases_of(["fit", "validate", "test", "predict"], {
+    "fit": "without a sanity check Lightning asks train_dataloader before val_dataloader; "
+           "jaxlight asks val_dataloader first"}))
 @claim("a DataModule's hooks run in Lightning's order in each stage")
 def test_datamodule(verb):
     called = []

@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from tests.conformance._cases import case, claim, fixture
+import jaxlight as jl
+from tests.conformance._cases import case, claim, fixture, known_difference
 from tests.conformance._jaxlight import Passes, Reg, assert_weights, batches, make_fit
 
 G = "optim"
@@ -81,6 +82,9 @@ def test_lambdalr_step():
                                            "interval": "step"}), max_epochs=2)
 
 
+@known_difference("with interval 'step', Lightning steps the scheduler when the batch index "
+                  "within the epoch + 1 is a multiple of frequency; jaxlight every frequency "
+                  "global steps")
 @claim("{'interval': 'step', 'frequency': 3} steps the scheduler as Lightning does")
 def test_lambdalr_step_frequency_3():
     _run("lambdalr_step_frequency_3", Scheduled(entry={
@@ -122,29 +126,37 @@ def test_onecycle_step():
          max_epochs=2)
 
 
-def _plateau(lr, patience=10, threshold=1e-4, threshold_mode="rel", cooldown=0, min_lr=0.0,
-             mode="min"):
-    """torch's ReduceLROnPlateau(factor=0.5, ...) in porting.md's translation."""
-    del mode  # optax's plateau always minimizes: the case monitors the negated metric
-    tol = {"rtol": threshold, "atol": 0.0} if threshold_mode == "rel" else \
-        {"rtol": 0.0, "atol": threshold}
-    return optax.contrib.reduce_on_plateau(factor=0.5, patience=patience, cooldown=cooldown,
-                                           min_scale=min_lr / lr, **tol)
+def _plateau(lr, **torch_kwargs):
+    """torch's ReduceLROnPlateau(optimizer, factor=0.5, **torch_kwargs) under its own name."""
+    return jl.schedules.ReduceLROnPlateau(factor=0.5, lr=lr, **torch_kwargs)
 
 
 PLATEAUS = sorted(k for k in fixture(G)["cases"] if k.startswith("plateau_"))
 
 
 @pytest.mark.parametrize("name", PLATEAUS)
-@claim("torch's ReduceLROnPlateau (patience, threshold, threshold_mode, cooldown, min_lr, "
-       "mode) lowers the rate after the same epochs")
+@claim("torch's ReduceLROnPlateau is jaxlight.schedules.ReduceLROnPlateau: with patience, "
+       "threshold, threshold_mode, cooldown, min_lr and mode it lowers the rate after the same "
+       "epochs")
 def test_plateau(name):
     expected = case(G, name)
     kw = expected["kwargs"]
     values = np.asarray(expected["values"], np.float32)
-    if kw.get("mode") == "max":
-        values = -values
     x = fixture(G)["problem"]["val"]["x"][:4]
     module = Scheduled(entry={"scheduler": _plateau(0.1, **kw), "interval": "epoch",
                               "monitor": "val_score"})
     _run(name, module, Passes(values, x), max_epochs=len(values), limit_train_batches=1)
+
+
+@claim("in 'min' mode with relative thresholds, torch's ReduceLROnPlateau(patience=p) is "
+       "optax.contrib.reduce_on_plateau(patience=p + 1, rtol=threshold)")
+def test_plateau_optax_equivalent():
+    name = "plateau_threshold_rel"
+    expected = case(G, name)
+    kw = expected["kwargs"]
+    x = fixture(G)["problem"]["val"]["x"][:4]
+    tx = optax.contrib.reduce_on_plateau(factor=0.5, patience=kw["patience"] + 1,
+                                         rtol=kw["threshold"], atol=0.0)
+    module = Scheduled(entry={"scheduler": tx, "interval": "epoch", "monitor": "val_score"})
+    _run(name, module, Passes(expected["values"], x), max_epochs=len(expected["values"]),
+         limit_train_batches=1)
