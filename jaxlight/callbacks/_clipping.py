@@ -33,6 +33,10 @@ class GradientClipping(Callback):
 
     `grad_norm` is always the norm before clipping, in float32.
 
+    With named optimizers (automatic optimization), `algorithm="norm"` clips each optimizer's
+    gradients by the global norm of its own parameters, logged as `grad_norm-<name>`
+    (docs/models.md, "Several optimizers").
+
     Args:
         max_norm: the threshold, > 0 (`Fit(gradient_clip_val=...)` adds this callback).
         algorithm: `"norm"` or `"value"` (`Fit(gradient_clip_algorithm=...)`).

@@ -149,6 +149,11 @@ class NonFiniteGuard(Callback):
     are not overflow of the scaled loss, and the guard counts them as in float32. List
     `NonFiniteGuard` after `MixedPrecision` (the other order is refused).
 
+    With named optimizers (automatic optimization) the guard wraps each optimizer inside their
+    optax.partition: one whose gradients are non-finite skips only its own update (its
+    parameters and state kept bit for bit); `rest` is kept unless every optimizer applied its
+    update; one optimizer's streak reaching `max_consecutive` freezes them all and stops the fit.
+
     Args:
         max_consecutive: non-finite steps in a row that stop the fit (>= 1).
 
