@@ -33,6 +33,10 @@ class GradientClipping(Callback):
 
     `grad_norm` is always the norm before clipping, in float32.
 
+    With named optimizers (automatic optimization), `algorithm="norm"` clips each optimizer's
+    gradients by the global norm of its own parameters, logged as `grad_norm-<name>`
+    (docs/models.md, "Several optimizers").
+
     Args:
         max_norm: the threshold, > 0 (`Fit(gradient_clip_val=...)` adds this callback).
         algorithm: `"norm"` or `"value"` (`Fit(gradient_clip_algorithm=...)`).
@@ -57,16 +61,42 @@ class GradientClipping(Callback):
             )
         self.max_norm = float(max_norm)
         self.algorithm = algorithm
+        self.groups: Any = None
+
+    def bind_optimizer_groups(self, labels: Any) -> None:
+        """Per parameter, its named optimizer's name (None: one optimizer). Called by the fit
+        when it builds the optimizer, before the step is traced."""
+        self.groups = labels
+
+    def _scale(self, norm: jax.Array) -> jax.Array:
+        # Divide only when clipping, so a zero norm never divides.
+        return jnp.where(norm > self.max_norm, self.max_norm / jnp.maximum(norm, 1e-30), 1.0)
 
     def process_gradients(self, grads: Any, metrics: dict) -> tuple[Any, dict]:
         norm = global_norm(grads)
+        metrics = {**metrics, "grad_norm": norm}
+        if self.groups is not None:
+            # Named optimizers: each optimizer's parameters are clipped by their own norm
+            # (Lightning's self.clip_gradients(optimizer, ...) per optimizer).
+            names = sorted(set(jax.tree.leaves(self.groups)))
+            norms = {}
+            for name in names:
+                own = [g for g, label in zip(jax.tree.leaves(grads),
+                                             jax.tree.leaves(self.groups), strict=True)
+                       if label == name]
+                norms[name] = global_norm(own)
+                metrics[f"grad_norm-{name}"] = norms[name]
+            if self.algorithm == "norm":
+                scales = {name: self._scale(n) for name, n in norms.items()}
+                grads = jax.tree.map(lambda g, label: (g * scales[label]).astype(g.dtype),
+                                     grads, self.groups)
+                return grads, metrics
         if self.algorithm == "norm":
-            # Divide only when clipping, so a zero norm never divides.
-            scale = jnp.where(norm > self.max_norm, self.max_norm / jnp.maximum(norm, 1e-30), 1.0)
+            scale = self._scale(norm)
             grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
         else:
             grads = jax.tree.map(lambda g: jnp.clip(g, -self.max_norm, self.max_norm), grads)
-        return grads, {**metrics, "grad_norm": norm}
+        return grads, metrics
 
     def __repr__(self) -> str:
         return f"GradientClipping({self.max_norm}, algorithm={self.algorithm!r})"

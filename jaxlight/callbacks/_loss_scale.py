@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._optim import one_state_of
+from jaxlight._optim import one_state_of, states_of
 
 
 class LossScaleState(NamedTuple):
@@ -88,7 +88,9 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, init_scale: float,
         updates, inner_state = inner.update(grads, state.inner, params)
         inner_state = jax.tree.map(lambda new, old: jax.lax.select(finite, new, old),
                                    inner_state, state.inner)
-        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), updates)
+        # -0.0: p + (-0.0) is p bit for bit, so a skipped optimizer of several named ones
+        # keeps its parameters exactly.
+        updates = jax.tree.map(lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)), updates)
         scaler = next_state(state.scaler, finite, growth_interval, growth_factor,
                             backoff_factor)
         return updates, ScaledState(scaler, inner_state)
@@ -97,8 +99,27 @@ def dynamic_loss_scale(inner: optax.GradientTransformation, init_scale: float,
 
 
 def find(opt_state: Any) -> LossScaleState:
-    """The loss scaler in an optimizer state holding one `dynamic_loss_scale`."""
-    return one_state_of(opt_state, LossScaleState, "MixedPrecision", "loss scales")
+    """The loss scaler in an optimizer state holding one `dynamic_loss_scale` (with named
+    optimizers, one per optimizer: their scale and growth counter are equal, see `find_all`)."""
+    return find_all(opt_state)[0]
+
+
+def find_all(opt_state: Any) -> list[LossScaleState]:
+    """The loss scalers: one, or one per named optimizer (inside their optax.partition)."""
+    found = [s.scaler for s in states_of(opt_state, ScaledState)]
+    if not found:
+        one_state_of(opt_state, LossScaleState, "MixedPrecision", "loss scales")  # raises
+    return found
+
+
+def replace_all(opt_state: Any, scalers: list[LossScaleState]) -> Any:
+    """`opt_state` with its scalers replaced, in the order `find_all` gives them."""
+    def is_state(x) -> bool:
+        return isinstance(x, ScaledState)
+
+    new = iter(scalers)
+    return jax.tree.map(lambda x: x._replace(scaler=next(new)) if is_state(x) else x,
+                        opt_state, is_leaf=is_state)
 
 
 @jax.custom_vjp

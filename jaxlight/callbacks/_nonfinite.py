@@ -72,7 +72,9 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         updates, inner_state = inner.update(grads, state.inner, params)
         inner_state = jax.tree.map(lambda new, old: jax.lax.select(apply, new, old),
                                    inner_state, state.inner)
-        updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)), updates)
+        # -0.0, not 0.0: p + (-0.0) is p bit for bit (p + 0.0 turns -0.0 into 0.0), so a
+        # skipped optimizer of several named ones keeps its parameters exactly.
+        updates = jax.tree.map(lambda u: jnp.where(apply, u, jnp.full_like(u, -0.0)), updates)
         # An overflow the loss scale handles neither counts nor ends a streak.
         consecutive = jnp.where(counted, counters.consecutive + 1,
                                 jnp.where(finite, 0, counters.consecutive))
@@ -107,12 +109,19 @@ def _check_nesting(opt_state) -> None:
         )
 
 
-def _find(opt_state) -> GuardedState:
-    return one_state_of(opt_state, GuardedState, "NonFiniteGuard", "counter states")
+def _find_all(opt_state) -> list[GuardedState]:
+    """The guard's states: one, or one per named optimizer (inside their optax.partition)."""
+    found = states_of(opt_state, GuardedState)
+    if not found:
+        one_state_of(opt_state, GuardedState, "NonFiniteGuard", "counter states")  # raises
+    return found
 
 
-def _replace(opt_state, new: GuardedState):
-    return jax.tree.map(lambda x: new if _is_state(x) else x, opt_state, is_leaf=_is_state)
+def _replace_all(opt_state, new: list[GuardedState]):
+    """`opt_state` with its guard states replaced, in the order `_find_all` gives them."""
+    replacements = iter(new)
+    return jax.tree.map(lambda x: next(replacements) if _is_state(x) else x, opt_state,
+                        is_leaf=_is_state)
 
 
 class NonFiniteGuard(Callback):
@@ -140,6 +149,11 @@ class NonFiniteGuard(Callback):
     are not overflow of the scaled loss, and the guard counts them as in float32. List
     `NonFiniteGuard` after `MixedPrecision` (the other order is refused).
 
+    With named optimizers (automatic optimization) the guard wraps each optimizer inside their
+    optax.partition: one whose gradients are non-finite skips only its own update (its
+    parameters and state kept bit for bit); `rest` is kept unless every optimizer applied its
+    update; one optimizer's streak reaching `max_consecutive` freezes them all and stops the fit.
+
     Args:
         max_consecutive: non-finite steps in a row that stop the fit (>= 1).
 
@@ -166,27 +180,39 @@ class NonFiniteGuard(Callback):
         def guarded_step(state, batch):
             _check_nesting(state.opt_state)
             new_state, metrics = step_fn(state, batch)
-            old, new = _find(state.opt_state), _find(new_state.opt_state)
-            # The optimizer skipped this step exactly when it counted one more skip.
-            applied = new.counters.skipped == old.counters.skipped
-            frozen = old.counters.tripped_step >= 0
+            olds, news = _find_all(state.opt_state), _find_all(new_state.opt_state)
+            # Each optimizer skipped this step exactly when it counted one more skip.
+            applied = [n.counters.skipped == o.counters.skipped
+                       for o, n in zip(olds, news, strict=True)]
+            all_applied = jnp.all(jnp.stack(applied))
+            frozen = olds[0].counters.tripped_step >= 0
+            streak = jnp.max(jnp.stack([n.counters.consecutive for n in news]))
             tripped = jnp.where(
-                frozen, old.counters.tripped_step,
-                jnp.where(new.counters.consecutive >= limit, new_state.step, -1),
+                frozen, olds[0].counters.tripped_step,
+                jnp.where(streak >= limit, new_state.step, -1),
             ).astype(jnp.int32)
-            counters = new.counters._replace(tripped_step=tripped)
+            counters = [n.counters._replace(tripped_step=tripped) for n in news]
 
             def keep(new_value, prev):
-                return jax.lax.select(applied, new_value, prev)
+                return jax.lax.select(all_applied, new_value, prev)
 
-            params = jax.tree.map(keep, new_state.params, state.params)
-            opt_state = jax.tree.map(keep, new_state.opt_state, state.opt_state)
-            opt_state = _replace(opt_state, new._replace(counters=counters))
+            if len(news) == 1:
+                params = jax.tree.map(keep, new_state.params, state.params)
+                opt_state = jax.tree.map(keep, new_state.opt_state, state.opt_state)
+            else:
+                # Named optimizers: each skipped one already kept its parameters (an update of
+                # -0.0) and its optimizer state; the others were applied.
+                params, opt_state = new_state.params, new_state.opt_state
+            opt_state = _replace_all(
+                opt_state, [n._replace(counters=c) for n, c in zip(news, counters, strict=True)])
+            # The model's other variables (batch statistics) advance only when every
+            # optimizer applied its update.
             rest = jax.tree.map(keep, new_state.rest, state.rest)
+            skipped = sum(c.skipped for c in counters)
             metrics = {
                 **metrics,
-                "nonfinite_skipped": counters.skipped.astype(jnp.float32),
-                "nonfinite_consecutive": counters.consecutive.astype(jnp.float32),
+                "nonfinite_skipped": skipped.astype(jnp.float32),
+                "nonfinite_consecutive": streak.astype(jnp.float32),
                 "nonfinite_tripped_step": tripped.astype(jnp.float32),
             }
             return new_state.replace(params=params, opt_state=opt_state, rest=rest), metrics

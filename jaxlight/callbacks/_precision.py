@@ -174,17 +174,32 @@ class MixedPrecision(Callback):
 
         def loss_scaled_step(state, batch):
             new_state, metrics = dtype_stable_step(state, batch)
-            old, new = _loss_scale.find(state.opt_state), _loss_scale.find(new_state.opt_state)
+            olds = _loss_scale.find_all(state.opt_state)
+            news = _loss_scale.find_all(new_state.opt_state)
             # `dynamic_loss_scale` skipped this step exactly when it counted one more skip; it
-            # applied a zero update, and the select keeps the parameters bit for bit (p + 0
-            # would turn -0.0 into 0.0). The model's other variables (batch statistics)
-            # advance, as in torch's GradScaler.
-            applied = new.skipped == old.skipped
-            params = jax.tree.map(lambda p_new, p_old: jax.lax.select(applied, p_new, p_old),
-                                  new_state.params, state.params)
-            metrics = {**metrics, "loss_scale": old.scale,
-                       "overflow_skipped": new.skipped.astype(jnp.float32)}
-            return new_state.replace(params=params), metrics
+            # applied an update of -0.0, and the select keeps the parameters bit for bit. The
+            # model's other variables (batch statistics) advance, as in torch's GradScaler.
+            applied = [n.skipped == o.skipped for o, n in zip(olds, news, strict=True)]
+            if len(news) == 1:
+                params = jax.tree.map(
+                    lambda p_new, p_old: jax.lax.select(applied[0], p_new, p_old),
+                    new_state.params, state.params)
+                opt_state = new_state.opt_state
+            else:
+                # Named optimizers: one backward pass, so one scale. Each optimizer skipped
+                # only its own update when its gradients overflowed; the shared scale backs off
+                # when any of them overflowed and grows after growth_interval steps in which
+                # none did. Each optimizer keeps its own `skipped` count.
+                shared = _loss_scale.next_state(
+                    olds[0], jnp.all(jnp.stack(applied)), self.growth_interval,
+                    self.growth_factor, self.backoff_factor)
+                opt_state = _loss_scale.replace_all(
+                    new_state.opt_state, [shared._replace(skipped=n.skipped) for n in news])
+                params = new_state.params
+            skipped = sum(n.skipped for n in news)
+            metrics = {**metrics, "loss_scale": olds[0].scale,
+                       "overflow_skipped": skipped.astype(jnp.float32)}
+            return new_state.replace(params=params, opt_state=opt_state), metrics
 
         return loss_scaled_step
 

@@ -9,6 +9,7 @@ sequences their updates inside the one compiled step (`_manual`). `build_optimiz
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ def is_manual(module: Any) -> bool:
 
 def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransformation, Any]:
     """`jaxlight._step.build_optimizer`, reading named optimizers too (see `resolve`)."""
-    tx, scheduler, _ = resolve(module)
+    tx, scheduler, named = resolve(module)
     if is_manual(module):
         # Only observers see it (LearningRateMonitor); build_manual_step refuses the rest.
         for cb in callbacks:
@@ -37,7 +38,24 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
                 cb.transform_optimizer(tx)
         return tx, scheduler
     for cb in callbacks:
-        tx = cb.transform_optimizer(tx)
+        bind = getattr(cb, "bind_optimizer_groups", None)
+        if bind is not None:
+            bind(None if named is None else named.labels)
+    if named is None:
+        for cb in callbacks:
+            tx = cb.transform_optimizer(tx)
+        return tx, scheduler
+    # Named optimizers: each callback wraps each optimizer inside the one optax.partition, so
+    # a guard or loss scale acts per optimizer (one optimizer's non-finite gradients skip only
+    # its update); observers (LearningRateMonitor) see the partition itself.
+    txs = dict(named.txs)
+    for cb in callbacks:
+        if not getattr(cb, "observes_optimizer_only", False):
+            txs = {name: cb.transform_optimizer(inner) for name, inner in txs.items()}
+    tx = dataclasses.replace(named, txs=txs).transformation()
+    for cb in callbacks:
+        if getattr(cb, "observes_optimizer_only", False):
+            tx = cb.transform_optimizer(tx)
     return tx, scheduler
 
 
