@@ -225,7 +225,7 @@ def summarize_pipeline_stages(r):
         rows.append((f"Stages GPipe {key}, m = {ms[0]}..{ms[-1]}: HLO iterations = m+p−1; "
                      "permute bytes = 2(m+p−1)·b·W·β", f"{'yes' if its else 'no'}; "
                      f"{'exact' if perm else 'differ'}", "all m", its and perm))
-        rows.append((f"Stages GPipe {key}: bubble, max |measured − theory| over m (step-time "
+        rows.append((f"Stages GPipe {key}: bubble, max abs(measured − theory) over m (step-time "
                      "fit)", f"{sched['max_bubble_abs_error']:.2f}", "—", None))
     return rows
 

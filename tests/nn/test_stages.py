@@ -144,3 +144,23 @@ def test_stage_with_other_state_or_not_a_module():
     with pytest.raises(jl.ConfigurationError, match=r"stage 0 \(.*\) is not an nnx.Module; "
                                                     r"wrap a plain function in nnx.Sequential"):
         nn.Stages([jax.nn.relu])
+
+
+@pytest.mark.parametrize("remat", [True, "dots"])
+def test_stage_remat_gives_the_same_gradients(remat):
+    x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)
+
+    def build(remat):
+        rngs = nnx.Rngs(0)
+        return nn.Stages([nnx.Sequential(nnx.Linear(6, 5, rngs=rngs), nnx.tanh),
+                          nnx.Linear(5, 3, rngs=rngs)], remat=remat)
+
+    def grads(remat):
+        return nnx.grad(lambda m: (m(x) ** 2).sum())(build(remat))["packed_float32"][...]
+
+    np.testing.assert_allclose(grads(remat), grads(False), rtol=1e-6)
+    # Each stage really is a checkpointed (rematerialized) call; without remat none is.
+    jaxpr = lambda r: str(jax.make_jaxpr(lambda x: build(r)(x))(x))  # noqa: E731
+    assert jaxpr(remat).count("prevent_cse") == 2 and "prevent_cse" not in jaxpr(False)
+    with pytest.raises(jl.ConfigurationError, match=r"remat='most' is not a rematerialization"):
+        nn.Stages([nnx.Linear(2, 2, rngs=nnx.Rngs(0))], remat="most")
