@@ -66,7 +66,7 @@ else:
     kw = dict(max_new_tokens=128, min_new_tokens=128, do_sample=False, pad_token_id=0,
               eos_token_id=None)
     with torch.no_grad():
-        m.generate(prompts, **kw)
+        m.generate(prompts, **dict(kw, max_new_tokens=2, min_new_tokens=2))  # warm-up
         t = time.perf_counter()
         m.generate(prompts, **kw)
         seconds = time.perf_counter() - t
