@@ -10,7 +10,7 @@ transformers (torch, CPU) in the same run.
 3.2 1B's shape: hidden 2048, 16 layers, 32/8 heads, MLP 8192, vocab 128256, tied) to /tmp (never
 committed), then loads it in a fresh process with `jaxlight.nn.from_pretrained(path, FSDP())`
 over 8 simulated devices and in another with transformers' `from_pretrained` (bf16), reporting
-each one's wall time and peak resident memory (ru_maxrss) and the jaxlight bound
+each one's wall time and peak resident memory (VmHWM) and the jaxlight bound
 1.25 x (the process's share + the largest tensor); one process holds all 8 simulated devices, so
 its share is the whole model. The peak is compared after subtracting the process's resident
 memory before loading (Python, JAX and the runtime's own pages are not the model's).
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -53,12 +52,15 @@ import json, os, resource, sys, time
 import torch, transformers
 path, part = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+before = status("VmRSS")
 if part == "load":
     t = time.perf_counter()
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status("VmHWM")
     print(json.dumps({"seconds": seconds, "peak_rss": peak, "rss_before": before}))
 else:
     m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -117,6 +119,13 @@ def write_checkpoint(path: str, config: dict, dtype: str, shard_bytes: int = 2**
         json.dump(config, f, indent=2)
 
 
+def _status(key: str) -> int:
+    """Bytes of a /proc/self/status entry: VmRSS now, VmHWM the peak of this process's own
+    memory (ru_maxrss would carry the parent's peak across fork and exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
 def child_load(path: str) -> dict:
     import jax
     import numpy as np
@@ -129,12 +138,12 @@ def child_load(path: str) -> dict:
     strategy.setup()
     tensors = checkpoint_tensors(path)
     sizes = [int(np.prod(i.shape)) * i.dtype.itemsize for i in tensors.values()]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _status("VmRSS")
     t = time.perf_counter()
     model = from_pretrained(path, strategy)
     jax.block_until_ready(jax.tree.leaves(model))
     seconds = time.perf_counter() - t
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status("VmHWM")
     return {"seconds": seconds, "peak_rss": peak, "rss_before": before,
             "model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes),
             "devices": jax.device_count()}
