@@ -46,12 +46,16 @@ BENCHMARKS = {
     "gpt_input": [],
     "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
     "partial_batch": [],
+    "pretrained_load": ["load"],
+    "pretrained_sample": ["sample"],
+    "pretrained_lora_step": ["lora-step"],
 }
 
 
 #: Entries that run another entry's script with other flags.
 SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
-           "overhead_ema": "overhead"}
+           "overhead_ema": "overhead", "pretrained_load": "pretrained",
+           "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
 
 def _load(name):
@@ -335,6 +339,30 @@ def summarize_gpt_input(r):
              _fmt(m["grain_workers_over_memory"]), "≥ 0.95", r["met"]),
             ("same, grain in the training process / in-memory",
              _fmt(m["grain_over_memory"]), "—", None)]
+
+
+def summarize_pretrained_load(r):
+    ours, theirs = r["jaxlight"], r.get("transformers") or {}
+    gib = 2**30
+    yield (f"~1.24B random Llama (bf16) into FSDP over {ours['devices']} devices: peak RSS growth "
+           f"/ 1.25 x (share {ours['model_bytes'] / gib:.2f} GiB + largest tensor "
+           f"{ours['largest_tensor_bytes'] / gib:.2f} GiB)",
+           _fmt(r["rss_growth_over_bound"]), "≤ 1", r["met_rss"])
+    if theirs:
+        yield (f"same, load time jaxlight / transformers from_pretrained ({ours['seconds']:.0f} s"
+               f" / {theirs['seconds']:.0f} s); peak RSS {ours['peak_rss'] / gib:.2f} / "
+               f"{theirs['peak_rss'] / gib:.2f} GiB",
+               _fmt(r["load_time_ratio_jaxlight_over_transformers"]), "—", None)
+
+
+def summarize_pretrained_sample(r):
+    yield ("KV-cache sampling tokens/s, jaxlight / transformers generate (batch 8, prompt 64, "
+           "128 new)", _fmt(r["tokens_per_s_ratio_jaxlight_over_transformers"]), "≥ 1", r["met"])
+
+
+def summarize_pretrained_lora_step(r):
+    yield ("LoRA SFT step, Fit / hand-written (median)", _fmt(r["median_ratio"]), "≤ 1.02",
+           r["met"])
 
 
 def summarize_checkpoint(r):

@@ -173,7 +173,9 @@ def _read(entry: Entry, tensors: dict[str, st.TensorInfo], layers: range | None,
             shape.extend([n // math.prod(group[1:]), *group[1:]] if len(group) > 1 else [n])
         view = raw.reshape(shape)[tuple(sub)]
         blocks.append(np.ascontiguousarray(view.transpose(entry.perm)).astype(dtype, copy=False))
-    return blocks[0] if layers is None else np.stack(blocks)
+    if layers is None:
+        return blocks[0]
+    return blocks[0][None] if len(blocks) == 1 else np.stack(blocks)  # one layer: no copy
 
 
 def _check(entry: Entry, tensors: dict[str, st.TensorInfo], c: DecoderConfig) -> None:
