@@ -307,7 +307,8 @@ def test_error_batch_not_divisible_by_data_parallel_degree(data):
 
 def test_error_no_length_given(data):
     fit = jl.Fit("single")  # enough to validate, test or predict (as a Lightning Trainer)
-    with pytest.raises(jl.ConfigurationError, match="Fit.fit needs max_steps, max_epochs or max_time"):
+    with pytest.raises(jl.ConfigurationError,
+                       match="Fit.fit needs max_steps, max_epochs or max_time"):
         fit.fit(Classifier(), _loader(data))
 
 
