@@ -30,7 +30,6 @@ worth it where activations per microbatch outweigh a stage's parameters, or link
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -39,14 +38,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError
 from jaxlight._layout import activation_sharding
 from jaxlight.nn._pipeline import (
-    _ANY_BATCH,
     PipelineConfig,
-    _batch_size,
     _check_state,
     _vary,
+    split_batch,
 )
 from jaxlight.nn._scan import scan_layers
 
@@ -54,7 +52,7 @@ from jaxlight.nn._scan import scan_layers
 def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     """Runs `stacked` (a `jaxlight.nn.Stacked`) as the circular schedule of `config`."""
     config.calls += 1
-    p, v, mesh, axis = config.stages, config.repeats, config.mesh, config.axis
+    p, v, axis = config.stages, config.repeats, config.axis
     if stacked.num_layers % (p * v):
         n = stacked.num_layers
         raise ConfigurationError(
@@ -65,26 +63,8 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     _check_state(stacked, state, p)
     pure_state = nnx.to_pure_dict(state)
 
-    batch = _batch_size(x)
-    m = config.microbatches
-    context = jax.sharding.get_abstract_mesh()
-    outer_manual = set() if context.empty else set(context.manual_axes)
-    auto_batch = tuple(a for a in config.batch_axes
-                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
-    dsize = math.prod(mesh.shape[a] for a in auto_batch)
-    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
-        m = 1
-    elif batch % (m * dsize):
-        raise DataError(
-            f"the batch reaching the pipelined Stacked block has {batch} examples, which do not "
-            f"split into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a "
-            f"batch per step (per accumulation step under GradientAccumulation) that is a "
-            f"multiple of {m * dsize}, or change the microbatch count.")
-    b, real = batch // m, m
-    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
-    manual = (axis, data) if data else (axis,)
-    bspec = PartitionSpec(None, data) if data else PartitionSpec()
-    smap_mesh = context if outer_manual else mesh
+    batch, m, b, data, manual, bspec, smap_mesh = split_batch(config, x, "Stacked block")
+    real = m
     chunk = stacked.num_layers // (p * v)
 
     def to_microbatches(u):

@@ -198,36 +198,12 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     plain scan returns, up to floating-point reassociation.
     """
     config.calls += 1
-    p, mesh, axis = config.stages, config.mesh, config.axis
+    p, axis = config.stages, config.axis
     graphdef, state = nnx.split(stacked.layers)
     _check_state(stacked, state, p)
     pure_state = nnx.to_pure_dict(state)
 
-    batch = _batch_size(x)
-    m = config.microbatches
-    context = jax.sharding.get_abstract_mesh()
-    outer_manual = set() if context.empty else set(context.manual_axes)
-    # Batch axes still automatic here; inside GradientAccumulation's per-replica shard_map the
-    # batch axes are manual already and `x` is one replica's share.
-    auto_batch = tuple(a for a in config.batch_axes
-                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
-    dsize = math.prod(mesh.shape[a] for a in auto_batch)
-    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
-        # One example, or an evaluation batch (a short last one) that does not split: a
-        # single microbatch.
-        m = 1
-    elif batch % (m * dsize):
-        raise DataError(
-            f"the batch reaching the pipelined Stacked block has {batch} examples, which do not "
-            f"split into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a "
-            f"batch per step (per accumulation step under GradientAccumulation) that is a "
-            f"multiple of {m * dsize}, or change the microbatch count."
-        )
-    b = batch // m
-    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
-    manual = (axis, data) if data else (axis,)
-    bspec = PartitionSpec(None, data) if data else PartitionSpec()
-    smap_mesh = context if outer_manual else mesh
+    batch, m, b, data, manual, bspec, smap_mesh = split_batch(config, x, "Stacked block")
 
     def to_microbatches(v):
         # Row r of microbatch k is example r·m + k: the data shard of each row stays on its
@@ -316,3 +292,37 @@ __all__ = [
     "run_pipeline",
     "schedule_iterations",
 ]
+
+
+def split_batch(config: Any, x: Any, what: str) -> tuple:
+    """How a pipelined call (GPipe's, the interleaved one, `Stages`') splits its batch:
+    `(batch, microbatches, rows per microbatch, the data axis split inside the schedule or None,
+    shard_map's manual axes, the microbatches' PartitionSpec, shard_map's mesh)`. `what` names
+    the block in the error for a batch that does not split."""
+    mesh, axis = config.mesh, config.axis
+    batch = _batch_size(x)
+    m = config.microbatches
+    context = jax.sharding.get_abstract_mesh()
+    outer_manual = set() if context.empty else set(context.manual_axes)
+    # Batch axes still automatic here; inside GradientAccumulation's per-replica shard_map the
+    # batch axes are manual already and `x` is one replica's share.
+    auto_batch = tuple(a for a in config.batch_axes
+                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
+    dsize = math.prod(mesh.shape[a] for a in auto_batch)
+    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
+        # One example, or an evaluation batch (a short last one) that does not split: a
+        # single microbatch.
+        m = 1
+    elif batch % (m * dsize):
+        raise DataError(
+            f"the batch reaching the pipelined {what} has {batch} examples, which do not "
+            f"split into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a "
+            f"batch per step (per accumulation step under GradientAccumulation) that is a "
+            f"multiple of {m * dsize}, or change the microbatch count."
+        )
+    b = batch // m
+    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
+    manual = (axis, data) if data else (axis,)
+    bspec = PartitionSpec(None, data) if data else PartitionSpec()
+    smap_mesh = context if outer_manual else mesh
+    return batch, m, b, data, manual, bspec, smap_mesh

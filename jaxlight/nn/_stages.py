@@ -45,14 +45,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError
 from jaxlight._layout import activation_sharding
 from jaxlight.nn._pipeline import (
-    _ANY_BATCH,
     PipelineConfig,
-    _batch_size,
     _vary,
     active_pipeline,
+    split_batch,
 )
 from jaxlight.nn._scan import LAYERS, remat_policy
 
@@ -242,26 +241,7 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
             f"a pipe size dividing {n_stages} ({divisors}) or a multiple of {p} stages.")
     k = n_stages // p
 
-    batch = _batch_size(x)
-    m = config.microbatches
-    context = jax.sharding.get_abstract_mesh()
-    outer_manual = set() if context.empty else set(context.manual_axes)
-    auto_batch = tuple(a for a in config.batch_axes
-                       if a not in outer_manual and mesh.shape.get(a, 1) > 1)
-    dsize = math.prod(mesh.shape[a] for a in auto_batch)
-    if batch == 1 or (batch % (m * dsize) and _ANY_BATCH.get()):
-        m = 1
-    elif batch % (m * dsize):
-        raise DataError(
-            f"the batch reaching the pipelined Stages has {batch} examples, which do not split "
-            f"into {m} microbatches × data-parallel degree {dsize} = {m * dsize}. Use a batch "
-            f"per step (per accumulation step under GradientAccumulation) that is a multiple "
-            f"of {m * dsize}, or change the microbatch count.")
-    b = batch // m
-    data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
-    manual = (axis, data) if data else (axis,)
-    bspec = PartitionSpec(None, data) if data else PartitionSpec()
-    smap_mesh = context if outer_manual else mesh
+    batch, m, b, data, manual, bspec, smap_mesh = split_batch(config, x, "Stages")
     b_local = b // mesh.shape["data"] if data else b
 
     # The shapes each device receives and sends, per example-row of one local microbatch.
