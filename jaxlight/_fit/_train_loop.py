@@ -203,6 +203,24 @@ class TrainLoop:
             "Every training batch must have the same structure and shapes (drop a last partial "
             "batch, for example ArrayLoader(drop_remainder=True)).")
 
+    def _check_group(self, group: list, reference: _batch.BatchSignature, start: int) -> None:
+        """The k loader batches of one accumulated step (stacked into one input): a last
+        partial batch cannot join them."""
+        k = self.batches_per_step
+        for j, batch in enumerate(group):
+            index = start + j
+            rows = _batch.partial_rows(batch, reference)
+            if rows is not None:
+                full = jax.tree.leaves(group[0])[0].shape[0]
+                raise DataError(
+                    f"training batch {index} of epoch {self.position.epoch} is a partial batch "
+                    f"of {rows} examples (full batches have {full}): with "
+                    f"accumulate_grad_batches={k} the {k} loader batches of one optimizer step "
+                    "are stacked into one input and must have one shape. Drop the last partial "
+                    "batch (jaxlight.data.DataLoader(..., drop_last=True); ArrayLoader drops it "
+                    "by default), or choose a batch size that divides the number of examples.")
+            self._check_batch(batch, reference, index)
+
     # -- metrics -------------------------------------------------------------------------------
 
     def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
@@ -251,11 +269,13 @@ class TrainLoop:
         _batch.check_batch_agreement(one, "training batch", _len_or_none(train_data))
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
         check_dtypes(one, first_name)  # later batches: the signature check below
+        reference = _batch.batch_signature(one, first_name)
+        if k > 1:  # the first group is stacked right here: check it before
+            self._check_group(first, reference, pos.batch_idx)
         abstract_batch = abstract_global_batch(one if k == 1 else stack_batches(first, k))
         with tracing_for(first_name, "train_data", one):
             session.choose_layout(abstract_batch)
         session.strategy.check_batch(abstract_batch)
-        reference = _batch.batch_signature(one, first_name)
         if session.state is None:
             session.state = session.init_state()
         # Validation's errors show before training, not at the first validation.
@@ -287,20 +307,8 @@ class TrainLoop:
         def check(batch, n: int, start: int) -> None:
             if k == 1:
                 self._check_batch(batch, reference, start + n, partial)
-                return
-            for j, one in enumerate(batch):
-                index = start + n * k + j
-                rows = _batch.partial_rows(one, reference)
-                if rows is not None:
-                    raise DataError(
-                        f"training batch {index} of epoch {pos.epoch} is a partial batch of "
-                        f"{rows} examples (full batches have {full_rows}): with "
-                        f"accumulate_grad_batches={k} the {k} loader batches of one optimizer "
-                        "step are stacked into one input and must have one shape. Drop the last "
-                        "partial batch (jaxlight.data.DataLoader(..., drop_last=True); "
-                        "ArrayLoader drops it by default), or choose a batch size that divides "
-                        "the number of examples.")
-                self._check_batch(one, reference, index)
+            else:
+                self._check_group(batch, reference, start + n * k)
 
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()

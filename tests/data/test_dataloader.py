@@ -73,9 +73,10 @@ def test_partial_batch_the_strategy_cannot_split_names_the_sizes():
                                            r"4 examples \(full batches have 32\).*data-parallel "
                                            r"degree 8.*drop_last=True"):
         _fit("dp", max_epochs=1).fit(Lin(), jl.data.DataLoader(_data(100), batch_size=32))
-    # GradientAccumulation splits each batch into k microbatches: the remainder must split too.
-    with pytest.raises(jl.DataError, match=r"partial batch of 8 examples \(full batches have "
-                                           r"48\).*accumulate_grad_batches k=3"):
+    # accumulate_grad_batches=k stacks k loader batches into one step: a partial one cannot join.
+    with pytest.raises(jl.DataError, match=r"training batch 2 of epoch 0 is a partial batch of 8 "
+                                           r"examples \(full batches have 48\).*"
+                                           r"accumulate_grad_batches=3.*drop_last=True"):
         _fit("single", max_epochs=1, accumulate_grad_batches=3).fit(
             Lin(), jl.data.DataLoader(_data(104), batch_size=48))
 
