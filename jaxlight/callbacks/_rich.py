@@ -36,6 +36,7 @@ class RichModelSummary(ModelSummary):
         self.header_style = header_style
 
     def on_fit_start(self, fit, module) -> None:
+        # rich is an optional extra (jaxlight[rich]): imported where the table is drawn.
         from rich.console import Console
         from rich.table import Table
 
