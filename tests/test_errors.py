@@ -18,7 +18,6 @@ from jaxlight._errors import JaxlightError
 from jaxlight._hparams import AttributeDict
 from jaxlight._layout import activation_sharding, constrain
 from jaxlight.callbacks._logdir import require
-from jaxlight.callbacks._loss_scale import find as find_loss_scale
 from jaxlight.nn._layers import annotated_param, apply_rope
 from jaxlight.nn._scan import remat_policy
 
@@ -129,9 +128,12 @@ CASES = {
                                         RuntimeError, r"FSDP.batch_axes needs the device mesh"),
     "spec_for before setup": (lambda: strategies.TensorParallel(2).spec_for("w", (4,), None),
                               RuntimeError, r"TensorParallel.spec_for\(\) needs"),
-    "two loss scales": (lambda: find_loss_scale(_two_loss_scales()), ValueError,
-                        r"MixedPrecision found 2 loss scales in the optimizer state \(expected "
-                        r"1\); use one MixedPrecision per Fit"),
+    # (One loss-scale state per named optimizer is now legitimate; two MixedPrecision
+    # callbacks are refused when the Fit assembles its callbacks.)
+    "two loss scales": (lambda: jl.Fit("single", max_steps=1, callbacks=[
+                            callbacks.MixedPrecision("16-mixed"),
+                            callbacks.MixedPrecision("16-mixed")]).fit(None, []),
+                        ValueError, r"Fit got 2 MixedPrecision callbacks"),
     "axis_size before setup": (lambda: strategies.Hybrid({"data": 2}).axis_size("data"),
                                RuntimeError, r"Hybrid.axis_size\(\) needs the device mesh"),
 }

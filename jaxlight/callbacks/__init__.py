@@ -1,5 +1,6 @@
 """Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
 
+from jaxlight._errors import MissingAttributeError
 from jaxlight.callbacks._accumulation import GradientAccumulation, Microbatches
 from jaxlight.callbacks._base import Callback, LambdaCallback
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
@@ -58,4 +59,4 @@ def __getattr__(name: str):
     # Lightning's names jaxlight lacks: say what to use instead (an AttributeError still).
     if name in NOT_IN_JAXLIGHT:
         raise missing(name)
-    raise AttributeError(f"module 'jaxlight.callbacks' has no attribute {name!r}")
+    raise MissingAttributeError(f"module 'jaxlight.callbacks' has no attribute {name!r}")

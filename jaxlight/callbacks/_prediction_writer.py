@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._errors import ConfigurationError
+from jaxlight._errors import ConfigurationError, MissingMethodError
 from jaxlight.callbacks._base import Callback
 
 __all__ = ["BasePredictionWriter"]
@@ -50,7 +50,7 @@ class BasePredictionWriter(Callback):
     def write_on_batch_end(self, fit, module, prediction: Any, batch_indices: list[int] | None,
                            batch: Any, batch_idx: int, dataloader_idx: int) -> None:
         """Override to write one batch's prediction."""
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__}(write_interval={self.interval!r}) needs "
             "write_on_batch_end(self, fit, module, prediction, batch_indices, batch, "
             "batch_idx, dataloader_idx).")
@@ -58,7 +58,7 @@ class BasePredictionWriter(Callback):
     def write_on_epoch_end(self, fit, module, predictions: list[Any],
                            batch_indices: list[list[list[int]]]) -> None:
         """Override to write all batches' predictions at the end of `Fit.predict`."""
-        raise NotImplementedError(
+        raise MissingMethodError(
             f"{type(self).__name__}(write_interval={self.interval!r}) needs "
             "write_on_epoch_end(self, fit, module, predictions, batch_indices).")
 
