@@ -261,6 +261,9 @@ RECIPE = Recipe(
             "accuracy before/after",
     config=Config,
     build=build,
-    fit_defaults={"max_steps": 40, "log_every_n_steps": 10, "val_check_interval": 20},
+    # Validation every val_check_interval steps counted across epochs (Lightning's
+    # check_val_every_n_epoch=None): the interval may be longer than an epoch.
+    fit_defaults={"max_steps": 40, "log_every_n_steps": 10, "val_check_interval": 20,
+                  "check_val_every_n_epoch": None},
     before_fit=before_fit,
 )
