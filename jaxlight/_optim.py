@@ -316,7 +316,7 @@ def resolve_output(out: Any, where: str) -> tuple[optax.GradientTransformation, 
         pair = len(out) == 2 and all(isinstance(x, tuple | list)
                                      and not isinstance(x, optax.GradientTransformation)
                                      for x in out)
-        form = ("Lightning's ([optimizers], [schedulers]) form" if pair else
+        form = ("Lightning's ([optimizers], [schedulers]) pair" if pair else
                 f"{len(out)} optimizer{'s' if len(out) != 1 else ''}, Lightning's form for "
                 "several optimizers")
         raise PortingError(

