@@ -206,12 +206,15 @@ def child_lora_step(path: str, steps: int, rounds: int, warmup: int = 5) -> dict
         mod = module()
         model = mod.configure_model(nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
-        params = nnx.to_pure_dict(params)
+        # On the device once, as Fit places its state (base_weights are host arrays: passing
+        # them each step would copy the whole base to an accelerator every step).
+        params, rest = jax.device_put((nnx.to_pure_dict(params), nnx.to_pure_dict(rest)))
         tx = mod.configure_optimizers()
         opt_state = tx.init(params)
 
-        @jax.jit
-        def step(params, opt_state, batch):
+        # The frozen base goes in as an argument (as Fit passes it): a closed-over module would be
+        # a constant of another trace level inside the model's nnx.scan.
+        def step(params, opt_state, rest, batch):
             def loss_fn(p):
                 return mod.training_step(nnx.merge(graphdef, p, rest), batch)[0]
 
@@ -228,7 +231,7 @@ def child_lora_step(path: str, steps: int, rounds: int, warmup: int = 5) -> dict
             except StopIteration:
                 it = iter(loader)
                 batch = next(it)
-            params, opt_state, loss = step(params, opt_state, jax.device_put(batch))
+            params, opt_state, loss = step(params, opt_state, rest, jax.device_put(batch))
             if prev is not None:
                 prev.block_until_ready()
             prev = loss
@@ -251,7 +254,8 @@ def child_lora_step(path: str, steps: int, rounds: int, warmup: int = 5) -> dict
               for a, b in zip(jax.tree.leaves(fp), jax.tree.leaves(hp), strict=True))
     ratio = float(np.median([r["ratio"] for r in rows]))
     del jnp
-    return {"steps": steps, "batch": 8, "tokens": length - 1, "lora_rank": 8,
+    return {"device": str(jax.devices()[0].device_kind), "platform": jax.default_backend(),
+            "steps": steps, "batch": 8, "tokens": length - 1, "lora_rank": 8,
             "targets": ["q_proj", "v_proj"], "rounds": rows, "median_ratio": ratio,
             "target_ratio": 1.02, "met": ratio <= 1.02, "final_adapters_max_rel_err": rel}
 
@@ -298,7 +302,11 @@ def main() -> None:
         report = run_child(["child-lora-step", "--path", path, "--steps", str(args.steps),
                             "--rounds", str(args.rounds)], 1)
         report["checkpoint"] = path
-        write_result("pretrained_lora_step", report)
+        # A CPU figure keeps the plain name; an accelerator's is suffixed with its kind
+        # (pretrained_lora_step_nvidia_h200.json), as the GPU benchmarks' files are.
+        suffix = "" if report["platform"] == "cpu" else "_" + "_".join(
+            report["device"].lower().replace("-", " ").split()[:2])
+        write_result("pretrained_lora_step" + suffix, report)
         return
     if args.part == "load":
         path = args.path or "/tmp/jaxlight-bench-llama-1b"

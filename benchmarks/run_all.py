@@ -361,8 +361,11 @@ def summarize_pretrained_sample(r):
 
 
 def summarize_pretrained_lora_step(r):
-    yield ("LoRA SFT step, Fit / hand-written (median)", _fmt(r["median_ratio"]), "≤ 1.02",
-           r["met"])
+    fit_ms = sorted(x["fit_ms"] for x in r["rounds"])[len(r["rounds"]) // 2]
+    yield (f"LoRA SFT step (rank {r['lora_rank']} on {'/'.join(r['targets'])}, batch "
+           f"{r['batch']} x {r['tokens']}), Fit / hand-written, median of {len(r['rounds'])} "
+           f"rounds ({fit_ms:.1f} ms/step; {r.get('device', 'cpu')})", _fmt(r["median_ratio"], 4),
+           "≤ 1.02", r["met"])
 
 
 def summarize_checkpoint(r):
@@ -407,8 +410,8 @@ def accelerator_rows() -> list[str]:
     lines = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
         name = os.path.basename(path)[:-5]
-        kind = "mfu" if name.startswith("mfu_") else (
-            "gpu_paths" if name.startswith("gpu_paths_") else None)
+        kind = next((k for k in ("mfu", "gpu_paths", "pretrained_lora_step")
+                     if name.startswith(k + "_")), None)
         report = _load(name)
         if kind is None or report is None or report.get("platform") != "gpu":
             continue
