@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## train the digits recipe under DataParallel on 8 simulated CPU devices
 	$(BIN)/jaxlight fit digits --strategy dp
 
+# The suite is XLA compiling many small programs, one core each: one pytest worker per core (at
+# most 4: each holds 8 simulated devices), a test file per worker, so module fixtures compile once.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: $(STAMP)  ## the whole test suite (8 simulated CPU devices)
-	$(BIN)/python -m pytest tests --durations=15
+	$(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
