@@ -193,10 +193,12 @@ class _Notes:
                 "to Lightning's default (see docs/porting.md, The command line)."
             )
         if self.warned:
-            items = "; ".join(f"trainer.{k}: {v!r} ({TRAINER_ARGS.get(k, 'no jaxlight form')})"
-                              for k, v in self.warned.items())
+            items = "; ".join(
+                f"trainer.{k}: {v!r} ({TRAINER_ARGS[k]})" if k in TRAINER_ARGS
+                else f"{k}: {v!r} (not an argument of jaxlight's class)"
+                for k, v in self.warned.items())
             warnings.warn(
-                f"ignored Lightning Trainer settings without a jaxlight meaning: {items}.",
+                f"ignored Lightning settings without a jaxlight meaning: {items}.",
                 UserWarning, stacklevel=2)
 
 
@@ -218,21 +220,70 @@ def _adapt_trainer_value(key: str, value: Any, notes: _Notes) -> tuple[bool, Any
     return True, value
 
 
-def _class_path(value: Any, modules: dict[str, Any]) -> Any:
-    """Rewrites `class_path: __main__.X` (a script run as `python main.py`) or the script's
-    module name to X's import path in the user's file, throughout a config tree."""
+#: Lightning's packages whose callbacks and loggers jaxlight.callbacks holds under their names.
+_LIGHTNING_PACKAGES = ("lightning.pytorch.callbacks", "lightning.pytorch.loggers",
+                       "pytorch_lightning.callbacks", "pytorch_lightning.loggers")
+
+#: Lightning callback and logger arguments jaxlight's classes do not take, at the value that
+#: asks for nothing (besides None and False, which never ask for anything here).
+_QUIET_ARGUMENTS = {"strict": True, "auto_insert_metric_name": True,
+                    "enable_version_counter": True, "log_rank_zero_only": False}
+
+
+def _jaxlight_callback(path: str, init_args: Any, notes: _Notes, where: str):
+    """(class path, init_args) of jaxlight's class of Lightning's name, looked up in
+    `jaxlight.callbacks` when the command runs; arguments it does not take are dropped at a
+    value that asks for nothing and named otherwise."""
+    import inspect
+
+    from jaxlight import callbacks
+
+    name = path.rpartition(".")[2]
+    cls = getattr(callbacks, name, None)
+    if not inspect.isclass(cls):
+        valid = [n for n in getattr(callbacks, "__all__", ()) if inspect.isclass(
+            getattr(callbacks, n))]
+        raise ConfigurationError(
+            f"{where}: {path} has no jaxlight counterpart in jaxlight.callbacks."
+            f"{suggest(name, valid)} jaxlight.callbacks has {', '.join(valid)}; remove it or "
+            "name one of those.")
+    if not isinstance(init_args, dict):
+        return f"jaxlight.callbacks.{name}", init_args
+    params = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return f"jaxlight.callbacks.{name}", init_args
+    kept = {}
+    for key, value in init_args.items():
+        if key in params:
+            kept[key] = value
+        elif not (value is None or value is False or _QUIET_ARGUMENTS.get(key, object()) == value):
+            notes.warned[f"{where}.init_args.{key}"] = value
+    return f"jaxlight.callbacks.{name}", kept
+
+
+def _class_path(value: Any, modules: dict[str, Any], notes: _Notes, where: str) -> Any:
+    """Rewrites class paths of a config tree to jaxlight's: `__main__.X` (a script run as
+    `python main.py`) or the script's module to X in the user's file, Lightning's callbacks and
+    loggers to `jaxlight.callbacks`' of the same name, torch's optimizers and schedulers to
+    `jaxlight.optim.torch`."""
     if isinstance(value, list):
-        return [_class_path(v, modules) for v in value]
+        return [_class_path(v, modules, notes, f"{where}[{i}]") for i, v in enumerate(value)]
     if not isinstance(value, dict):
         return value
-    out = {k: _class_path(v, modules) for k, v in value.items()}
+    out = {k: _class_path(v, modules, notes, f"{where}.{k}" if where else str(k))
+           for k, v in value.items()}
     path = out.get("class_path")
     if isinstance(path, str) and path in _torch_paths():
         out["class_path"] = _torch_paths()[path]
+    elif isinstance(path, str) and path.startswith(_LIGHTNING_PACKAGES):
+        out["class_path"], init_args = _jaxlight_callback(path, out.get("init_args"), notes,
+                                                          where)
+        if "init_args" in out:
+            out["init_args"] = init_args
     elif isinstance(path, str) and "." in path:
-        where, _, name = path.rpartition(".")
-        if where == "__main__" or where in modules:
-            found = modules.get(where) or next(
+        where_, _, name = path.rpartition(".")
+        if where_ == "__main__" or where_ in modules:
+            found = modules.get(where_) or next(
                 (m for m in modules.values() if hasattr(m, name)), None)
             if found is not None and hasattr(found, name):
                 out["class_path"] = f"{found.__name__}.{name}"
@@ -247,7 +298,7 @@ def _torch_paths() -> dict[str, str]:
 
 def adapt_config(data: dict[str, Any], notes: _Notes, modules: dict[str, Any]) -> dict[str, Any]:
     """A LightningCLI config tree with each `trainer:` key in its jaxlight meaning."""
-    data = _class_path(dict(data), modules)
+    data = _class_path(dict(data), modules, notes, "")
     trainer = data.get("trainer")
     if isinstance(trainer, dict):
         adapted = {}
@@ -361,8 +412,9 @@ def _register(obj: Any) -> Any:
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     if module is not None and module.__name__.startswith("_jaxlight_target_"):
         stem = module.__name__[len("_jaxlight_target_"):]
-        if stem not in sys.modules:
-            sys.modules[stem] = module
+        known = sys.modules.get(stem)
+        if known is None or getattr(known, "__name__", "").startswith("_jaxlight_target_"):
+            sys.modules[stem] = module  # (a file loaded earlier under that name: the newest)
     return module
 
 
@@ -439,6 +491,12 @@ def parse(command: str, spec: str, argv: Sequence[str]):
         cfg = parser.parse_args(adapted)
     except argparse.ArgumentError as err:
         raise ConfigurationError(_explain(parser, str(err), spec, extras)) from None
+    for key in ("limit_train_batches", "limit_val_batches"):
+        value = cfg.trainer[key]
+        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
+        # 1 as that many batches.
+        if isinstance(value, float) and value > 1 and value.is_integer():
+            cfg.trainer[key] = int(value)
     return parser, cfg, extras, (model_cls, data_cls), notes
 
 
