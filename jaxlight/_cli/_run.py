@@ -334,7 +334,7 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
         return None
     notes.report()
     if extras["print_config"] is not None:
-        text = parser.dump(cfg, skip_none=False)
+        text = parser.dump(cfg, skip_unset=False)
         for name, module in list(sys.modules.items()):
             if name.startswith("_jaxlight_target_") and sys.modules.get(
                     name.removeprefix("_jaxlight_target_")) is module:
