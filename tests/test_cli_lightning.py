@@ -86,3 +86,14 @@ def test_recipes_take_lightning_spellings(capsys):
                  "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["max_steps"] == 7 and printed["seed"] == 3
+
+
+def test_data_from_a_function_takes_its_arguments(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fn_data.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(PORT.parent)!r})\n"
+        "from _cli_port import MyDataModule\n\n\n"
+        "def make_data(batch_size: int = 8):\n    return MyDataModule(batch_size)\n")
+    assert main(["fit", TARGET[0], "--data", "fn_data.py:make_data", "--data.batch_size", "4",
+                 "--trainer.max_steps", "1", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"] == {"batch_size": 4}

@@ -164,9 +164,10 @@ def has_class_parameters(cls: Any) -> bool:
         if name == "return":
             continue
         for arg in (kind, *typing.get_args(kind)):
-            if inspect.isclass(arg) and arg not in (int, float, str, bool, type(None), list,
-                                                    tuple, dict) \
-                    and typing.get_origin(arg) is None:
+            # A path or a container is a value, not a class to choose.
+            if inspect.isclass(arg) and typing.get_origin(arg) is None and getattr(
+                    arg, "__module__", "") not in ("builtins", "os", "pathlib", "typing",
+                                                   "collections.abc", "numpy"):
                 return True
     return False
 
@@ -438,8 +439,10 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
     parser.add_class_arguments(Fit, "trainer", instantiate=False, fail_untyped=False,
                                sub_configs=True, skip={"seed"})
     parser.add_class_arguments(model_cls, "model", fail_untyped=False, sub_configs=True)
-    if data_cls is not None:
+    if isinstance(data_cls, type):
         parser.add_class_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
+    elif data_cls is not None:  # a function returning the DataModule: called after parsing
+        parser.add_function_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
     parser.add_subclass_arguments(TorchOptimizer, "optimizer", required=False,
                                   help="torch.optim's SGD, Adam or AdamW (replaces the module's "
                                        "configure_optimizers, as in LightningCLI)")

@@ -373,6 +373,8 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
             and not trainer["fast_dev_run"]:
         trainer["max_epochs"] = 1000  # Lightning's length when none is given
     module, data = init.model, init.data
+    if not isinstance(data_cls, type) and not isinstance(data, DataModule):
+        data = data_cls(**vars(data))  # a function returning the DataModule
     if not isinstance(data, DataModule):
         raise ConfigurationError(
             f"--data {extras['data']!r} returned a {type(data).__name__}, not a "
