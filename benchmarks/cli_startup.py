@@ -93,6 +93,11 @@ def _env(root: str, extra: dict | None = None) -> dict:
     return env
 
 
+def cpu_key(key: str) -> str:
+    """`help_s` -> `help_cpu_s`: the CPU seconds beside a wall time."""
+    return key.removesuffix("_s") + "_cpu_s"
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -138,7 +143,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "cli_startup.json"))
     args = p.parse_args(argv)
     roots = {}
-    keys = [k for name in ("help_s", *COMMANDS) for k in (name, name.replace("_s", "_cpu_s"))]
+    keys = [k for name in ("help_s", *COMMANDS) for k in (name, cpu_key(name))]
     runs: dict[str, dict[str, list[float]]] = {
         side: {k: [] for k in keys} for side in ("old", "new")}
     load_before = os.getloadavg()
@@ -160,7 +165,7 @@ def main(argv=None):
                 for side in order:
                     wall, cpu = first_step(roots[side], work, commands[side])
                     runs[side][key].append(wall)
-                    runs[side][key.replace("_s", "_cpu_s")].append(cpu)
+                    runs[side][cpu_key(key)].append(cpu)
             print(f"round {i}: " + "; ".join(
                 f"{side} " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs[side].items())
                 for side in ("old", "new")), file=sys.stderr, flush=True)

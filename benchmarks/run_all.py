@@ -304,7 +304,7 @@ def summarize_cli_startup(r):
                                     "(new: LightningCLI's form on jsonargparse)"}
     rows = []
     for key, what in names.items():
-        cpu = key.replace("_s", "_cpu_s")
+        cpu = key.removesuffix("_s") + "_cpu_s"
         rows.append((f"CLI start-up new / old (jsonargparse vs hand-written), {what}, CPU "
                      f"seconds ({m['new'][cpu]:.2f} s / {m['old'][cpu]:.2f} s; wall "
                      f"{ratio[key]:.3f})", _fmt(ratio[cpu]), "≤ 1.05", ratio[cpu] <= 1.05))

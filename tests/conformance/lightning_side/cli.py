@@ -133,6 +133,12 @@ def parsed(config) -> dict:
     }
 
 
+def _short(array) -> list:
+    """float32 values as the shortest decimals that read back to the same float32 (9
+    significant digits always do), to keep the fixture small."""
+    return [_short(row) for row in array] if array.ndim > 1 else [float(f"{v:.9g}") for v in array]
+
+
 def train(args) -> dict:
     run = cli(args)
     net = run.model.backbone
@@ -145,8 +151,8 @@ def train(args) -> dict:
     return {
         "global_step": run.trainer.global_step,
         "valid_loss": float(run.trainer.callback_metrics["valid_loss"]),
-        "weights": {name: {"kernel": getattr(net, name).weight.detach().numpy().T.tolist(),
-                           "bias": getattr(net, name).bias.detach().numpy().tolist()}
+        "weights": {name: {"kernel": _short(getattr(net, name).weight.detach().numpy().T),
+                           "bias": _short(getattr(net, name).bias.detach().numpy())}
                     for name in ("l1", "l2")},
     }
 
@@ -166,7 +172,7 @@ def main() -> None:
     FIXTURES.mkdir(exist_ok=True)
     out = {"torch": torch.__version__, "lightning": lightning.__version__,
            "script": "tests/conformance/lightning_side/cli.py", "cases": cases}
-    (FIXTURES / "cli.json").write_text(json.dumps(out, indent=1) + "\n")
+    (FIXTURES / "cli.json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {FIXTURES / 'cli.json'}: {sorted(cases)}")
 
 
