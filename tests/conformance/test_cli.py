@@ -127,3 +127,10 @@ def test_keys_without_meaning_are_named(lightning_config):
                                                  "--trainer.min_epochs", "3"])
     with pytest.raises(ConfigurationError, match=r"trainer.min_epochs: 3 \(not supported"):
         notes.report()
+
+
+@claim("docs/cli.md's config.yaml is the file Lightning's LightningCLI printed, unchanged")
+def test_docs_show_lightnings_own_config():
+    page = (HERE.parent.parent / "docs" / "cli.md").read_text()
+    block = page.split("<!-- file: config.yaml -->\n```yaml\n", 1)[1].split("```", 1)[0]
+    assert block == case(G, "print_config_reads_back")["config_yaml"]
