@@ -76,6 +76,14 @@ def test_lightning_callback_paths_map_by_name_and_unknown_ones_are_refused(capsy
            "counterpart in jaxlight.callbacks" in err and "LearningRateMonitor" in err
 
 
+def test_a_config_given_as_text(capsys):
+    assert main(["fit", *TARGET, "--config", "{trainer: {max_steps: -1, max_epochs: 3}}",
+                 "--config={model: {learning_rate: 0.5}}", "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_steps"] is None and printed["trainer"]["max_epochs"] == 3
+    assert printed["model"]["learning_rate"] == 0.5
+
+
 def test_evaluating_without_a_checkpoint_is_refused(capsys):
     assert main(["validate", *TARGET, "--trainer.max_steps", "1"]) == 2
     assert "without --ckpt_path would evaluate a randomly initialized model" in _err(capsys)

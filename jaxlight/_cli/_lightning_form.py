@@ -331,11 +331,16 @@ def _adapt_argv(argv: list[str], notes: _Notes, modules: dict[str, Any]) -> list
             out.append(new + (eq + inline if eq else ""))
             i += 1
             continue
-        if name == "--config" and not eq and i + 1 < len(argv):
-            path = argv[i + 1]
-            data = adapt_config(load_config_file(path), notes, modules)
+        if name == "--config" and (eq or i + 1 < len(argv)):
+            path = inline if eq else argv[i + 1]
+            # A file, or the config's text itself (as jsonargparse takes it).
+            text = None if os.path.isfile(path) else _yaml_value(path)
+            if text is not None and not isinstance(text, dict):
+                load_config_file(path)  # neither a file nor a mapping: says no such file
+            data = adapt_config(text if text is not None else load_config_file(path), notes,
+                                modules)
             out += ["--config", json.dumps(data)]
-            i += 2
+            i += 1 if eq else 2
             continue
         if name in ("--optimizer", "--lr_scheduler"):
             value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
