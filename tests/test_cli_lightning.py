@@ -31,7 +31,8 @@ def test_help_lists_the_sections(capsys):
 
 def test_print_config_reads_back_with_the_file_s_class_paths(capsys, tmp_path):
     argv = [*TARGET, "--trainer.max_steps", "3", "--model.backbone", "Backbone",
-            "--model.backbone.hidden_dim", "5", "--trainer.callbacks+=LearningRateMonitor",
+            "--model.backbone.hidden_dim", "5",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
             "--optimizer", "SGD", "--optimizer.momentum", "0.9"]
     assert main(["fit", *argv, "--print_config"]) == 0
     first = capsys.readouterr().out

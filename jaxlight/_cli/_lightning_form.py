@@ -342,6 +342,16 @@ def _adapt_argv(argv: list[str], notes: _Notes, modules: dict[str, Any]) -> list
             out += ["--config", json.dumps(data)]
             i += 1 if eq else 2
             continue
+        if name in ("--trainer.callbacks+", "--trainer.callbacks", "--trainer.logger") and (
+                eq or i + 1 < len(argv)):
+            value = inline if eq else argv[i + 1]
+            if value.startswith(_LIGHTNING_PACKAGES):  # Lightning's path: jaxlight's class
+                value = _jaxlight_callback(value, None, notes, name[2:])[0]
+            out.append(f"{name}={value}" if eq else name)
+            if not eq:
+                out.append(value)
+            i += 1 if eq else 2
+            continue
         if name in ("--optimizer", "--lr_scheduler"):
             value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             value = _torch_paths().get(value, value)
