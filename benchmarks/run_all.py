@@ -42,6 +42,7 @@ BENCHMARKS = {
     "overhead_ema": ["--steps", "100", "--rounds", "3", "--ema", "0.999"],
     "auto": [],
     "startup": [],
+    "cli_startup": [],
     "prefetch": [],
     "gpt_input": [],
     "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
@@ -292,6 +293,21 @@ def summarize_auto(r):
                          f"fits; predicted ≤ 1.05 × best of {len(m['full_table'])} "
                          f"({run['best_of_full_table']}: ×{ratio:.3f})",
                          ratio is not None and ratio <= 1.05))
+    return rows
+
+
+def summarize_cli_startup(r):
+    m, ratio = r["median"], r["new_over_old"]
+    names = {"help_s": "`jaxlight --help`",
+             "recipe_first_step_s": "process start → first step, `jaxlight fit digits`",
+             "target_first_step_s": "process start → first step, your module "
+                                    "(new: LightningCLI's form on jsonargparse)"}
+    rows = []
+    for key, what in names.items():
+        cpu = key.removesuffix("_s") + "_cpu_s"
+        rows.append((f"CLI start-up new / old (jsonargparse vs hand-written), {what}, CPU "
+                     f"seconds ({m['new'][cpu]:.2f} s / {m['old'][cpu]:.2f} s; wall "
+                     f"{ratio[key]:.3f})", _fmt(ratio[cpu]), "≤ 1.05", ratio[cpu] <= 1.05))
     return rows
 
 

@@ -202,8 +202,10 @@ def _printed(capsys, argv) -> dict:
     (["user.py:Regressor", "--data", "user.py:Regressor"],
      "--data 'user.py:Regressor' is a class deriving from TrainModule, not a "
      "jaxlight.DataModule subclass (or a function returning a DataModule)."),
-    (["user.py:NeedsAModel"], "user.py:NeedsAModel: parameter 'encoder' has type Module, which "
-                              "the command line cannot build"),
+    # A class-typed argument is set in LightningCLI's form (jsonargparse's subclass mode).
+    (["user.py:NeedsAModel"], "jaxlight fit user.py:NeedsAModel: the following arguments are "
+                              "required: model.encoder. An argument typed as a class takes "
+                              "the class's name"),
     (["user.py:Regressor", "--model.features", "3"],
      "jaxlight fit user.py:Regressor needs its data: add --data PATH.py:NAME"),
 ])

@@ -9,6 +9,14 @@ module; inspect devices; launch processes.
     jaxlight predict model.py:Net --data model.py:Data --ckpt-path best --output pred.npz
     jaxlight devices --strategy tp --mesh-shape '[[4,2],["data","tp"]]'
     jaxlight launch --nprocs 2 -- jaxlight fit digits
+    jaxlight fit model.py:LitClassifier --data model.py:MyDataModule --config config.yaml \
+        --trainer.max_epochs 3 --model.backbone Backbone --model.backbone.hidden_dim 64
+
+The user's module also takes LightningCLI's form (`_lightning_form`: `--trainer.*`,
+`--seed_everything`, `--trainer.callbacks+=Name`, `class_path`/`init_args`, `--optimizer`,
+`--lr_scheduler`, a `config.yaml` LightningCLI wrote), parsed by jsonargparse from the type
+hints of `Fit`, the module and the data; it is chosen by those flags or keys, or by an argument
+typed as a class.
 
 Values come, lowest priority first, from: the recipe's defaults (a user module's: its and its
 DataModule's `__init__` signatures), `--preset`, `--config FILE` (YAML or JSON), then the command

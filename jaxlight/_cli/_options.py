@@ -151,6 +151,11 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
     for token in argv:
         if token.startswith("--") and len(token) > 2:
             name, eq, value = token[2:].partition("=")
+            # LightningCLI's spellings of a run option: --trainer.max_steps, --seed_everything.
+            if name.startswith("trainer.") and name.count(".") == 1:
+                name = name[len("trainer."):]
+            elif name == "seed_everything":
+                name = "seed"
             if "." in name:
                 section, _, field = name.rpartition(".")
                 name = f"{section}.{field.replace('-', '_')}"

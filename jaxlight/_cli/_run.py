@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -24,9 +25,17 @@ from jaxlight._cli._build import (
     size_bare_strategy,
 )
 from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
+from jaxlight._cli._lightning_form import has_class_parameters, parse, uses_lightning_form
 from jaxlight._cli._options import RUN_OPTIONS, fit_signature_defaults, resolve
-from jaxlight._cli._target import TargetRecipe, missing_required, printable
+from jaxlight._cli._target import (
+    TargetRecipe,
+    import_object,
+    is_target,
+    missing_required,
+    printable,
+)
 from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight._module import TrainModule
 from jaxlight.data._datamodule import DataModule, defines
 from jaxlight.recipes._base import apply_overrides
 
@@ -61,6 +70,8 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     the resolved config and options, and every reported metric. Returns None for `--help` and
     `--print-config`.
     """
+    if is_target(recipe_name) and (uses_lightning_form(argv) or _class_typed(recipe_name, argv)):
+        return run_lightning_form(command, recipe_name, argv)
     recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
     if flags.get("help"):
         parser.print_help()
@@ -302,3 +313,102 @@ def _report(title: str, metrics: dict[str, Any], say) -> None:
         else:
             shown = str(value)
         say(f"  {key:<{width}}  {shown}")
+
+
+def _class_typed(spec: str, argv: Sequence[str]) -> bool:
+    """Whether the module or its data takes a class-typed argument (an injected backbone):
+    such a module is configured in LightningCLI's form."""
+    data = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--data"), None)
+    return any(has_class_parameters(import_object(s, what))
+               for s, what in ((spec, "target"), (data, "--data")) if s is not None)
+
+
+def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResult | None:
+    """`jaxlight <command> PATH.py:Module --data PATH.py:Data` in LightningCLI's form (see
+    `_lightning_form`): parsed by jsonargparse, then run as any other command."""
+    from jaxlight.optim.torch import configure_optimizers
+
+    parser, cfg, extras, (model_cls, data_cls), notes = parse(command, spec, argv)
+    if cfg is None:
+        parser.print_help()
+        return None
+    notes.report()
+    if extras["print_config"] is not None:
+        text = parser.dump(cfg, skip_unset=False)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("_jaxlight_target_") and sys.modules.get(
+                    name.removeprefix("_jaxlight_target_")) is module:
+                text = text.replace(f"class_path: {name}.",
+                                    f"class_path: {name.removeprefix('_jaxlight_target_')}.")
+        print(text, end="")
+        return None
+    if data_cls is None:
+        raise ConfigurationError(
+            f"jaxlight {command} {spec} needs its data: add --data PATH.py:NAME naming a "
+            "jaxlight.DataModule subclass (or a function returning one).")
+    _predict.check_output_path(extras["output"])
+    initialize_distributed()
+    if extras["devices"] is not None:
+        check_device_count(int(extras["devices"]))
+    ckpt_path = cfg.ckpt_path
+    untrained_on_purpose = isinstance(ckpt_path, str) and ckpt_path.lower() in ("none", "null")
+    if untrained_on_purpose:
+        ckpt_path = None
+    seed = cfg.seed_everything
+    if seed is True:
+        seed = int.from_bytes(os.urandom(4), "little") >> 1
+        print(f"seed_everything: true: seed {seed} (pass --seed_everything {seed} to repeat "
+              "this run)", flush=True)
+    elif seed is False:
+        seed = 0
+    init = parser.instantiate(cfg)
+    trainer = dict(vars(init.trainer))
+    if isinstance(trainer.get("strategy"), str):
+        trainer["strategy"] = build_strategy(trainer["strategy"])
+    if trainer.get("callbacks") is None:
+        trainer["callbacks"] = []
+    if command != "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None:
+        trainer["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
+    if command == "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None \
+            and not trainer["fast_dev_run"]:
+        trainer["max_epochs"] = 1000  # Lightning's length when none is given
+    module, data = init.model, init.data
+    if not isinstance(data_cls, type) and not isinstance(data, DataModule):
+        data = data_cls(**vars(data))  # a function returning the DataModule
+    if not isinstance(data, DataModule):
+        raise ConfigurationError(
+            f"--data {extras['data']!r} returned a {type(data).__name__}, not a "
+            "jaxlight.DataModule.")
+    if cfg.optimizer is not None:
+        tx = configure_optimizers(init.optimizer, init.lr_scheduler)
+        if type(module).configure_optimizers is not TrainModule.configure_optimizers:
+            warnings.warn(f"{type(module).__name__}.configure_optimizers is replaced by "
+                          "--optimizer, as LightningCLI does.", UserWarning, stacklevel=2)
+        module.configure_optimizers = lambda: tx
+    elif cfg.lr_scheduler is not None:
+        raise ConfigurationError("--lr_scheduler needs --optimizer (as in LightningCLI).")
+    trainer["callbacks"] = [*trainer["callbacks"], _LastValidation()]
+    fit = Fit(seed=seed, **trainer)
+    if command != "fit":
+        if ckpt_path is None and not untrained_on_purpose:
+            raise ConfigurationError(
+                f"jaxlight {command} {spec} without --ckpt_path would evaluate a randomly "
+                "initialized model, not a trained one; pass --ckpt_path PATH (a checkpoint "
+                "step directory, a checkpoints directory, 'last' or 'best'), or --ckpt_path "
+                "none to evaluate the initialization on purpose.")
+        if ckpt_path in ("best", "last"):
+            ckpt_path = _find_checkpoint(fit, ckpt_path)
+    recipe = TargetRecipe(name=spec, summary="", config=type(cfg), build=lambda *a: None)
+    options = {"ckpt_path": ckpt_path, "seed": seed}
+    metrics: dict[str, Any] = {}
+    predictions = None
+    say = _printer()
+    say(f"{command} {spec}: strategy {fit.strategy.name}, {describe_devices()}")
+    if command == "fit":
+        _fit_command(recipe, cfg, options, fit, module, data, metrics, say)
+    elif command == "predict":
+        predictions = _predict_command(recipe, options, {"output": extras["output"]}, fit,
+                                       module, data, say)
+    else:
+        _eval_command(command, recipe, options, fit, module, data, metrics, say)
+    return RunResult(fit, module, data, cfg, options, metrics, predictions)

@@ -1,0 +1,108 @@
+"""LightningCLI's form of the command line (jsonargparse): what the conformance group `cli`
+does not cover. Parses only; nothing here trains."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import yaml
+
+from jaxlight._cli import main
+
+PORT = pathlib.Path(__file__).resolve().parent / "conformance" / "_cli_port.py"
+TARGET = [f"{PORT}:LitClassifier", "--data", f"{PORT}:MyDataModule"]
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("jaxlight: error: ") and "Traceback" not in err, err
+    return err
+
+
+def test_help_lists_the_sections(capsys):
+    assert main(["fit", *TARGET, "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--trainer.max_steps", "--trainer.callbacks", "--seed_everything",
+                 "--model.backbone", "--model.learning_rate", "--data.batch_size",
+                 "--optimizer", "--lr_scheduler", "--ckpt_path", "--print_config"):
+        assert flag in out, flag
+
+
+def test_print_config_reads_back_with_the_file_s_class_paths(capsys, tmp_path):
+    argv = [*TARGET, "--trainer.max_steps", "3", "--model.backbone", "Backbone",
+            "--model.backbone.hidden_dim", "5",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+            "--optimizer", "SGD", "--optimizer.momentum", "0.9"]
+    assert main(["fit", *argv, "--print_config"]) == 0
+    first = capsys.readouterr().out
+    printed = yaml.safe_load(first)
+    assert printed["model"]["backbone"] == {"class_path": "_cli_port.Backbone",
+                                            "init_args": {"hidden_dim": 5}}
+    assert printed["trainer"]["callbacks"][0]["class_path"] == \
+        "jaxlight.callbacks.LearningRateMonitor"
+    assert printed["optimizer"]["class_path"] == "jaxlight.optim.torch.SGD"
+    path = tmp_path / "config.yaml"
+    path.write_text(first)
+    assert main(["fit", *TARGET, "--config", str(path), "--print_config"]) == 0
+    assert capsys.readouterr().out == first
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trainer.max_steps", "2", "--callbacks", "LearningRateMonitor()"],
+     "--callbacks is jaxlight's earlier option; in LightningCLI's form write "
+     "--trainer.callbacks+=Name --trainer.callbacks.ARG VALUE"),
+    (["--trainer.callbacks+=NoSuchCallback"], "NoSuchCallback"),
+    (["--trainer.max_stepz", "2"], "Did you mean '--trainer.max_steps'?"),
+    (["--trainer.num_nodes", "2"], None),
+])
+def test_mistakes_are_named(capsys, argv, message):
+    if message is None:  # a key without a jaxlight meaning, at another value: a warning
+        with pytest.warns(UserWarning, match=r"trainer.num_nodes: 2 \(several hosts"):
+            assert main(["fit", *TARGET, *argv, "--print_config"]) == 0
+        return
+    assert main(["fit", *TARGET, *argv]) == 2
+    assert message in _err(capsys)
+
+
+def test_lightning_callback_paths_map_by_name_and_unknown_ones_are_refused(capsys, tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+         "init_args": {"logging_interval": None, "log_momentum": False}},
+        {"class_path": "lightning.pytorch.callbacks.BatchSizeFinderX"}]}}))
+    assert main(["fit", *TARGET, "--config", str(path)]) == 2
+    err = _err(capsys)
+    assert "trainer.callbacks[1]: lightning.pytorch.callbacks.BatchSizeFinderX has no jaxlight " \
+           "counterpart in jaxlight.callbacks" in err and "LearningRateMonitor" in err
+
+
+def test_a_config_given_as_text(capsys):
+    assert main(["fit", *TARGET, "--config", "{trainer: {max_steps: -1, max_epochs: 3}}",
+                 "--config={model: {learning_rate: 0.5}}", "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["max_steps"] is None and printed["trainer"]["max_epochs"] == 3
+    assert printed["model"]["learning_rate"] == 0.5
+
+
+def test_evaluating_without_a_checkpoint_is_refused(capsys):
+    assert main(["validate", *TARGET, "--trainer.max_steps", "1"]) == 2
+    assert "without --ckpt_path would evaluate a randomly initialized model" in _err(capsys)
+
+
+def test_recipes_take_lightning_spellings(capsys):
+    assert main(["fit", "digits", "--trainer.max_steps", "7", "--seed_everything", "3",
+                 "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["max_steps"] == 7 and printed["seed"] == 3
+
+
+def test_data_from_a_function_takes_its_arguments(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fn_data.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(PORT.parent)!r})\n"
+        "from _cli_port import MyDataModule\n\n\n"
+        "def make_data(batch_size: int = 8):\n    return MyDataModule(batch_size)\n")
+    assert main(["fit", TARGET[0], "--data", "fn_data.py:make_data", "--data.batch_size", "4",
+                 "--trainer.max_steps", "1", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["data"] == {"batch_size": 4}
