@@ -18,6 +18,7 @@ from jaxlight.callbacks._progress import TQDMProgressBar
 from jaxlight.callbacks._rich import RichModelSummary
 from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
+from jaxlight.callbacks._swa import StochasticWeightAveraging
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
 from jaxlight.callbacks._timer import Timer
@@ -45,6 +46,7 @@ __all__ = [
     "Profiler",
     "RichModelSummary",
     "SpikeDetection",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",

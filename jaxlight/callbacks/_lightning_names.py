@@ -22,8 +22,6 @@ NOT_IN_JAXLIGHT = {
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
     "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
-    "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
-                                 "average of every step, without SWA's learning-rate schedule",
     "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "MLFlowLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "LitLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",

@@ -1,0 +1,139 @@
+"""Lightning side of the `callbacks3` group: `StochasticWeightAveraging` (and the other
+Lightning 2.6 callbacks that change the training schedule mid-run).
+
+Run only under the reference environment (torch CPU + lightning 2.6):
+    /work/venv-lightning/bin/python tests/conformance/lightning_side/callbacks3.py
+writes tests/conformance/fixtures/callbacks3.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import sys
+import tempfile
+import warnings
+
+import lightning
+import lightning.pytorch as L
+import torch
+from lightning.pytorch import callbacks
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from _data2_problem import checksum, make_problem  # noqa: E402
+
+FIXTURES = HERE.parent / "fixtures"
+warnings.filterwarnings("ignore")
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+torch.set_num_threads(1)
+
+
+class Examples(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = torch.tensor(x), torch.tensor(y)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class Reg(L.LightningModule):
+    """4 -> 2 linear regression, MSE; `gamma` adds an epoch StepLR(1, gamma) scheduler."""
+
+    def __init__(self, prob, lr, optimizer="sgd", gamma=None):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.layer.weight.copy_(torch.tensor(prob["kernel"].T))
+            self.layer.bias.copy_(torch.tensor(prob["bias"]))
+        self.lr, self.optimizer, self.gamma = lr, optimizer, gamma
+        self.val_losses = []
+
+    def loss(self, batch):
+        return nn.functional.mse_loss(self.layer(batch["x"]), batch["y"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+    def configure_optimizers(self):
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[self.optimizer]
+        opt = cls(self.parameters(), lr=self.lr)
+        if self.gamma is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(
+            opt, 1, self.gamma)}
+
+
+class EpochLrs(callbacks.Callback):
+    """The learning rate each epoch trained with (read at its first batch)."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def weights(module) -> dict:
+    return {"kernel": module.layer.weight.detach().numpy().T.tolist(),
+            "bias": module.layer.bias.detach().numpy().tolist()}
+
+
+def swa_case(kwargs: dict, n=48, n_val=16, batch_size=8, epochs=6, lr=0.05, optimizer="sgd",
+             gamma=None) -> dict:
+    prob = make_problem(n + n_val, seed=3)
+    x, y = prob["x"], prob["y"]
+    module = Reg(prob, lr, optimizer, gamma)
+    lrs = EpochLrs()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root,
+                            callbacks=[callbacks.StochasticWeightAveraging(**kwargs), lrs],
+                            num_sanity_val_steps=0)
+        trainer.fit(module, DataLoader(Examples(x[:n], y[:n]), batch_size=batch_size),
+                    DataLoader(Examples(x[n:], y[n:]), batch_size=batch_size))
+    return {"kwargs": kwargs, "n": n + n_val, "seed": 3, "checksum": checksum(prob),
+            "n_train": n, "batch_size": batch_size, "epochs": epochs, "lr": lr,
+            "optimizer": optimizer, "gamma": gamma, "global_step": trainer.global_step,
+            "epoch_lrs": lrs.lrs, "val_losses": module.val_losses, "final": weights(module)}
+
+
+def main() -> None:
+    swa = {
+        "swa_sgd_cos_from_third_epoch": swa_case(
+            {"swa_lrs": 0.01, "swa_epoch_start": 3, "annealing_epochs": 2}),
+        "swa_adam_linear_fraction_start": swa_case(
+            {"swa_lrs": 0.002, "swa_epoch_start": 0.5, "annealing_epochs": 3,
+             "annealing_strategy": "linear"}, optimizer="adam", lr=0.01, epochs=5),
+        "swa_from_the_first_epoch_averages_the_initial_weights": swa_case(
+            {"swa_lrs": 0.02, "swa_epoch_start": 1, "annealing_epochs": 0}, epochs=3),
+        "swa_replaces_an_epoch_scheduler": swa_case(
+            {"swa_lrs": 0.005, "swa_epoch_start": 0.6, "annealing_epochs": 1}, gamma=0.5,
+            epochs=5, n=44),
+        "swa_default_start_and_annealing": swa_case({"swa_lrs": 0.01}, epochs=5),
+    }
+    out = {"group": "callbacks3", "torch": torch.__version__, "lightning": lightning.__version__,
+           "swa_cases": swa}
+    FIXTURES.mkdir(exist_ok=True)
+    path = FIXTURES / "callbacks3.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+if __name__ == "__main__":
+    main()
