@@ -1,7 +1,11 @@
 """Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
 
 from jaxlight._errors import MissingAttributeError
-from jaxlight.callbacks._accumulation import GradientAccumulation, Microbatches
+from jaxlight.callbacks._accumulation import (
+    GradientAccumulation,
+    GradientAccumulationScheduler,
+    Microbatches,
+)
 from jaxlight.callbacks._base import Callback, LambdaCallback
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
@@ -33,6 +37,7 @@ __all__ = [
     "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulation",
+    "GradientAccumulationScheduler",
     "Microbatches",
     "GradientClipping",
     "LambdaCallback",

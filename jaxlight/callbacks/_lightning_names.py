@@ -17,7 +17,6 @@ NOT_IN_JAXLIGHT = {
                        "per-device bytes for a batch size",
     "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "
                   "the checkpoint callbacks",
-    "GradientAccumulationScheduler": "not yet: Fit(accumulate_grad_batches=k) takes one k",
     "LearningRateFinder": "not yet",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",

@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxlight._errors import ConfigurationError, JaxlightWarning
 from jaxlight._optim import current_factor, one_state_of, states_of
-from jaxlight.callbacks._accumulation import batches_per_step
+from jaxlight.callbacks._accumulation import GradientAccumulationScheduler, batches_per_step
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules
 from jaxlight.callbacks._weight_averaging import AvgFn, swa_average
@@ -308,6 +308,13 @@ class StochasticWeightAveraging(Callback):
         if isinstance(limit, float):
             limit = max(1, int(n * limit))
         n = min(n, int(limit)) if limit else n
+        schedulers = [cb for cb in fit.callbacks if isinstance(cb, GradientAccumulationScheduler)
+                      and len(set(cb.scheduling.values())) > 1]
+        if schedulers:
+            raise ConfigurationError(
+                f"StochasticWeightAveraging with {schedulers[0]!r}: SWA counts epochs inside the "
+                "step by a fixed number of optimizer steps per epoch, which a changing "
+                "accumulate_grad_batches breaks. Use one accumulate_grad_batches with SWA.")
         spe = max(1, math.ceil(n / batches_per_step(fit.callbacks)))
         end = None if max_epochs is None else max_epochs - 1
         constants = (spe, max(start - 1, 0), end)

@@ -89,3 +89,11 @@ def test_an_injected_rate_is_read():
     fit.fit(Lin(tx), _data())
     (swa,) = states_of(fit.state.opt_state, SWAState)
     np.testing.assert_allclose([float(swa.lr0), float(swa.lr)], [0.1, 0.01], rtol=1e-6)
+
+
+def test_a_changing_accumulation_is_refused():
+    fit = jl.Fit("single", max_epochs=2, enable_progress_bar=False, logger=False,
+                 callbacks=[callbacks.StochasticWeightAveraging(0.1),
+                            callbacks.GradientAccumulationScheduler({1: 2})])
+    with pytest.raises(jl.ConfigurationError, match="changing accumulate_grad_batches"):
+        fit.fit(Lin(), _data())

@@ -186,3 +186,81 @@ def test_callbacks3_swa_resumes_bitwise_across_its_start(tmp_path):
                          strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert_final(resumed_module, case)
+
+
+CLAIMS.update({
+    "accumulation_scheduler_changes_k_by_epoch":
+        "GradientAccumulationScheduler({1: 2, 3: 3}): Lightning's optimizer steps per epoch, "
+        "validation losses and final weights; one compiled step kind per distinct k",
+    "accumulation_scheduler_short_last_group":
+        "an epoch whose batches do not fill the last group of k steps on the batches left "
+        "(divided by k), then k=1 again",
+    "accumulation_scheduler_adam": "GradientAccumulationScheduler under Adam",
+})
+
+
+class EpochSteps(callbacks.Callback):
+    def __init__(self):
+        self.steps, self.losses = [], []
+
+    def on_train_epoch_end(self, fit, module):
+        self.steps.append(fit.global_step)
+
+    def on_validation_end(self, fit, module):
+        self.losses.append(fit.callback_metrics["val_loss"])
+
+
+@pytest.mark.parametrize("case_id", sorted(FIXTURE["accumulation_cases"]))
+def test_callbacks3_accumulation(case_id):
+    case = FIXTURE["accumulation_cases"][case_id]
+    prob = problem(case)
+    scheduling = {int(k): v for k, v in case["scheduling"].items()}
+    record = EpochSteps()
+    fit = jl.Fit("single", max_epochs=case["epochs"],
+                 callbacks=[callbacks.GradientAccumulationScheduler(scheduling), record],
+                 enable_progress_bar=False, logger=False, enable_model_summary=False,
+                 num_sanity_val_steps=0)
+    module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
+    fit.fit(module, *loaders(case, prob))
+    assert fit.global_step == case["global_step"]
+    assert record.steps == case["epoch_steps"]
+    np.testing.assert_allclose(record.losses, case["val_losses"], rtol=1e-5)
+    assert_final(module, case)
+    ks = {callbacks.GradientAccumulationScheduler(scheduling).batches_at(e)
+          for e in range(case["epochs"])}
+    first = callbacks.GradientAccumulationScheduler(scheduling).batches_at(0)
+    kinds = {k: v for k, v in fit.compile_counts.items() if k.startswith("train")}
+    assert kinds == {"train": 1, **{f"train_accumulate_{k}": 1 for k in ks - {first}}}
+
+
+CLAIMS["accumulation_scheduler_resumes_bitwise_across_a_k_change"] = (
+    "a fit interrupted in an epoch with k=2 (OnExceptionCheckpoint) and resumed ends with the "
+    "uninterrupted run's state bit for bit, and Lightning's final weights")
+
+
+def test_callbacks3_accumulation_scheduler_resumes_bitwise_across_a_k_change(tmp_path):
+    import jax
+
+    case = FIXTURE["accumulation_cases"]["accumulation_scheduler_changes_k_by_epoch"]
+    prob = problem(case)
+    scheduling = {int(k): v for k, v in case["scheduling"].items()}
+
+    def run(extra=(), ckpt_path=None):
+        fit = jl.Fit("single", max_epochs=case["epochs"],
+                     callbacks=[callbacks.GradientAccumulationScheduler(scheduling), *extra],
+                     enable_progress_bar=False, logger=False, enable_model_summary=False,
+                     num_sanity_val_steps=0)
+        module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
+        fit.fit(module, *loaders(case, prob), ckpt_path=ckpt_path)
+        return fit, module
+
+    whole, _ = run()
+    # Step 7: the first accumulated step of epoch 1 (k=2), mid-epoch.
+    with pytest.raises(RuntimeError, match="boom at step 7"):
+        run([_Boom(7), callbacks.OnExceptionCheckpoint(tmp_path)])
+    resumed, module = run(ckpt_path=str(tmp_path / "on_exception.ckpt"))
+    assert resumed.global_step == case["global_step"]
+    for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_final(module, case)

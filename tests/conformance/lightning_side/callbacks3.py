@@ -113,6 +113,35 @@ def swa_case(kwargs: dict, n=48, n_val=16, batch_size=8, epochs=6, lr=0.05, opti
             "epoch_lrs": lrs.lrs, "val_losses": module.val_losses, "final": weights(module)}
 
 
+class EpochSteps(callbacks.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+def accumulation_case(scheduling: dict, n=48, n_val=16, batch_size=8, epochs=4, lr=0.05,
+                      optimizer="sgd") -> dict:
+    prob = make_problem(n + n_val, seed=4)
+    x, y = prob["x"], prob["y"]
+    module = Reg(prob, lr, optimizer)
+    steps = EpochSteps()
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root,
+                            callbacks=[callbacks.GradientAccumulationScheduler(dict(scheduling)),
+                                       steps], num_sanity_val_steps=0)
+        trainer.fit(module, DataLoader(Examples(x[:n], y[:n]), batch_size=batch_size),
+                    DataLoader(Examples(x[n:], y[n:]), batch_size=batch_size))
+    return {"scheduling": {str(k): v for k, v in scheduling.items()}, "n": n + n_val, "seed": 4,
+            "checksum": checksum(prob), "n_train": n, "batch_size": batch_size,
+            "epochs": epochs, "lr": lr, "optimizer": optimizer,
+            "global_step": trainer.global_step, "epoch_steps": steps.steps,
+            "val_losses": module.val_losses, "final": weights(module)}
+
+
 def main() -> None:
     swa = {
         "swa_sgd_cos_from_third_epoch": swa_case(
@@ -127,8 +156,14 @@ def main() -> None:
             epochs=5, n=44),
         "swa_default_start_and_annealing": swa_case({"swa_lrs": 0.01}, epochs=5),
     }
+    accumulation = {
+        "accumulation_scheduler_changes_k_by_epoch": accumulation_case({1: 2, 3: 3}),
+        "accumulation_scheduler_short_last_group": accumulation_case({0: 4, 2: 1}, epochs=3),
+        "accumulation_scheduler_adam": accumulation_case({2: 4}, optimizer="adam", lr=0.01,
+                                                         epochs=3),
+    }
     out = {"group": "callbacks3", "torch": torch.__version__, "lightning": lightning.__version__,
-           "swa_cases": swa}
+           "swa_cases": swa, "accumulation_cases": accumulation}
     FIXTURES.mkdir(exist_ok=True)
     path = FIXTURES / "callbacks3.json"
     path.write_text(json.dumps(out, indent=1))
