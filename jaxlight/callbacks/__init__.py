@@ -11,6 +11,7 @@ from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._finetuning import BackboneFinetuning, BaseFinetuning
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
@@ -30,6 +31,8 @@ from jaxlight.callbacks._wandb import WandbLogger
 from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "CSVLogger",
     "Callback",

@@ -9,10 +9,6 @@ from jaxlight._errors import MissingAttributeError
 
 #: Lightning name -> what a jaxlight user does instead.
 NOT_IN_JAXLIGHT = {
-    "BaseFinetuning": "not yet: a part frozen for a whole fit is `module.trainable` (e.g. "
-                      "nnx.LoRAParam; docs/checkpoints.md); freezing mid-run needs a second "
-                      "compiled step and is not built",
-    "BackboneFinetuning": "not yet (see BaseFinetuning)",
     "BatchSizeFinder": "not yet: Fit.plan(module, batch) reports the compiled step's "
                        "per-device bytes for a batch size",
     "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "

@@ -112,6 +112,17 @@ def _constant_rates(tx: Any) -> list[float]:
     return found
 
 
+def constant_rate(tx: optax.GradientTransformation) -> float:
+    """The optimizer's constant learning rate (`optax.adam(1e-3)`: 1e-3), or an error."""
+    rates = _constant_rates(tx)
+    if len(rates) != 1:
+        raise ConfigurationError(
+            f"the optimizer's learning rate is needed as a number, but this optax "
+            f"transformation holds {len(rates)} constant rates; give a standard optax "
+            "optimizer with a numeric rate (optax.adam(1e-3)).")
+    return rates[0]
+
+
 def rate_reader(tx: optax.GradientTransformation) -> Callable[[Any, jax.Array], jax.Array]:
     """`rate(inner_state_after_update, count)`: the optimizer's own learning rate for the update
     at `count`, without the `configure_optimizers` scheduler's factor.

@@ -163,11 +163,128 @@ def main() -> None:
                                                          epochs=3),
     }
     out = {"group": "callbacks3", "torch": torch.__version__, "lightning": lightning.__version__,
-           "swa_cases": swa, "accumulation_cases": accumulation}
+           "swa_cases": swa, "accumulation_cases": accumulation,
+           "finetune_cases": finetune_cases()}
     FIXTURES.mkdir(exist_ok=True)
     path = FIXTURES / "callbacks3.json"
     path.write_text(json.dumps(out, indent=1))
     print(f"wrote {path} ({path.stat().st_size} bytes)")
+
+
+
+class Net(L.LightningModule):
+    """backbone Linear(4, 3) -> tanh -> head Linear(3, 2); the optimizer over the trainable
+    parameters only, as Lightning's finetuning docs build it."""
+
+    def __init__(self, prob, lr, optimizer):
+        super().__init__()
+        self.backbone = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 2)
+        with torch.no_grad():
+            for layer, name in ((self.backbone, "backbone"), (self.head, "head")):
+                layer.weight.copy_(torch.tensor(prob[name]["kernel"].T))
+                layer.bias.copy_(torch.tensor(prob[name]["bias"]))
+        self.lr, self.optimizer = lr, optimizer
+        self.val_losses = []
+
+    def loss(self, batch):
+        out = self.head(torch.tanh(self.backbone(batch["x"])))
+        return nn.functional.mse_loss(out, batch["y"])
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer == "sgd_momentum":
+            return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(params, lr=self.lr)
+
+
+def net_weights(module) -> dict:
+    return {name: {"kernel": getattr(module, name).weight.detach().numpy().T.tolist(),
+                   "bias": getattr(module, name).bias.detach().numpy().tolist()}
+            for name in ("backbone", "head")}
+
+
+class GroupLrs(callbacks.Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.lrs.append([g["lr"] for g in trainer.optimizers[0].param_groups])
+
+
+class UnfreezeAt(callbacks.BaseFinetuning):
+    def __init__(self, epoch, lr=None):
+        super().__init__()
+        self.epoch, self.lr = epoch, lr
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == self.epoch:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=self.lr)
+
+
+def finetune_case(spec: dict, n=48, n_val=16, batch_size=8, epochs=4, lr=0.05,
+                  optimizer="adam") -> dict:
+    import numpy as np
+
+    prob = make_problem(n + n_val, seed=6)
+    rng = np.random.default_rng(7)
+    prob["backbone"] = {"kernel": np.round(rng.normal(size=(4, 3)) * 0.5, 4).astype(np.float32),
+                        "bias": np.round(rng.normal(size=3) * 0.1, 4).astype(np.float32)}
+    prob["head"] = {"kernel": np.round(rng.normal(size=(3, 2)) * 0.5, 4).astype(np.float32),
+                    "bias": np.round(rng.normal(size=2) * 0.1, 4).astype(np.float32)}
+    x, y = prob["x"], prob["y"]
+    module = Net(prob, lr, optimizer)
+    lrs = GroupLrs()
+    kwargs = dict(spec["kwargs"])
+    if spec["name"] == "BackboneFinetuning":
+        if kwargs.pop("lambda", None) is not None:
+            kwargs["lambda_func"] = lambda epoch: 1.5
+        cb = callbacks.BackboneFinetuning(**kwargs)
+    else:
+        cb = UnfreezeAt(**kwargs)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=root,
+                            callbacks=[cb, lrs], num_sanity_val_steps=0)
+        trainer.fit(module, DataLoader(Examples(x[:n], y[:n]), batch_size=batch_size),
+                    DataLoader(Examples(x[n:], y[n:]), batch_size=batch_size))
+    return {"callback": spec, "n": n + n_val, "seed": 6, "checksum": checksum(prob),
+            "n_train": n, "batch_size": batch_size, "epochs": epochs, "lr": lr,
+            "optimizer": optimizer, "global_step": trainer.global_step,
+            "initial": {k: {kk: vv.tolist() for kk, vv in prob[k].items()}
+                        for k in ("backbone", "head")},
+            "group_lrs": lrs.lrs, "val_losses": module.val_losses,
+            "final": net_weights(module)}
+
+
+def finetune_cases() -> dict:
+    return {
+        "backbone_finetuning_adam_unfreezes_with_zero_moments": finetune_case(
+            {"name": "BackboneFinetuning",
+             "kwargs": {"unfreeze_backbone_at_epoch": 2, "lambda": 1.5}}, epochs=5),
+        "backbone_finetuning_defaults_align_to_the_rate": finetune_case(
+            {"name": "BackboneFinetuning", "kwargs": {"unfreeze_backbone_at_epoch": 1}},
+            epochs=6, lr=0.01),
+        "base_finetuning_sgd_momentum_default_denominator": finetune_case(
+            {"name": "UnfreezeAt", "kwargs": {"epoch": 1}}, optimizer="sgd_momentum",
+            epochs=3),
+    }
+
 
 
 if __name__ == "__main__":
