@@ -39,7 +39,7 @@ from jaxlight._errors import ConfigurationError, JaxlightWarning
 from jaxlight._optim import current_factor, one_state_of, states_of
 from jaxlight.callbacks._accumulation import GradientAccumulationScheduler, batches_per_step
 from jaxlight.callbacks._base import Callback
-from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules
+from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules, visit_closures
 from jaxlight.callbacks._weight_averaging import AvgFn, swa_average
 
 __all__ = ["SWAState", "StochasticWeightAveraging"]
@@ -81,34 +81,16 @@ def _constant_rates(tx: Any) -> list[float]:
     """The constant learning rates of `tx`: optax writes `optax.sgd(0.1)` as `scale(-0.1)`, whose
     update function keeps `step_size` in its closure."""
     found: list[float] = []
-    seen: set[int] = set()
 
-    def visit(obj: Any, depth: int) -> None:
-        if depth > 40 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, optax.GradientTransformation):
-            visit(obj.update, depth + 1)
-        elif inspect.isfunction(obj):
-            cells = dict(zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True))
-            if obj.__qualname__.startswith("scale.") and "step_size" in cells:
-                size = cells["step_size"].cell_contents
-                if isinstance(size, numbers.Real) and size < 0:
-                    found.append(-float(size))
-                return
-            for cell in cells.values():
-                try:
-                    visit(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    continue
-        elif isinstance(obj, list | tuple):
-            for item in obj:
-                visit(item, depth + 1)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                visit(item, depth + 1)
+    def on_value(obj: Any) -> None:
+        if inspect.isfunction(obj) and obj.__qualname__.startswith("scale.") \
+                and "step_size" in obj.__code__.co_freevars:
+            cells = dict(zip(obj.__code__.co_freevars, obj.__closure__, strict=True))
+            size = cells["step_size"].cell_contents
+            if isinstance(size, numbers.Real) and size < 0:
+                found.append(-float(size))
 
-    visit(tx, 0)
+    visit_closures(tx, on_value)
     return found
 
 

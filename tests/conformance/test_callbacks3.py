@@ -291,10 +291,12 @@ class Net(nnx.Module):
         return self.head(nnx.tanh(self.backbone(x)))
 
 
-class NetModule(jl.TrainModule):
+class NetModule(Reg):
+    """Reg's loss and steps on the backboned network."""
+
     def __init__(self, initial, lr, optimizer):
-        super().__init__()
-        self.initial, self.lr, self.optimizer = initial, lr, optimizer
+        super().__init__(None, None, lr, optimizer)
+        self.initial = initial
 
     def configure_model(self, rngs):
         return Net(self.initial, rngs)
@@ -303,15 +305,6 @@ class NetModule(jl.TrainModule):
         if self.optimizer == "sgd_momentum":
             return optax.sgd(self.lr, momentum=0.9)
         return optax.adam(self.lr)
-
-    def loss(self, model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
-
-    def training_step(self, model, batch):
-        return self.loss(model, batch)
-
-    def validation_step(self, model, batch):
-        return {"loss": self.loss(model, batch)}
 
 
 class UnfreezeAt(callbacks.BaseFinetuning):

@@ -172,34 +172,23 @@ def main() -> None:
 
 
 
-class Net(L.LightningModule):
+class Net(Reg):
     """backbone Linear(4, 3) -> tanh -> head Linear(3, 2); the optimizer over the trainable
     parameters only, as Lightning's finetuning docs build it."""
 
     def __init__(self, prob, lr, optimizer):
-        super().__init__()
+        super().__init__(prob, lr, optimizer)
+        del self.layer
         self.backbone = nn.Linear(4, 3)
         self.head = nn.Linear(3, 2)
         with torch.no_grad():
             for layer, name in ((self.backbone, "backbone"), (self.head, "head")):
                 layer.weight.copy_(torch.tensor(prob[name]["kernel"].T))
                 layer.bias.copy_(torch.tensor(prob[name]["bias"]))
-        self.lr, self.optimizer = lr, optimizer
-        self.val_losses = []
 
     def loss(self, batch):
         out = self.head(torch.tanh(self.backbone(batch["x"])))
         return nn.functional.mse_loss(out, batch["y"])
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(batch))
-
-    def on_validation_epoch_end(self):
-        if not self.trainer.sanity_checking:
-            self.val_losses.append(float(self.trainer.callback_metrics["val_loss"]))
 
     def configure_optimizers(self):
         params = [p for p in self.parameters() if p.requires_grad]
