@@ -22,7 +22,6 @@ Lightning's own BackboneFinetuning works.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -33,10 +32,9 @@ import optax
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError
-from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._lr_monitor import find_schedules
-from jaxlight.callbacks._swa import constant_rate
+from jaxlight.callbacks._swa import constant_rate, optimizer_steps_per_epoch
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "ParamGroups"]
 
@@ -173,17 +171,7 @@ class BaseFinetuning(Callback):
             raise ConfigurationError(
                 f"{type(self).__name__} runs its hooks for every epoch when the fit starts, so "
                 "it needs Fit(max_epochs=...).")
-        try:
-            n = len(fit.train_data)
-        except TypeError:
-            raise ConfigurationError(
-                f"{type(self).__name__} counts epochs inside the compiled step, so it needs "
-                "training data with len().") from None
-        limit = fit.limit_train_batches
-        if isinstance(limit, float):
-            limit = max(1, int(n * limit))
-        n = min(n, int(limit)) if limit else n
-        spe = max(1, math.ceil(n / batches_per_step(fit.callbacks)))
+        spe = optimizer_steps_per_epoch(fit, type(self).__name__)
         model = module.model
         self._paths = _module_params(model)
         order = param_paths(fit.state.params)
@@ -204,6 +192,13 @@ class BaseFinetuning(Callback):
                     if path not in self._frozen:
                         active[epoch, index[path]] = True
                         lrs[epoch, index[path]] = group["lr"]
+        old = self._table
+        if old is not None and fit.compile_counts.get("train", 0) and not (
+                old[2] == spe and np.array_equal(old[0], active)
+                and np.array_equal(old[1], lrs)):
+            raise ConfigurationError(
+                f"{type(self).__name__}: this Fit's step was compiled with another epoch table "
+                "(parameter groups, rates or epoch length); use a new Fit and callback.")
         self._table = (active, lrs, spe)
 
     def table(self) -> tuple[np.ndarray, np.ndarray, int]:

@@ -42,7 +42,7 @@ from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules, visit_closures
 from jaxlight.callbacks._weight_averaging import AvgFn, swa_average
 
-__all__ = ["SWAState", "StochasticWeightAveraging"]
+__all__ = ["SWAState", "StochasticWeightAveraging", "optimizer_steps_per_epoch"]
 
 
 class SWAState(NamedTuple):
@@ -201,6 +201,29 @@ def swa_transform(inner: optax.GradientTransformation, callback: StochasticWeigh
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def optimizer_steps_per_epoch(fit, who: str) -> int:
+    """Optimizer steps per epoch of this fit (after limit_train_batches and accumulation), for
+    a callback that counts epochs inside the compiled step (`who` names it in errors)."""
+    try:
+        n = len(fit.train_data)
+    except TypeError:
+        raise ConfigurationError(
+            f"{who} counts epochs inside the compiled step, so it needs training data with "
+            "len() (as Lightning's SWA needs a sized loader).") from None
+    limit = fit.limit_train_batches
+    if isinstance(limit, float):
+        limit = max(1, int(n * limit))
+    n = min(n, int(limit)) if limit else n
+    schedulers = [cb for cb in fit.callbacks if isinstance(cb, GradientAccumulationScheduler)
+                  and len(set(cb.scheduling.values())) > 1]
+    if schedulers:
+        raise ConfigurationError(
+            f"{who} with {schedulers[0]!r}: it counts epochs inside the step by a fixed number "
+            "of optimizer steps per epoch, which a changing accumulate_grad_batches breaks. Use "
+            "one accumulate_grad_batches with it.")
+    return max(1, math.ceil(n / batches_per_step(fit.callbacks)))
+
+
 class StochasticWeightAveraging(Callback):
     """Lightning's `StochasticWeightAveraging`: SWA's learning rate from `swa_epoch_start` on,
     the equal-weight average of the parameters at each later epoch's start, and the average
@@ -291,24 +314,7 @@ class StochasticWeightAveraging(Callback):
                     "max_epochs, but the fit has none; give max_epochs or an integer "
                     "swa_epoch_start.")
             start = int(max_epochs * start)
-        try:
-            n = len(fit.train_data)
-        except TypeError:
-            raise ConfigurationError(
-                "StochasticWeightAveraging counts epochs inside the compiled step, so it needs "
-                "training data with len() (as Lightning's SWA needs a sized loader).") from None
-        limit = fit.limit_train_batches
-        if isinstance(limit, float):
-            limit = max(1, int(n * limit))
-        n = min(n, int(limit)) if limit else n
-        schedulers = [cb for cb in fit.callbacks if isinstance(cb, GradientAccumulationScheduler)
-                      and len(set(cb.scheduling.values())) > 1]
-        if schedulers:
-            raise ConfigurationError(
-                f"StochasticWeightAveraging with {schedulers[0]!r}: SWA counts epochs inside the "
-                "step by a fixed number of optimizer steps per epoch, which a changing "
-                "accumulate_grad_batches breaks. Use one accumulate_grad_batches with SWA.")
-        spe = max(1, math.ceil(n / batches_per_step(fit.callbacks)))
+        spe = optimizer_steps_per_epoch(fit, "StochasticWeightAveraging")
         end = None if max_epochs is None else max_epochs - 1
         constants = (spe, max(start - 1, 0), end)
         if self._constants is not None and self._constants != constants \
