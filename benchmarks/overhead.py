@@ -17,6 +17,8 @@ With `--accumulate K` one optimizer step takes K loader batches: Fit gets
 the devices split along the batch axis, and its jitted step scans them (`lax.scan`, gradients
 summed in fp32, divided by K), so both do the same work per optimizer step.
     python benchmarks/overhead.py --ema 0.999         # EMAWeightAveraging vs a hand-written EMA
+    python benchmarks/overhead.py --swa 1e-4          # StochasticWeightAveraging(1e-4, 1, 2) vs a
+                                                      # hand-written SWA (SWALR + epoch-start mean)
 
 Prints JSON; writes benchmarks/results/overhead.json (when run for every configuration).
 """
@@ -31,6 +33,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: The optimizer's learning rate (adamw) and, with --swa, SWA's annealing epochs.
+LR, SWA_ANNEAL = 1e-3, 2
 
 
 def run_one(args) -> dict:
@@ -63,7 +67,7 @@ def run_one(args) -> dict:
             return MLP(args.din, args.hidden, rngs)
 
         def configure_optimizers(self):
-            return optax.adamw(1e-3)
+            return optax.adamw(LR)
 
         def training_step(self, model, batch):
             logits = model(batch["x"])
@@ -96,6 +100,9 @@ def run_one(args) -> dict:
             on_train_batch_end=lambda f, m, o, b, i: stamps.append(time.perf_counter()))
         module = Module(log=args.log)
         extra = [] if args.ema is None else [callbacks.EMAWeightAveraging(decay=args.ema)]
+        if args.swa is not None:
+            extra.append(callbacks.StochasticWeightAveraging(
+                args.swa, swa_epoch_start=1, annealing_epochs=SWA_ANNEAL))
         fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec, *extra],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
                      log_every_n_steps=args.log_every, accumulate_grad_batches=k)
@@ -112,7 +119,7 @@ def run_one(args) -> dict:
         mesh = fit.strategy.mesh
         param_sh = fit.session.shardings.params
         opt_sh = fit.session.shardings.opt_state
-        if args.ema is not None:  # Fit's optimizer state holds the average around the optimizer's
+        if args.ema is not None or args.swa is not None:  # the average around the optimizer's
             opt_sh = opt_sh.inner
         batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
             if args.devices > 1 else PartitionSpec()
@@ -123,8 +130,13 @@ def run_one(args) -> dict:
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
         # --ema: the hand-written average, as torch's AveragedModel + get_ema_avg_fn (the first
         # update copies), sharded like the parameters and donated with them.
+        averaging = args.ema is not None or args.swa is not None
         ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=param_sh)(params) \
-            if args.ema is not None else None
+            if averaging else None
+        # --swa: SWALR's cosine rate per epoch (from epoch 0, annealing over SWA_ANNEAL epochs)
+        # by scaling the updates, and the equal-weight mean of the parameters each epoch starts
+        # from (the first update copies).
+        steps_per_epoch = len(jl.data.ArrayLoader(data, args.batch, seed=0)) // k
 
         def step(params, opt_state, ema, batch):
             def loss_fn(p):
@@ -143,16 +155,32 @@ def run_one(args) -> dict:
                 grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
                 loss = losses.mean()
             updates, opt_state = tx.update(grads, opt_state, params)
+            if args.swa is not None:
+                count = ema[1]
+                t = jnp.clip((count // steps_per_epoch) / SWA_ANNEAL, 0.0, 1.0)
+                alpha = jnp.where(t >= 1.0, 1.0, (1 - jnp.cos(jnp.pi * t)) / 2)
+                scale = (args.swa * alpha + LR * (1 - alpha)) / LR
+                updates = jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates)
+                do, n_avg = count % steps_per_epoch == 0, ema[2]
+                average = jax.tree.map(
+                    lambda a, p: jnp.where(do, jnp.where(n_avg == 0, p, a + (p - a) / (n_avg + 1)),
+                                           a), ema[0], params)
+                ema = (average, count + 1, n_avg + do)
             params = optax.apply_updates(params, updates)
-            if ema is not None:
+            if args.ema is not None:
                 first = ema[1] == 0
                 ema = (jax.tree.map(lambda a, c: jnp.where(first, c, args.ema * a
                                                            + (1 - args.ema) * c),
                                     ema[0], params), ema[1] + 1)
             return params, opt_state, ema, loss
 
-        ema_sh = None if ema is None else (param_sh, NamedSharding(mesh, PartitionSpec()))
-        ema = None if ema is None else (ema, jnp.zeros((), jnp.int32))
+        scalar_sh = NamedSharding(mesh, PartitionSpec())
+        if args.swa is not None:
+            ema_sh = (param_sh, scalar_sh, scalar_sh)
+            ema = (ema, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        else:
+            ema_sh = None if ema is None else (param_sh, scalar_sh)
+            ema = None if ema is None else (ema, jnp.zeros((), jnp.int32))
         step = jax.jit(step, in_shardings=(param_sh, opt_sh, ema_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, ema_sh,
                                       NamedSharding(mesh, PartitionSpec())),
@@ -212,6 +240,7 @@ def run_one(args) -> dict:
         "self_log": args.log,
         "accumulate_grad_batches": k,
         "ema_decay": args.ema,
+        "swa_lrs": args.swa,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
         "median_hand_ms": float(np.median([r["hand_ms"] for r in rounds])),
         "median_ratio": float(np.median(ratios)),
@@ -242,6 +271,9 @@ def main(argv=None):
                    help="loader batches per optimizer step (Fit's accumulate_grad_batches)")
     p.add_argument("--ema", type=float, default=None,
                    help="Fit runs callbacks.EMAWeightAveraging(decay); the hand loop the same EMA")
+    p.add_argument("--swa", type=float, default=None,
+                   help="Fit runs callbacks.StochasticWeightAveraging(swa_lrs, 1, 2); the hand "
+                        "loop the same SWA")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.devices is not None:
@@ -256,6 +288,7 @@ def main(argv=None):
         cmd += ["--log"] if args.log else []
         cmd += ["--accumulate", str(args.accumulate)]
         cmd += ["--ema", str(args.ema)] if args.ema is not None else []
+        cmd += ["--swa", str(args.swa)] if args.swa is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             results.append({"devices": devices, "strategy": strategy,
@@ -269,6 +302,8 @@ def main(argv=None):
         args.out = os.path.join(HERE, "results", "overhead_accumulate.json")
     if args.ema is not None and args.out == os.path.join(HERE, "results", "overhead.json"):
         args.out = os.path.join(HERE, "results", "overhead_ema.json")
+    if args.swa is not None and args.out == os.path.join(HERE, "results", "overhead.json"):
+        args.out = os.path.join(HERE, "results", "overhead_swa.json")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -40,6 +40,7 @@ BENCHMARKS = {
                             "--accumulate", "4"],
     "gan_step": [],
     "overhead_ema": ["--steps", "100", "--rounds", "3", "--ema", "0.999"],
+    "overhead_swa": ["--steps", "100", "--rounds", "3", "--swa", "1e-4"],
     "auto": [],
     "startup": [],
     "cli_startup": [],
@@ -55,7 +56,7 @@ BENCHMARKS = {
 
 #: Entries that run another entry's script with other flags.
 SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
-           "overhead_ema": "overhead", "pretrained_load": "pretrained",
+           "overhead_ema": "overhead", "overhead_swa": "overhead", "pretrained_load": "pretrained",
            "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
 
@@ -97,6 +98,14 @@ def summarize_overhead_ema(r):
     return [(what.replace("Fit / hand-written", "Fit with EMAWeightAveraging / hand-written EMA")
              .replace("final params Fit", "final averaged params Fit"), measured, target, met)
             for what, measured, target, met in summarize_overhead(r)]
+
+
+def summarize_overhead_swa(r):
+    """The same, with callbacks.StochasticWeightAveraging(1e-4, 1, 2) against a hand-written
+    SWA (SWALR's rate per epoch, the mean of the parameters at epoch starts)."""
+    return [(what.replace("Fit / hand-written", "Fit with StochasticWeightAveraging / hand-written "
+                          "SWA").replace("final params Fit", "final averaged params Fit"),
+             measured, target, met) for what, measured, target, met in summarize_overhead(r)]
 
 
 def summarize_partial_batch(r):

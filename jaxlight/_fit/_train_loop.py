@@ -102,8 +102,11 @@ class TrainLoop:
         self.feed = feed
         #: Runs after every step's `on_train_batch_end` hooks (the preemption check).
         self.after_step = after_step
-        #: Loader batches per optimizer step (`GradientAccumulation(k)`: k).
-        self.batches_per_step = batches_per_step(session.callbacks)
+        #: Loader batches per optimizer step (`GradientAccumulation(k)`: k; this epoch's under
+        #: a `GradientAccumulationScheduler`, set at each epoch's start).
+        self.batches_per_step = batches_per_step(session.callbacks, position.epoch)
+        #: k -> (compiled step, batch shardings): one step kind per k (`_step_for`).
+        self._steps: dict[int, tuple] = {}
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -187,6 +190,18 @@ class TrainLoop:
             pending = in_flight.popleft()
             self._retire(pending, final=not in_flight)
 
+    def _step_for(self, k: int, one: Any, name: str) -> tuple:
+        """The compiled step for k loader batches per step (`one`: a loader batch): "train"
+        for epoch 0's k, "train_accumulate_<k>" for a scheduler's other ks, once each."""
+        if k not in self._steps:
+            abstract = abstract_global_batch(one if k == 1 else stack_batches([one], k))
+            kind = ("train" if k == batches_per_step(self.session.callbacks, 0)
+                    else f"train_accumulate_{k}")
+            batches_per_step(self.session.callbacks, self.position.epoch)  # back to this k
+            with tracing_for(name, "train_data", one):
+                self._steps[k] = self.session.compile_train_step(abstract, kind=kind)
+        return self._steps[k]
+
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self, train_data: Iterable, val_data: Iterable | None) -> None:
@@ -229,8 +244,7 @@ class TrainLoop:
             # Done before the first step (a Timer's limit, max_steps reached by the resumed
             # checkpoint): Lightning skips the training loop, its hooks included.
             return
-        with tracing_for(first_name, "train_data", one):
-            compiled, batch_sh = session.compile_train_step(abstract_batch)
+        compiled, batch_sh = self._step_for(k, one, first_name)
         # self.log(..., on_epoch=True) values: summed on device after each step, read at the
         # epoch's end (nothing to do for a module that logs none).
         epoch_metrics = EpochAccumulator(session.log_spec)
@@ -244,13 +258,15 @@ class TrainLoop:
             return partial.rows is not None and bool(leaves) and leaves[0].shape[0] != full_rows
 
         def put(batch):
+            k, batch_sh = self.batches_per_step, self._step_for(self.batches_per_step, one,
+                                                                 first_name)[1]
             if k > 1:
                 return session.strategy.put_batch(stack_batches(batch, k), batch_sh)
             return session.strategy.put_batch(
                 batch, partial.shardings if is_partial(batch) else batch_sh)
 
         def check(batch, n: int, start: int) -> None:
-            if k == 1:
+            if self.batches_per_step == 1:
                 self._check_batch(batch, reference, start + n, partial)
             else:
                 self._check_group(batch, reference, start + n * k)
@@ -264,6 +280,9 @@ class TrainLoop:
             if first_epoch:
                 pairs = itertools.chain([(first, first_position)], pairs)
             else:
+                # A GradientAccumulationScheduler's k for this epoch (its own compiled step).
+                k = self.batches_per_step = batches_per_step(session.callbacks, pos.epoch)
+                compiled = self._step_for(k, one, first_name)[0]
                 pairs = self._epoch_batches(limit)
             call("on_train_epoch_start")
             start = pos.batch_idx

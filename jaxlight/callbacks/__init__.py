@@ -1,12 +1,17 @@
 """Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
 
 from jaxlight._errors import MissingAttributeError
-from jaxlight.callbacks._accumulation import GradientAccumulation, Microbatches
+from jaxlight.callbacks._accumulation import (
+    GradientAccumulation,
+    GradientAccumulationScheduler,
+    Microbatches,
+)
 from jaxlight.callbacks._base import Callback, LambdaCallback
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._finetuning import BackboneFinetuning, BaseFinetuning
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
@@ -18,6 +23,7 @@ from jaxlight.callbacks._progress import TQDMProgressBar
 from jaxlight.callbacks._rich import RichModelSummary
 from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
+from jaxlight.callbacks._swa import StochasticWeightAveraging
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
 from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
 from jaxlight.callbacks._timer import Timer
@@ -25,6 +31,8 @@ from jaxlight.callbacks._wandb import WandbLogger
 from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "CSVLogger",
     "Callback",
@@ -32,6 +40,7 @@ __all__ = [
     "EMAWeightAveraging",
     "EarlyStopping",
     "GradientAccumulation",
+    "GradientAccumulationScheduler",
     "Microbatches",
     "GradientClipping",
     "LambdaCallback",
@@ -45,6 +54,7 @@ __all__ = [
     "Profiler",
     "RichModelSummary",
     "SpikeDetection",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",

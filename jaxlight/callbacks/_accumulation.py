@@ -109,8 +109,69 @@ class GradientAccumulation(Microbatches):
         return f"GradientAccumulation(k={self.k}{extra})"
 
 
-def batches_per_step(callbacks: Sequence) -> int:
-    """Loader batches per optimizer step under these callbacks (1 without GradientAccumulation)."""
+class GradientAccumulationScheduler(GradientAccumulation):
+    """Lightning's `GradientAccumulationScheduler(scheduling={epoch: k})`: `accumulate_grad_batches`
+    changing by epoch (0-based epochs; before the first listed epoch, 1).
+
+    Each k keeps `GradientAccumulation`'s meaning (k loader batches per optimizer step, each
+    loss divided by k, ceil(N / k) steps per epoch). The loop stacks an epoch's k batches into
+    one compiled step that scans them, so each distinct k is one more compiled step kind, once
+    per fit: `compile_counts["train"]` for epoch 0's k, `compile_counts["train_accumulate_<k>"]`
+    for each other k (k = 1 is the plain step, which also trains a last partial batch).
+
+    Args:
+        scheduling: {epoch: k}, epochs >= 0, k >= 1 (as Lightning: {4: 2} accumulates 2 batches
+            from the fifth epoch on, 1 before).
+
+    Example:
+        >>> from jaxlight import callbacks
+        >>> accumulator = callbacks.GradientAccumulationScheduler(scheduling={4: 2})
+        >>> accumulator.batches_at(3), accumulator.batches_at(4)
+        (1, 2)
+    """
+
+    def __init__(self, scheduling: dict[int, int]):
+        if not isinstance(scheduling, dict) or not scheduling:
+            raise ConfigurationError(
+                f"GradientAccumulationScheduler(scheduling={scheduling!r}) needs a non-empty "
+                "dict {epoch: accumulate_grad_batches}, e.g. {0: 1, 4: 2}.")
+        bad_keys = [e for e in scheduling if isinstance(e, bool) or not isinstance(e, int) or e < 0]
+        if bad_keys:
+            raise ConfigurationError(
+                "GradientAccumulationScheduler: epochs should be integers >= 0 (0-based); got "
+                f"{list(scheduling)}.")
+        bad = [k for k in scheduling.values()
+               if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+        if bad:
+            raise ConfigurationError(
+                "GradientAccumulationScheduler: accumulation factors should be integers > 0; got "
+                f"{list(scheduling.values())}.")
+        self.scheduling = {0: 1, **scheduling} if min(scheduling) != 0 else dict(scheduling)
+        self.epochs = sorted(self.scheduling)
+        super().__init__(self.batches_at(0))
+
+    def batches_at(self, epoch: int) -> int:
+        """Loader batches per optimizer step in (0-based) `epoch`."""
+        return self.scheduling[max(e for e in self.epochs if e <= epoch)]
+
+    def use_epoch(self, epoch: int) -> int:
+        """Sets the k the step is built with to `epoch`'s (the loop calls it before building a
+        step kind for that k); returns it."""
+        self.k = self.batches_at(epoch)
+        return self.k
+
+    def gradient_computation(self, compute: Callable, strategy) -> Callable:
+        # k = 1: the plain step (Lightning's accumulate_grad_batches=1).
+        return compute if self.k == 1 else super().gradient_computation(compute, strategy)
+
+    def __repr__(self) -> str:
+        return f"GradientAccumulationScheduler(scheduling={self.scheduling})"
+
+
+def batches_per_step(callbacks: Sequence, epoch: int | None = None) -> int:
+    """Loader batches per optimizer step under these callbacks (1 without GradientAccumulation);
+    with a `GradientAccumulationScheduler` and an `epoch`, that epoch's (and the scheduler is
+    set to it)."""
     found = [cb for cb in callbacks if isinstance(cb, Microbatches)]
     if len(found) > 1:
         raise ConfigurationError(
@@ -120,4 +181,6 @@ def batches_per_step(callbacks: Sequence) -> int:
             "each batch)."
         )
     found = [cb for cb in found if isinstance(cb, GradientAccumulation)]
+    if found and epoch is not None and isinstance(found[0], GradientAccumulationScheduler):
+        return found[0].use_epoch(epoch)
     return found[0].batches_per_step if found else 1

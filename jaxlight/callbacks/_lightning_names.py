@@ -9,21 +9,14 @@ from jaxlight._errors import MissingAttributeError
 
 #: Lightning name -> what a jaxlight user does instead.
 NOT_IN_JAXLIGHT = {
-    "BaseFinetuning": "not yet: a part frozen for a whole fit is `module.trainable` (e.g. "
-                      "nnx.LoRAParam; docs/checkpoints.md); freezing mid-run needs a second "
-                      "compiled step and is not built",
-    "BackboneFinetuning": "not yet (see BaseFinetuning)",
     "BatchSizeFinder": "not yet: Fit.plan(module, batch) reports the compiled step's "
                        "per-device bytes for a batch size",
     "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "
                   "the checkpoint callbacks",
-    "GradientAccumulationScheduler": "not yet: Fit(accumulate_grad_batches=k) takes one k",
     "LearningRateFinder": "not yet",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
     "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
-    "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
-                                 "average of every step, without SWA's learning-rate schedule",
     "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "MLFlowLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "LitLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",

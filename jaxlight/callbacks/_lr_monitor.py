@@ -23,12 +23,12 @@ MOMENTUM_NAMES = ("b1", "momentum", "beta1")
 def find_schedulers(tx: Any) -> list[Scheduler]:
     """The `configure_optimizers` dict's schedulers inside an optax transformation."""
     found: list[Scheduler] = []
-    _visit(tx, lambda obj: found.append(obj) if isinstance(obj, Scheduler)
+    visit_closures(tx, lambda obj: found.append(obj) if isinstance(obj, Scheduler)
            and all(obj is not f for f in found) else None)
     return found
 
 
-def _visit(tx: Any, on_value: Callable[[Any], None]) -> None:
+def visit_closures(tx: Any, on_value: Callable[[Any], None]) -> None:
     """Calls `on_value` on every object reachable through the closures of `tx`'s functions."""
     seen: set[int] = set()
 

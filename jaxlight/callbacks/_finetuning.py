@@ -1,0 +1,324 @@
+"""BaseFinetuning and BackboneFinetuning: Lightning's freezing and unfreezing mid-run.
+
+In Lightning a frozen parameter has `requires_grad=False` and is not in the optimizer (the
+optimizer is built over the trainable ones); `unfreeze_and_add_param_group` later adds it as a
+new parameter group with its own learning rate, and torch creates its optimizer state (Adam's
+moments, its step count) at its first update. jaxlight reproduces that inside one compiled step:
+
+- every parameter array has its own optimizer state (the optimizer applied per parameter with
+  `optax.masked`, so each has its own step count, as torch's per-parameter state), sharded like
+  the parameter, saved in checkpoints and resumed bit for bit;
+- each epoch has a table row: which parameters are in the optimizer and at which learning rate.
+  A parameter outside it gets no update and its state stays as initialized (zero moments, count
+  0), so it starts from zero when it joins; the learning rate scales its updates (Adam, SGD and
+  AdamW updates are linear in the rate).
+
+The table comes from the callback's own hooks, run on the host when the fit starts, epoch by
+epoch, against a stand-in optimizer (`ParamGroups`) that records `add_param_group` and the
+groups' `lr`: `freeze_before_training(module)` and `finetune_function(module, epoch, optimizer)`
+keep Lightning's meaning as long as they depend on the epoch (not on metrics), which is how
+Lightning's own BackboneFinetuning works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxlight._errors import ConfigurationError
+from jaxlight.callbacks._base import Callback
+from jaxlight.callbacks._lr_monitor import find_schedules
+from jaxlight.callbacks._swa import constant_rate, optimizer_steps_per_epoch
+
+__all__ = ["BackboneFinetuning", "BaseFinetuning", "ParamGroups"]
+
+Path = tuple
+
+
+class FinetuneState(NamedTuple):
+    """The per-parameter optimizer states (one `optax.masked` state per parameter array, in
+    the parameters' order) and the optimizer steps taken (int32)."""
+
+    per_param: tuple
+    count: jax.Array
+
+
+def _key(k: Any) -> Any:
+    return getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+
+
+def param_paths(params: Any) -> list[Path]:
+    """The path of every parameter array, in `jax.tree.leaves` order."""
+    return [tuple(_key(k) for k in path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+class ParamGroups:
+    """What `finetune_function` gets in the optimizer's place: `param_groups` (a list of dicts
+    with "params", a list of parameter paths, and "lr") and `add_param_group`."""
+
+    def __init__(self, params: list[Path], lr: float):
+        self.param_groups: list[dict[str, Any]] = [{"params": list(params), "lr": lr}]
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        self.param_groups.append({"lr": self.param_groups[0]["lr"], **group,
+                                  "params": list(group["params"])})
+
+
+def _module_params(model: nnx.Module) -> dict[int, Path]:
+    """id(nnx.Param) -> its path in `model`."""
+    return {id(node): tuple(path) for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Param)}
+
+
+def _as_list(modules: Any) -> list:
+    if isinstance(modules, nnx.Module):
+        return [modules]
+    if isinstance(modules, Iterable):
+        return [m for item in modules for m in _as_list(item)]
+    raise ConfigurationError(
+        f"BaseFinetuning expects nnx.Modules (or iterables of them), got {type(modules).__name__}.")
+
+
+class BaseFinetuning(Callback):
+    """Lightning's `BaseFinetuning`: override `freeze_before_training(module)` and
+    `finetune_function(module, epoch, optimizer)`, using `freeze`, `make_trainable` and
+    `unfreeze_and_add_param_group` on sub-modules of `module.model`.
+
+    Frozen parameters are not in the optimizer: no update, no optimizer state change, so their
+    Adam moments and step count start at zero when `unfreeze_and_add_param_group` adds them
+    (as in Lightning with an optimizer built over the trainable parameters). Everything happens
+    inside the one compiled step; see the module docstring for how the hooks are run (once per
+    epoch at fit start: they may depend on the epoch, not on metrics).
+
+    Departures (docs/porting.md): BatchNorm statistics are not frozen with the parameters; the
+    optimizer's rate must be a constant (a number, or `optax.inject_hyperparams`); a
+    transformation that couples parameters inside the optax chain (`clip_by_global_norm`) sees
+    one parameter at a time (use `gradient_clip_val` instead).
+
+    Example:
+        >>> from jaxlight import callbacks
+        >>> class Unfreeze(callbacks.BaseFinetuning):
+        ...     def freeze_before_training(self, module):
+        ...         self.freeze(module.model.backbone)
+        ...     def finetune_function(self, module, epoch, optimizer):
+        ...         if epoch == 2:
+        ...             self.unfreeze_and_add_param_group(module.model.backbone, optimizer)
+    """
+
+    def __init__(self) -> None:
+        self._frozen: set[Path] = set()
+        self._paths: dict[int, Path] = {}
+        self._table: tuple[np.ndarray, np.ndarray, int] | None = None
+        self._lr = 0.0
+
+    # -- Lightning's helpers ---------------------------------------------------------------
+
+    def _paths_of(self, modules: Any, train_bn: bool = True) -> list[Path]:
+        out = []
+        for module in _as_list(modules):
+            for path, node in nnx.iter_graph(module):
+                if not isinstance(node, nnx.Param) or id(node) not in self._paths:
+                    continue
+                owner = path[:-1]
+                parent = module
+                for part in owner:
+                    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+                if train_bn and isinstance(parent, nnx.BatchNorm):
+                    continue
+                out.append(self._paths[id(node)])
+        return out
+
+    def freeze(self, modules: Any, train_bn: bool = True) -> None:
+        """Takes the parameters of `modules` out of training (BatchNorm's stay with
+        `train_bn`)."""
+        self._frozen.update(self._paths_of(modules, train_bn))
+
+    def make_trainable(self, modules: Any) -> None:
+        """Marks the parameters of `modules` trainable (they still join the optimizer only
+        through a parameter group)."""
+        self._frozen.difference_update(self._paths_of(modules, train_bn=False))
+
+    def unfreeze_and_add_param_group(self, modules: Any, optimizer: ParamGroups,
+                                     lr: float | None = None, initial_denom_lr: float = 10.0,
+                                     train_bn: bool = True) -> None:
+        """Lightning's: makes `modules` trainable and adds their parameters not yet in the
+        optimizer as a new group, at `lr`, or the first group's rate / `initial_denom_lr`."""
+        self.make_trainable(modules)
+        params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
+        denom = initial_denom_lr if lr is None else 1.0
+        present = {p for g in optimizer.param_groups for p in g["params"]}
+        params = [p for p in self._paths_of(modules, train_bn) if p not in present]
+        if params:
+            optimizer.add_param_group({"params": params, "lr": params_lr / denom})
+
+    def freeze_before_training(self, module) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define freeze_before_training.")
+
+    def finetune_function(self, module, epoch: int, optimizer: ParamGroups) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define finetune_function.")
+
+    # -- the table, made at fit start --------------------------------------------------------
+
+    def on_fit_start(self, fit, module) -> None:
+        if fit.max_epochs is None:
+            raise ConfigurationError(
+                f"{type(self).__name__} runs its hooks for every epoch when the fit starts, so "
+                "it needs Fit(max_epochs=...).")
+        spe = optimizer_steps_per_epoch(fit, type(self).__name__)
+        model = module.model
+        self._paths = _module_params(model)
+        order = param_paths(fit.state.params)
+        index = {p: i for i, p in enumerate(order)}
+        self._frozen = set()
+        self.freeze_before_training(module)
+        optimizer = ParamGroups([p for p in order if p not in self._frozen], self._lr)
+        active = np.zeros((fit.max_epochs, len(order)), bool)
+        lrs = np.zeros((fit.max_epochs, len(order)), np.float32)
+        for epoch in range(fit.max_epochs):
+            self.finetune_function(module, epoch, optimizer)
+            for group in optimizer.param_groups:
+                for path in group["params"]:
+                    if path not in index:
+                        raise ConfigurationError(
+                            f"{type(self).__name__}: parameter group names {path}, which is "
+                            f"not a trainable parameter of the model.")
+                    if path not in self._frozen:
+                        active[epoch, index[path]] = True
+                        lrs[epoch, index[path]] = group["lr"]
+        old = self._table
+        if old is not None and fit.compile_counts.get("train", 0) and not (
+                old[2] == spe and np.array_equal(old[0], active)
+                and np.array_equal(old[1], lrs)):
+            raise ConfigurationError(
+                f"{type(self).__name__}: this Fit's step was compiled with another epoch table "
+                "(parameter groups, rates or epoch length); use a new Fit and callback.")
+        self._table = (active, lrs, spe)
+
+    def table(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(active[epoch, param], lr[epoch, param], optimizer steps per epoch)."""
+        if self._table is None:
+            raise ConfigurationError(
+                f"{type(self).__name__}'s step needs its table, made when a fit starts "
+                "(Fit.fit); it cannot be compiled outside a fit (Fit.plan).")
+        return self._table
+
+    # -- the step --------------------------------------------------------------------------
+
+    def transform_optimizer(self, tx):
+        if find_schedules(tx):
+            raise ConfigurationError(
+                f"{type(self).__name__} gives each parameter group its own constant rate, but "
+                "the optimizer's rate is a schedule; give it a number.")
+        self._lr = constant_rate(tx)
+        return per_parameter(tx, self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def per_parameter(tx: optax.GradientTransformation, cb: BaseFinetuning
+                  ) -> optax.GradientTransformation:
+    """`tx` applied per parameter array, each only in the epochs `cb.table()` has it active,
+    at its rate there (see the module docstring)."""
+
+    def masks(params):
+        n = len(jax.tree.leaves(params))
+        treedef = jax.tree.structure(params)
+        return [treedef.unflatten([i == j for j in range(n)]) for i in range(n)]
+
+    def init(params):
+        per = tuple(optax.masked(tx, m).init(params) for m in masks(params))
+        return FinetuneState(per, jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        active, lrs, spe = cb.table()
+        epoch = jnp.minimum(state.count // spe, active.shape[0] - 1)
+        on = jnp.asarray(active)[epoch]
+        scale = jnp.asarray(lrs)[epoch] / cb._lr
+        treedef = jax.tree.structure(updates)
+        out = treedef.flatten_up_to(updates)
+        new_states = []
+        for i, (m, old) in enumerate(zip(masks(updates), state.per_param, strict=True)):
+            u, new = optax.masked(tx, m).update(updates, old, params)
+            u_i = treedef.flatten_up_to(u)[i]
+            out[i] = jnp.where(on[i], u_i * scale[i], jnp.zeros_like(u_i)).astype(u_i.dtype)
+            new_states.append(jax.tree.map(lambda a, b, keep=on[i]: jnp.where(keep, a, b),
+                                           new, old))
+        return treedef.unflatten(out), FinetuneState(tuple(new_states), state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def multiplicative(epoch: int) -> float:
+    """Lightning's default `lambda_func`: the backbone's rate doubles every epoch."""
+    del epoch
+    return 2.0
+
+
+class BackboneFinetuning(BaseFinetuning):
+    """Lightning's `BackboneFinetuning`: `module.model.backbone` frozen until
+    `unfreeze_backbone_at_epoch`, then trained as a new parameter group at
+    `backbone_initial_lr` (default: the optimizer's rate × `backbone_initial_ratio_lr`),
+    multiplied by `lambda_func(epoch + 1)` each later epoch and, with `should_align`, never
+    above the optimizer's rate.
+
+    Example:
+        >>> from jaxlight import callbacks
+        >>> finetune = callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=2)
+    """
+
+    def __init__(self, unfreeze_backbone_at_epoch: int = 10,
+                 lambda_func: Callable[[int], float] = multiplicative,
+                 backbone_initial_ratio_lr: float = 10e-2,
+                 backbone_initial_lr: float | None = None, should_align: bool = True,
+                 initial_denom_lr: float = 10.0, train_bn: bool = True, verbose: bool = False,
+                 rounding: int = 12):
+        super().__init__()
+        self.unfreeze_backbone_at_epoch = unfreeze_backbone_at_epoch
+        self.lambda_func = lambda_func
+        self.backbone_initial_ratio_lr = backbone_initial_ratio_lr
+        self.backbone_initial_lr = backbone_initial_lr
+        self.should_align = should_align
+        self.initial_denom_lr = initial_denom_lr
+        self.train_bn = train_bn
+        self.verbose = verbose
+        self.rounding = rounding
+        self.previous_backbone_lr: float | None = None
+
+    def on_fit_start(self, fit, module) -> None:
+        if not isinstance(getattr(module.model, "backbone", None), nnx.Module):
+            raise ConfigurationError(
+                "BackboneFinetuning needs the model (configure_model's) to have an nnx.Module "
+                "attribute `backbone`.")
+        self.previous_backbone_lr = None
+        super().on_fit_start(fit, module)
+
+    def freeze_before_training(self, module) -> None:
+        self.freeze(module.model.backbone)
+
+    def finetune_function(self, module, epoch: int, optimizer: ParamGroups) -> None:
+        if epoch == self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            initial = (self.backbone_initial_lr if self.backbone_initial_lr is not None
+                       else current_lr * self.backbone_initial_ratio_lr)
+            self.previous_backbone_lr = initial
+            self.unfreeze_and_add_param_group(module.model.backbone, optimizer, initial,
+                                              train_bn=self.train_bn,
+                                              initial_denom_lr=self.initial_denom_lr)
+        elif epoch > self.unfreeze_backbone_at_epoch:
+            current_lr = optimizer.param_groups[0]["lr"]
+            nxt = self.lambda_func(epoch + 1) * self.previous_backbone_lr
+            nxt = current_lr if (self.should_align and nxt > current_lr) else nxt
+            optimizer.param_groups[-1]["lr"] = nxt
+            self.previous_backbone_lr = nxt
+
+    def __repr__(self) -> str:
+        return (f"BackboneFinetuning(unfreeze_backbone_at_epoch="
+                f"{self.unfreeze_backbone_at_epoch})")
