@@ -29,7 +29,7 @@ buffer per boundary would send exact bytes but needs p − 1 collectives per ite
 `lax.switch` on its pipeline index, so a device executes only its own stages' code. The backward
 pass of a switch keeps the residuals of every branch (zeros for branches not taken), so stored
 activations per iteration are the sum over the branches' residuals; `remat=True` stores only
-each stage's input.
+each stage's input, and the strategy's `GPipe(..., remat=True)` only each device's input.
 """
 
 from __future__ import annotations
@@ -275,6 +275,10 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
         return run
 
     branches = [branch(dev) for dev in range(p)]
+    if config.remat:
+        # GPipe(remat=True) / Hybrid(..., remat=True): each device's stages store only their
+        # input per iteration (as the Stacked schedule does), whatever the stages' own remat.
+        branches = [jax.checkpoint(fn, prevent_cse=False) for fn in branches]
     perm = [(i, (i + 1) % p) for i in range(p)]
 
     def schedule(local_rows, xs):
