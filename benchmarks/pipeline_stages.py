@@ -1,13 +1,16 @@
 """GPipe over stages of any shape: the seeds' 784→512→256→10 MLP as `jaxlight.nn.Stages`.
 
-Four measurements on 8 simulated CPU devices:
+Three measurements on 8 simulated CPU devices:
 
 1. equivalence: 10 training steps (AdamW) of the MLP in 3 stages under GPipe(3, 4) (mesh
    data 2 × pipe 3, 6 devices) and in 4 stages (a parameter-free log-softmax stage added)
    under Hybrid({"data": 2, "pipe": 4}, microbatches=4), each against SingleDevice running the
    same `Stages` model: the largest relative loss difference and parameter difference.
 2. memory: per pipeline device, the parameter bytes its stages own, the bytes it holds (the
-   packed row: its stages' parameters, zero-padded to the largest stage) and its Adam slots.
+   packed row: its stages' parameters, zero-padded to the largest stage) and its Adam slots;
+   and (`activation_memory`) the compiled step's per-device temporaries, arguments and
+   outputs (`memory_analysis`) for SingleDevice and each pipeline layout, with and without the
+   strategy's remat, at a global batch of 512.
 3. schedule: for m = 1..16 at p = 3 and p = 4, the trip counts of the compiled step's
    collective-permutes (expected m + p − 1 each, forward and backward), the permute bytes per
    step and device against 2(m + p − 1)·b·W·β (W: the widest stage output, the buffer every
@@ -16,7 +19,11 @@ Four measurements on 8 simulated CPU devices:
    same γ and the step time follows T(m) = α + γ·(m + p − 1) (α: optimizer and loss); α and γ
    are fitted by least squares over the m values and the measured bubble is the share of the
    schedule's time beyond its m useful iterations, (T(m) − α − γ·m)/(T(m) − α). Steps are
-   timed round robin over m; each m's time is its fastest step (other load only adds time).
+   timed round robin over m (`--rounds` rounds of `--timing-steps` steps each); each m's
+   time is its fastest step (other load only adds time), and the rows report the median of
+   the rounds' fastest steps and their spread beside it. On the two shared cores of the
+   project's machine the timings are noise (other sessions' load); the committed figures come
+   from an unloaded 16-core host (`cpus` in the JSON).
    Simulated devices share the host's cores, so an idle stage computes its branch on an
    empty buffer instead of idling: each iteration still costs the same, as on chips.
 
@@ -165,6 +172,30 @@ def equivalence(args) -> dict:
     return out
 
 
+def activation_memory(args) -> dict:
+    """Per-device bytes of the compiled step (`memory_analysis`) for each layout of the MLP,
+    with and without the strategy's remat: temporaries (activations kept for the backward
+    pass, gradients, the schedule's buffers), arguments (parameters, optimizer state, batch)."""
+    layouts = (
+        (3, "SingleDevice", lambda remat: strategies.SingleDevice()),
+        (3, "GPipe(stages=3, microbatches=4), data 2 x pipe 3",
+         lambda remat: strategies.GPipe(3, 4, remat=remat, devices=jax.devices()[:6])),
+        (4, "Hybrid(data 2 x pipe 4, microbatches=4), 4 stages",
+         lambda remat: strategies.Hybrid({"data": 2, "pipe": 4}, microbatches=4, remat=remat)),
+    )
+    out = {"global_batch": args.memory_batch, "layouts": {}}
+    for stages, name, make in layouts:
+        for remat in ((False,) if name == "SingleDevice" else (False, True)):
+            fit, *_ = _fit(make(remat), stages, 1, args.memory_batch)
+            ma = fit.compiled_train_step.memory_analysis()
+            out["layouts"][f"{name}, remat={remat}"] = {
+                "temp_bytes_per_device": int(ma.temp_size_in_bytes),
+                "argument_bytes_per_device": int(ma.argument_size_in_bytes),
+                "output_bytes_per_device": int(ma.output_size_in_bytes),
+            }
+    return out
+
+
 def _time_steps(fit, batch, steps) -> list[float]:
     """Seconds per step of the compiled train step, one step in flight (exact timings)."""
     compiled = fit.compiled_train_step
@@ -184,6 +215,9 @@ def fit_bubble(rows, p, iterations=None) -> tuple[float, float]:
 
     `iterations(m)` defaults to the GPipe schedule's m + p − 1 (an interleaved schedule
     passes its own); a row's useful iterations are `row["useful_iterations"]` (default m).
+    Each row's step time is `row["step_seconds"]`; the rows also get the time's relative
+    deviation from the fitted line (`fit_rel_residual`: the timing precision the bubble
+    figure inherits, amplified by T/(T − α)).
     """
     iterations = iterations or (lambda m: m + p - 1)
     x = np.array([iterations(r["microbatches"]) for r in rows], dtype=float)
@@ -192,9 +226,23 @@ def fit_bubble(rows, p, iterations=None) -> tuple[float, float]:
     for r, xi, ti in zip(rows, x, t, strict=True):
         useful = r.get("useful_iterations", r["microbatches"])
         r["step_seconds_fit"] = float(alpha + gamma * xi)
+        r["fit_rel_residual"] = float((ti - r["step_seconds_fit"]) / r["step_seconds_fit"])
         r["bubble_fraction_measured"] = float((ti - alpha - gamma * useful) / (ti - alpha))
         r["bubble_abs_error"] = abs(r["bubble_fraction_measured"] - r["bubble_fraction_theory"])
     return float(alpha), float(gamma)
+
+
+def time_round_robin(fits: dict, rounds: int, steps: int) -> dict:
+    """Step seconds per configuration, timed round robin (one step in flight): each round
+    times `steps` steps of every configuration in turn (after one untimed warm step), so that
+    a change of load on a shared machine reaches every configuration alike. Returns per key the
+    fastest step (other load only adds time) and the median of the rounds' fastest steps."""
+    per_round: dict = {key: [] for key in fits}
+    for _ in range(rounds):
+        for key in fits:
+            per_round[key].append(min(_time_steps(*fits[key], steps + 1)[1:]))
+    return {key: {"step_seconds": min(v), "step_seconds_median": statistics.median(v),
+                  "round_spread": (max(v) - min(v)) / min(v)} for key, v in per_round.items()}
 
 
 def schedule(args, p) -> dict:
@@ -220,27 +268,26 @@ def schedule(args, p) -> dict:
             "other_collectives": stats["other_collectives"],
             "bubble_fraction_theory": bubble_fraction(p, m),
         })
-    times: dict[int, list[float]] = {m: [] for m in args.microbatches}
-    for _ in range(args.rounds):
-        for m in args.microbatches:
-            times[m] += _time_steps(*fits[m], args.timing_steps)[1:]
+    times = time_round_robin(fits, args.rounds, args.timing_steps)
     for r in rows:
-        # The fastest step: the machine is shared, and other load only ever adds time.
-        r["step_seconds"] = min(times[r["microbatches"]])
-        r["step_seconds_median"] = statistics.median(times[r["microbatches"]])
+        r.update(times[r["microbatches"]])
     alpha, gamma = fit_bubble(rows, p)
     return {"stages": p, "microbatch_size": args.microbatch_size, "rounds": args.rounds,
             "steps_per_round": args.timing_steps, "fit_alpha_s": alpha,
             "fit_gamma_s_per_iteration": gamma,
             "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
+            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows),
             "rows": rows}
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["equivalence", "schedule"], nargs="*", default=None)
+    parser.add_argument("--only", choices=["equivalence", "memory", "schedule"], nargs="*",
+                        default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=48, help="global batch (equivalence)")
+    parser.add_argument("--memory-batch", type=int, default=512,
+                        help="global batch of the activation-memory compiles")
     parser.add_argument("--microbatches", type=int, nargs="+", default=list(range(1, 17)))
     parser.add_argument("--stages", type=int, nargs="+", default=[3, 4],
                         help="pipeline sizes of the schedule measurement")
@@ -250,12 +297,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    parts = args.only or ["equivalence", "schedule"]
+    parts = args.only or ["equivalence", "memory", "schedule"]
     result = {"jax": jax.__version__, "devices": jax.device_count(),
               "platform": jax.devices()[0].platform, "cpus": os.cpu_count(),
               "model": {"dims": DIMS}}
     if "equivalence" in parts:
         result["equivalence"] = equivalence(args)
+    if "memory" in parts:
+        result["activation_memory"] = activation_memory(args)
     if "schedule" in parts:
         result["schedule"] = {f"p={p}": schedule(args, p) for p in args.stages}
     if args.only is None or args.out:
