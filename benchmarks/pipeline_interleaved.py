@@ -175,8 +175,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 12, 16])
     parser.add_argument("--microbatch-size", type=int, default=32)
-    parser.add_argument("--timing-steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timing-steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     parts = args.only or ["equivalence", "schedule"]

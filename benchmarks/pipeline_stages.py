@@ -293,8 +293,8 @@ def main(argv=None) -> dict:
                         help="pipeline sizes of the schedule measurement")
     parser.add_argument("--microbatch-size", type=int, default=64,
                         help="examples per microbatch in the timed steps (global batch m·b)")
-    parser.add_argument("--timing-steps", type=int, default=4, help="steps per m and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timing-steps", type=int, default=3, help="steps per m and round")
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     parts = args.only or ["equivalence", "memory", "schedule"]
