@@ -11,6 +11,9 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
+from jaxlight._state import model_spec
+from jaxlight._step import build_optimizer
+from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
 from tests.pipeline_runs import kill_at
@@ -175,3 +178,14 @@ def test_pipeline_remat_stores_less_and_trains_the_same(runs):
             for name, run in (("remat", rematted), ("plain", runs["gpipe"]))}
     assert temp["remat"] < 0.9 * temp["plain"], temp
     assert rematted["fit"].strategy.describe()["pipeline"]["remat"] is True
+
+
+def test_auto_offers_a_stages_model_the_gpipe_schedule_only():
+    # Stages run GPipe's schedule (repeats=1); Auto offered repeats=2 beside each pipe mesh
+    # whose stage count split into pipe × 2 (a compile that could only fail).
+    module = StageMLP(4)
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
+    layouts = [c.layout for c in enumerate_candidates((), None, spec.abstract_state,
+                                                      spec.logical_axes, 8)]
+    assert "data=2,pipe=4" in layouts and "data=4,pipe=2" in layouts
+    assert not any("repeats" in lay for lay in layouts), layouts
