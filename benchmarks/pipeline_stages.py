@@ -1,6 +1,6 @@
 """GPipe over stages of any shape: the seeds' 784→512→256→10 MLP as `jaxlight.nn.Stages`.
 
-Three measurements on 8 simulated CPU devices:
+Four measurements on 8 simulated CPU devices:
 
 1. equivalence: 10 training steps (AdamW) of the MLP in 3 stages under GPipe(3, 4) (mesh
    data 2 × pipe 3, 6 devices) and in 4 stages (a parameter-free log-softmax stage added)
@@ -11,7 +11,12 @@ Three measurements on 8 simulated CPU devices:
    and (`activation_memory`) the compiled step's per-device temporaries, arguments and
    outputs (`memory_analysis`) for SingleDevice and each pipeline layout, with and without the
    strategy's remat, at a global batch of 512.
-3. schedule: for m = 1..16 at p = 3 and p = 4, the trip counts of the compiled step's
+3. staged_lm: `jaxlight.nn.StagedTransformerLM` (embedding and head inside the pipeline, 4
+   stages) under GPipe(4, 4) on data 2 × pipe 4 against SingleDevice (10 steps), beside
+   `TransformerLM` under the same GPipe: permute bytes against 2(m + p − 1)·b·W·β (W: length
+   × vocab for the staged model, length × width for the stack), parameter bytes and compiled
+   temporaries per device.
+4. schedule: for m = 1..16 at p = 3 and p = 4, the trip counts of the compiled step's
    collective-permutes (expected m + p − 1 each, forward and backward), the permute bytes per
    step and device against 2(m + p − 1)·b·W·β (W: the widest stage output, the buffer every
    boundary is padded to), and a measured bubble. The microbatch size b is fixed (global batch
@@ -196,6 +201,84 @@ def activation_memory(args) -> dict:
     return out
 
 
+class LM(jl.TrainModule):
+    """Next-token prediction with `TransformerLM` (embedding and head outside the pipeline) or
+    `StagedTransformerLM` (inside it: embedding, 2 × 2 blocks, head = 4 stages)."""
+
+    CONFIG = dict(vocab_size=512, embed_dim=64, num_layers=4, num_heads=4,
+                  tie_embeddings=False)
+
+    def __init__(self, staged: bool):
+        super().__init__()
+        self.staged = staged
+
+    def configure_model(self, rngs):
+        config = nn.TransformerConfig(**self.CONFIG)
+        if self.staged:
+            return nn.StagedTransformerLM(config, layers_per_stage=2, rngs=rngs)
+        return nn.TransformerLM(config, rngs=rngs)
+
+    def configure_optimizers(self):
+        return optax.adamw(1e-3)
+
+    def training_step(self, model, batch):
+        tokens = batch["tokens"]
+        return nn.lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+
+
+def staged_lm(args) -> dict:
+    """StagedTransformerLM under GPipe(4, 4) on data 2 × pipe 4 against SingleDevice (10
+    steps), and against TransformerLM under the same GPipe: permute bytes, parameter bytes and
+    compiled memory per device."""
+    length, batch = 32, 32
+    rng = np.random.default_rng(0)
+    data = [{"tokens": rng.integers(0, LM.CONFIG["vocab_size"], size=(batch, length + 1))
+             .astype(np.int32)} for _ in range(args.steps)]
+
+    def run(strategy, staged):
+        losses = []
+        log = jl.callbacks.LambdaCallback(
+            on_log=lambda fit, module, metrics, step: losses.append(metrics["loss"]))
+        fit = jl.Fit(strategy=strategy, max_steps=args.steps, log_every_n_steps=1,
+                     callbacks=[log], enable_progress_bar=False, enable_model_summary=False,
+                     logger=False)
+        module = LM(staged)
+        fit.fit(module, data)
+        return fit, module, np.asarray(losses)
+
+    _, _, ref = run(strategies.SingleDevice(), True)
+    out = {"config": LM.CONFIG, "length": length, "global_batch": batch, "steps": args.steps,
+           "layouts": {}}
+    for name, staged in (("StagedTransformerLM", True), ("TransformerLM", False)):
+        fit, module, losses = run(strategies.GPipe(4, 4), staged)
+        stats = schedule_stats(fit.compiled_train_step.as_text())
+        ma = fit.compiled_train_step.memory_analysis()
+        row = {
+            "strategy": "GPipe(4, 4), data 2 x pipe 4",
+            "schedule_iterations": stats["iterations"],
+            "collective_permute_bytes": stats["collective_permute_bytes"],
+            "other_collectives": stats["other_collectives"],
+            "param_bytes_per_device": fit.strategy.bytes_per_device(
+                fit.state.params, jax.tree.map(lambda a: a.sharding, fit.state.params)),
+            "temp_bytes_per_device": int(ma.temp_size_in_bytes),
+            "argument_bytes_per_device": int(ma.argument_size_in_bytes),
+        }
+        b = batch // (4 * 2)
+        if staged:
+            row["max_loss_rel_diff_vs_single"] = float(np.max(np.abs(losses - ref) / ref))
+            row["ok"] = row["max_loss_rel_diff_vs_single"] <= 1e-5
+            row["own_param_bytes_per_stage"] = module.model.own_parameter_bytes()
+            # The widest boundary: the head's logits, length × vocab per example.
+            row["expected_permute_bytes"] = 2 * (4 + 4 - 1) * b * length * \
+                LM.CONFIG["vocab_size"] * 4
+        else:
+            row["expected_permute_bytes"] = 2 * (4 + 4 - 1) * b * length * \
+                LM.CONFIG["embed_dim"] * 4
+        row["permute_bytes_ok"] = row["collective_permute_bytes"] == row["expected_permute_bytes"]
+        out["layouts"][name] = row
+    return out
+
+
 def _time_steps(fit, batch, steps) -> list[float]:
     """Seconds per step of the compiled train step, one step in flight (exact timings)."""
     compiled = fit.compiled_train_step
@@ -282,8 +365,8 @@ def schedule(args, p) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["equivalence", "memory", "schedule"], nargs="*",
-                        default=None)
+    parser.add_argument("--only", choices=["equivalence", "memory", "staged_lm", "schedule"],
+                        nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=48, help="global batch (equivalence)")
     parser.add_argument("--memory-batch", type=int, default=512,
@@ -297,7 +380,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    parts = args.only or ["equivalence", "memory", "schedule"]
+    parts = args.only or ["equivalence", "memory", "staged_lm", "schedule"]
     result = {"jax": jax.__version__, "devices": jax.device_count(),
               "platform": jax.devices()[0].platform, "cpus": os.cpu_count(),
               "model": {"dims": DIMS}}
@@ -305,6 +388,8 @@ def main(argv=None) -> dict:
         result["equivalence"] = equivalence(args)
     if "memory" in parts:
         result["activation_memory"] = activation_memory(args)
+    if "staged_lm" in parts:
+        result["staged_lm"] = staged_lm(args)
     if "schedule" in parts:
         result["schedule"] = {f"p={p}": schedule(args, p) for p in args.stages}
     if args.only is None or args.out:
