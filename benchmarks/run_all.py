@@ -233,6 +233,16 @@ def summarize_pipeline_stages(r):
                      f"fit; timing residual ≤ {sched.get('max_fit_rel_residual', float('nan')):.0%}"
                      f", {r.get('cpus')} CPUs)", f"{sched['max_bubble_abs_error']:.2f}", "—",
                      None))
+    for name, lay in r.get("staged_lm", {}).get("layouts", {}).items():
+        if "max_loss_rel_diff_vs_single" in lay:
+            rows.append((f"{name} (embedding + head inside the pipeline), {lay['strategy']} vs "
+                         "SingleDevice, 10 steps (max loss rel. diff)",
+                         f"{lay['max_loss_rel_diff_vs_single']:.1e}", "≤ 1e-5", lay["ok"]))
+        rows.append((f"{name} under {lay['strategy']}: permute bytes (= theory); param / temp "
+                     "MB per device", f"{lay['collective_permute_bytes'] / 1e6:.2f} "
+                     f"({'exact' if lay['permute_bytes_ok'] else 'differs'}); "
+                     f"{lay['param_bytes_per_device'] / 1e6:.2f} / "
+                     f"{lay['temp_bytes_per_device'] / 1e6:.1f}", "exact", lay["permute_bytes_ok"]))
     for name, mem in r.get("activation_memory", {}).get("layouts", {}).items():
         rows.append((f"Stages MLP, batch {r['activation_memory']['global_batch']}, {name}: "
                      "compiled temp / argument MB per device",
