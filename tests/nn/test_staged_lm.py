@@ -14,21 +14,14 @@ import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.staged_lm import CONFIG, StagedLM, lm_data
+from tests.pipeline_runs import logged_fit
 
 STEPS, BATCH, LENGTH = 10, 16, 8
 
 
 def _fit(strategy, cbs=()):
-    losses = []
-    log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
-        metrics["loss"]))
-    fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
-                 callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
-    module = StagedLM()
-    fit.fit(module, jl.data.ArrayLoader(lm_data(10 * BATCH, LENGTH + 1), BATCH, seed=1))
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
-    return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}
+    loader = jl.data.ArrayLoader(lm_data(10 * BATCH, LENGTH + 1), BATCH, seed=1)
+    return logged_fit(strategy, StagedLM(), loader, STEPS, cbs)
 
 
 @pytest.fixture(scope="module")

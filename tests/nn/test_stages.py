@@ -16,22 +16,15 @@ from jaxlight._step import build_optimizer
 from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
-from tests.pipeline_runs import kill_at
+from tests.pipeline_runs import kill_at, logged_fit
 
 STEPS, BATCH = 10, 24
 
 
 def _fit(strategy, stages=3, cbs=(), steps=STEPS, ckpt_path=None):
-    losses = []
-    log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
-        metrics["loss"]))
-    fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
-                 callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
-    module = StageMLP(stages)
-    fit.fit(module, jl.data.ArrayLoader(stage_data(192), BATCH, seed=1), ckpt_path=ckpt_path)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
-    return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}
+    return logged_fit(strategy, StageMLP(stages), jl.data.ArrayLoader(stage_data(192), BATCH,
+                                                                      seed=1),
+                      steps, cbs, ckpt_path)
 
 
 def _close(run, ref, tol=1e-5):
