@@ -68,9 +68,9 @@ DIMS = (784, 512, 256, 10)
 class SeedMLP(jl.TrainModule):
     """The seeds' pipeline example: 784→512→256→10 with ReLU, one Linear per stage."""
 
-    def __init__(self, stages: int = 3):
+    def __init__(self, stages: int = 3, balance: bool = False):
         super().__init__()
-        self.stages = stages
+        self.stages, self.balance = stages, balance
 
     def configure_model(self, rngs):
         d = DIMS
@@ -79,7 +79,7 @@ class SeedMLP(jl.TrainModule):
                  nnx.Linear(d[2], d[3], rngs=rngs)]
         if self.stages == 4:
             parts.append(nnx.Sequential(jax.nn.log_softmax))
-        return nn.Stages(parts)
+        return nn.Stages(parts, balance=self.balance)
 
     def configure_optimizers(self):
         return optax.adamw(1e-3)
@@ -96,13 +96,13 @@ def batches(steps, batch, seed=0):
             for _ in range(steps)]
 
 
-def _fit(strategy, stages, steps, batch):
+def _fit(strategy, stages, steps, batch, balance=False):
     losses = []
     log = jl.callbacks.LambdaCallback(
         on_log=lambda fit, module, metrics, step: losses.append(metrics["loss"]))
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
-    module = SeedMLP(stages)
+    module = SeedMLP(stages, balance)
     data = batches(steps, batch)
     fit.fit(module, data)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
@@ -147,6 +147,34 @@ def memory(fit, module, p) -> dict:
         "held_over_own_largest_stage": max(held) / max(own),
         "ok": all(h == theory["held"] for h in held) and max(held) - max(own) < 128 * 4 * 2,
     }
+
+
+def balanced(args) -> dict:
+    """`Stages(balance=True)` against the padded rows, the 3-stage MLP under GPipe(3, 4) on
+    data 2 × pipe 3 (10 steps each, batch `--batch`): loss against SingleDevice, parameter and
+    Adam bytes held per device (from the shards), compiled memory and collectives per device."""
+    out = {"jax": jax.__version__, "cpus": os.cpu_count(), "runs": {}}
+    _, _, ref, _, _ = _fit(strategies.SingleDevice(), 3, args.steps, args.batch)
+    for name, balance in (("padded rows", False), ("balance=True", True)):
+        fit, module, losses, _, _ = _fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]), 3,
+                                         args.steps, args.batch, balance=balance)
+        ma = fit.compiled_train_step.memory_analysis()
+        packed = fit.state.params["packed_float32"]
+        mu = fit.state.opt_state[0].mu["packed_float32"]
+        stats = schedule_stats(fit.compiled_train_step.as_text())
+        out["runs"][name] = {
+            "max_loss_rel_diff_vs_single": float(np.max(np.abs(losses - ref) / np.abs(ref))),
+            "own_param_bytes_per_stage": module.model.own_parameter_bytes(),
+            "held_param_bytes_per_device": sorted({s.data.nbytes
+                                                   for s in packed.addressable_shards}),
+            "held_adam_mu_bytes_per_device": sorted({s.data.nbytes
+                                                     for s in mu.addressable_shards}),
+            "argument_bytes_per_device": int(ma.argument_size_in_bytes),
+            "temp_bytes_per_device": int(ma.temp_size_in_bytes),
+            "collective_permute_bytes": stats["collective_permute_bytes"],
+            "other_collectives": stats["other_collectives"],
+        }
+    return out
 
 
 def equivalence(args) -> dict:
@@ -365,8 +393,8 @@ def schedule(args, p) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["equivalence", "memory", "staged_lm", "schedule"],
-                        nargs="*", default=None)
+    parser.add_argument("--only", choices=["equivalence", "memory", "balanced", "staged_lm",
+                                           "schedule"], nargs="*", default=None)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=48, help="global batch (equivalence)")
     parser.add_argument("--memory-batch", type=int, default=512,
@@ -380,7 +408,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    parts = args.only or ["equivalence", "memory", "staged_lm", "schedule"]
+    parts = args.only or ["equivalence", "memory", "balanced", "staged_lm", "schedule"]
     result = {"jax": jax.__version__, "devices": jax.device_count(),
               "platform": jax.devices()[0].platform, "cpus": os.cpu_count(),
               "model": {"dims": DIMS}}
@@ -388,6 +416,8 @@ def main(argv=None) -> dict:
         result["equivalence"] = equivalence(args)
     if "memory" in parts:
         result["activation_memory"] = activation_memory(args)
+    if "balanced" in parts:
+        result["balanced"] = balanced(args)
     if "staged_lm" in parts:
         result["staged_lm"] = staged_lm(args)
     if "schedule" in parts:

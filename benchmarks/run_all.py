@@ -233,6 +233,14 @@ def summarize_pipeline_stages(r):
                      f"fit; timing residual ≤ {sched.get('max_fit_rel_residual', float('nan')):.0%}"
                      f", {r.get('cpus')} CPUs)", f"{sched['max_bubble_abs_error']:.2f}", "—",
                      None))
+    for name, run in r.get("balanced", {}).get("runs", {}).items():
+        rows.append((f"Stages MLP, GPipe(3, 4) data 2 x pipe 3, {name}: param MB held per "
+                     "device (own 1.6/0.53/0.01); argument / temp MB per device; loss rel. diff",
+                     f"{run['held_param_bytes_per_device'][0] / 1e6:.2f}; "
+                     f"{run['argument_bytes_per_device'] / 1e6:.2f} / "
+                     f"{run['temp_bytes_per_device'] / 1e6:.2f}; "
+                     f"{run['max_loss_rel_diff_vs_single']:.1e}", "≤ 1e-5",
+                     run["max_loss_rel_diff_vs_single"] <= 1e-5))
     for name, lay in r.get("staged_lm", {}).get("layouts", {}).items():
         if "max_loss_rel_diff_vs_single" in lay:
             rows.append((f"{name} (embedding + head inside the pipeline), {lay['strategy']} vs "

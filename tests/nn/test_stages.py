@@ -182,3 +182,24 @@ def test_auto_offers_a_stages_model_the_gpipe_schedule_only():
                                                       spec.logical_axes, 8)]
     assert "data=2,pipe=4" in layouts and "data=4,pipe=2" in layouts
     assert not any("repeats" in lay for lay in layouts), layouts
+
+
+def test_balanced_packing_holds_total_over_p_per_device(runs):
+    # Stages(balance=True): the stages' parameters back to back, each pipeline device holding
+    # total/p of them (and of the Adam slots) instead of the largest stage's row.
+    loader = jl.data.ArrayLoader(stage_data(192), BATCH, seed=1)
+    run = logged_fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]),
+                     StageMLP(balance=True), loader, STEPS)
+    np.testing.assert_allclose(run["losses"], runs["single"]["losses"], rtol=1e-5)
+    model, ref = run["module"].model, runs["single"]["module"].model
+    for i in range(3):
+        for a, b in zip(jax.tree.leaves(nnx.state(model.stage(i))),
+                        jax.tree.leaves(nnx.state(ref.stage(i))), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    own = model.own_parameter_bytes()
+    total = -(-sum(own) // (4 * 128 * 3)) * 128 * 3 * 4  # rounded up to 128 per stage row
+    packed = run["fit"].state.params["packed_float32"]
+    assert {s.data.nbytes for s in packed.addressable_shards} == {total // 3}
+    assert total // 3 < max(own)  # less than the largest stage, which every padded row holds
+    mu = run["fit"].state.opt_state[0].mu["packed_float32"]
+    assert {s.data.nbytes for s in mu.addressable_shards} == {total // 3}
