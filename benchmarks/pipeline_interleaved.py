@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pipeline_stages import _time_steps, fit_bubble  # noqa: E402
+from pipeline_stages import fit_bubble, time_round_robin  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from jaxlight import nn, strategies  # noqa: E402
@@ -153,20 +152,17 @@ def schedule(args) -> dict:
                 "bubble_fraction_theory": bubble_fraction(P, m, v),
             })
         out["repeats"][str(v)] = {"rows": rows}
-    times = {key: [] for key in fits}
-    for _ in range(args.rounds):
-        for key in fits:
-            times[key] += _time_steps(*fits[key], args.timing_steps)[1:]
+    # Every (v, m) in one round robin: load changes reach the three schedules alike.
+    times = time_round_robin(fits, args.rounds, args.timing_steps)
     for v in args.repeats:
         rows = out["repeats"][str(v)]["rows"]
         for r in rows:
-            # The fastest step: the machine is shared, and other load only ever adds time.
-            r["step_seconds"] = min(times[v, r["microbatches"]])
-            r["step_seconds_median"] = statistics.median(times[v, r["microbatches"]])
+            r.update(times[v, r["microbatches"]])
         alpha, gamma = fit_bubble(rows, P, lambda m, v=v: schedule_iterations(P, m, v))
         out["repeats"][str(v)].update({
             "fit_alpha_s": alpha, "fit_gamma_s_per_iteration": gamma,
-            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows)})
+            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
+            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows)})
     return out
 
 
@@ -179,8 +175,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 12, 16])
     parser.add_argument("--microbatch-size", type=int, default=32)
-    parser.add_argument("--timing-steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timing-steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     parts = args.only or ["equivalence", "schedule"]

@@ -240,7 +240,32 @@ def summarize_pipeline_stages(r):
                      "permute bytes = 2(m+p−1)·b·W·β", f"{'yes' if its else 'no'}; "
                      f"{'exact' if perm else 'differ'}", "all m", its and perm))
         rows.append((f"Stages GPipe {key}: bubble, max abs(measured − theory) over m (step-time "
-                     "fit)", f"{sched['max_bubble_abs_error']:.2f}", "—", None))
+                     f"fit; timing residual ≤ {sched.get('max_fit_rel_residual', float('nan')):.0%}"
+                     f", {r.get('cpus')} CPUs)", f"{sched['max_bubble_abs_error']:.2f}", "—",
+                     None))
+    for name, run in r.get("balanced", {}).get("runs", {}).items():
+        rows.append((f"Stages MLP, GPipe(3, 4) data 2 x pipe 3, {name}: param MB held per "
+                     "device (own 1.6/0.53/0.01); argument / temp MB per device; loss rel. diff",
+                     f"{run['held_param_bytes_per_device'][0] / 1e6:.2f}; "
+                     f"{run['argument_bytes_per_device'] / 1e6:.2f} / "
+                     f"{run['temp_bytes_per_device'] / 1e6:.2f}; "
+                     f"{run['max_loss_rel_diff_vs_single']:.1e}", "≤ 1e-5",
+                     run["max_loss_rel_diff_vs_single"] <= 1e-5))
+    for name, lay in r.get("staged_lm", {}).get("layouts", {}).items():
+        if "max_loss_rel_diff_vs_single" in lay:
+            rows.append((f"{name} (embedding + head inside the pipeline), {lay['strategy']} vs "
+                         "SingleDevice, 10 steps (max loss rel. diff)",
+                         f"{lay['max_loss_rel_diff_vs_single']:.1e}", "≤ 1e-5", lay["ok"]))
+        rows.append((f"{name} under {lay['strategy']}: permute bytes (= theory); param / temp "
+                     "MB per device", f"{lay['collective_permute_bytes'] / 1e6:.2f} "
+                     f"({'exact' if lay['permute_bytes_ok'] else 'differs'}); "
+                     f"{lay['param_bytes_per_device'] / 1e6:.2f} / "
+                     f"{lay['temp_bytes_per_device'] / 1e6:.1f}", "exact", lay["permute_bytes_ok"]))
+    for name, mem in r.get("activation_memory", {}).get("layouts", {}).items():
+        rows.append((f"Stages MLP, batch {r['activation_memory']['global_batch']}, {name}: "
+                     "compiled temp / argument MB per device",
+                     f"{mem['temp_bytes_per_device'] / 1e6:.2f} / "
+                     f"{mem['argument_bytes_per_device'] / 1e6:.2f}", "—", None))
     return rows
 
 
@@ -258,8 +283,13 @@ def summarize_pipeline_interleaved(r):
         rows.append((f"p=4, repeats={v}: HLO iterations v·m+p−1 and permute bytes "
                      "2(v·m+p−1)·b·h·β", f"{'yes' if its else 'no'}; "
                      f"{'exact' if perm else 'differ'}", "exact", its and perm))
-        rows.append((f"p=4, repeats={v}: bubble theory/measured (step-time fit)", bubbles, "—",
-                     None))
+        rows.append((f"p=4, repeats={v}: bubble theory/measured (step-time fit; timing "
+                     f"residual ≤ {res.get('max_fit_rel_residual', float('nan')):.0%}, "
+                     f"{r.get('cpus')} CPUs)", bubbles, "—", None))
+        temps = ", ".join(f"m={row['microbatches']}: {row['temp_bytes_per_device'] / 1e6:.1f}"
+                          for row in rows_v)
+        rows.append((f"p=4, repeats={v}: compiled temp MB per device (activations)", temps,
+                     "—", None))
     return rows
 
 

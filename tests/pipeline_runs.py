@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+from flax import nnx
 
 import jaxlight as jl
-from jaxlight import strategies
+from jaxlight import callbacks, strategies
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.strategies.interleaved_net import Regression, regression_data
 
@@ -47,3 +49,16 @@ def kill_at(kind: str, ckpt: str, max_steps: int, step: int) -> list[int]:
         proc.kill()
         proc.wait()
     return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
+
+
+def logged_fit(strategy, module, loader, steps: int, cbs=(), ckpt_path=None) -> dict:
+    """Fits `module` for `steps` steps logging every loss: {fit, module, losses, params}."""
+    losses = []
+    log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
+        metrics["loss"]))
+    fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
+                 callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
+                 logger=False)
+    fit.fit(module, loader, ckpt_path=ckpt_path)
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+    return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}

@@ -15,6 +15,7 @@ to mesh axes.
 | `Stacked` | a leading `"layers"` axis on every weight of the repeated block |
 | `Stages` | stages of any shape, packed per dtype as `(stages, n)` with `("layers", "embed")` |
 | `TransformerLM` | all of the above |
+| `StagedTransformerLM` | `TransformerLM` as `Stages`: embedding, blocks, head in the pipeline |
 | `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
 """
 
@@ -31,7 +32,13 @@ from jaxlight.nn._layers import (
 )
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._stages import Stages
-from jaxlight.nn._transformer import TransformerBlock, TransformerConfig, TransformerLM, lm_loss
+from jaxlight.nn._transformer import (
+    StagedTransformerLM,
+    TransformerBlock,
+    TransformerConfig,
+    TransformerLM,
+    lm_loss,
+)
 from jaxlight.nn.pretrained import (
     DecoderConfig,
     DecoderLM,
@@ -53,6 +60,7 @@ __all__ = [
     "REMAT_POLICIES",
     "RMSNorm",
     "Stacked",
+    "StagedTransformerLM",
     "Stages",
     "TransformerBlock",
     "TransformerConfig",

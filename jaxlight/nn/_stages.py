@@ -17,6 +17,11 @@ slots and nothing of the others', padded to the largest stage: per device
 so it stays zero under optimizers whose update of a zero gradient is zero (SGD, Adam(W), ...).
 The packed state is the same pytree under every strategy, so checkpoints move between GPipe,
 SingleDevice, FSDP... unchanged. `stage(i)` rebuilds stage i as an ordinary `nnx.Module`.
+`balance=True` packs the stages back to back instead (no padding between them; the vector
+padded to a multiple of 128·S and viewed as S equal rows): each device holds total/p, and the
+step slices each stage's parameters out of it and moves them to the stage's device (and the
+gradients back) once per step, before and after the schedule. SPMD arrays split evenly, so
+neither layout gives a device exactly its own stages' bytes.
 
 **Activations between stages.** The schedule passes one buffer of `(b, W)` elements between
 neighbours (`ppermute` needs one shape on every device): each device's output is flattened per
@@ -29,7 +34,7 @@ buffer per boundary would send exact bytes but needs p − 1 collectives per ite
 `lax.switch` on its pipeline index, so a device executes only its own stages' code. The backward
 pass of a switch keeps the residuals of every branch (zeros for branches not taken), so stored
 activations per iteration are the sum over the branches' residuals; `remat=True` stores only
-each stage's input.
+each stage's input, and the strategy's `GPipe(..., remat=True)` only each device's input.
 """
 
 from __future__ import annotations
@@ -73,6 +78,12 @@ class Stages(nnx.Module):
             `len(stages)` must be a multiple of p: device d runs stages [d·k, (d+1)·k).
         remat: what each stage recomputes in the backward pass (as `Stacked`'s `remat`):
             `False`, `True`/"full", "dots" or a `jax.checkpoint_policies` policy.
+        balance: store the stages' parameters back to back in one vector (viewed as `(S, n)`
+            rows of equal length) instead of one zero-padded row per stage, so that each
+            pipeline device holds total/p of the parameters and optimizer slots instead of
+            the largest stage's; each step then moves every stage's parameters to its device
+            and the gradients back (collectives XLA chooses; see docs/strategies.md for
+            the measured cost).
 
     Example:
         >>> from flax import nnx
@@ -87,7 +98,8 @@ class Stages(nnx.Module):
         (256, 10)
     """
 
-    def __init__(self, stages: Sequence[nnx.Module], *, remat: bool | str | Callable = False):
+    def __init__(self, stages: Sequence[nnx.Module], *, remat: bool | str | Callable = False,
+                 balance: bool = False):
         stages = list(stages)
         if not stages:
             raise ConfigurationError("Stages needs at least one stage module, got none.")
@@ -128,6 +140,9 @@ class Stages(nnx.Module):
         self.dtypes = tuple(sorted(groups))
         #: Per dtype (in `dtypes` order): each stage's own element count.
         self.stage_sizes = tuple(tuple(groups[d]) for d in self.dtypes)
+        #: True: every stage's parameters back to back in one flat vector, viewed as
+        #: (S, n) rows of equal length (each device holds total/p, whatever its stages own).
+        self.balance = bool(balance)
         for dtype in self.dtypes:
             width = _round_up(max(groups[dtype]), PAD)
             rows = []
@@ -135,14 +150,30 @@ class Stages(nnx.Module):
                 flat = [jnp.ravel(leaf) for leaf, (d, _, _) in zip(leaves, layout, strict=True)
                         if d == dtype]
                 row = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-                rows.append(jnp.pad(row, (0, width - row.shape[0])))
+                rows.append(row if balance else jnp.pad(row, (0, width - row.shape[0])))
+            if balance:
+                flat = jnp.concatenate(rows)
+                total = _round_up(flat.shape[0], PAD * self.num_stages)
+                packed = jnp.pad(flat, (0, total - flat.shape[0])).reshape(self.num_stages, -1)
+            else:
+                packed = jnp.stack(rows)
             setattr(self, f"packed_{dtype}", nnx.Param(
-                jnp.stack(rows), out_sharding=(LAYERS, "embed"), eager_sharding=False))
+                packed, out_sharding=(LAYERS, "embed"), eager_sharding=False))
 
     # -- unpacking --------------------------------------------------------------------------
 
     def _packed(self) -> dict[str, jax.Array]:
-        return {d: getattr(self, f"packed_{d}")[...] for d in self.dtypes}
+        """Per dtype, the (S, n) rows: row s holds stage s's parameters (zero-padded)."""
+        out = {d: getattr(self, f"packed_{d}")[...] for d in self.dtypes}
+        if not self.balance:
+            return out
+        rows = {}
+        for d, sizes in zip(self.dtypes, self.stage_sizes, strict=True):
+            flat, width = out[d].reshape(-1), _round_up(max(sizes), PAD)
+            starts = np.cumsum([0, *sizes])
+            rows[d] = jnp.stack([jnp.pad(flat[starts[s]:starts[s] + n], (0, width - n))
+                                 for s, n in enumerate(sizes)])
+        return rows
 
     def _apply(self, index: int, rows: dict[str, jax.Array], x: Any) -> Any:
         """Stage `index` applied to `x`, with its parameters read from the packed `rows`."""
@@ -275,6 +306,10 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
         return run
 
     branches = [branch(dev) for dev in range(p)]
+    if config.remat:
+        # GPipe(remat=True) / Hybrid(..., remat=True): each device's stages store only their
+        # input per iteration (as the Stacked schedule does), whatever the stages' own remat.
+        branches = [jax.checkpoint(fn, prevent_cse=False) for fn in branches]
     perm = [(i, (i + 1) % p) for i in range(p)]
 
     def schedule(local_rows, xs):

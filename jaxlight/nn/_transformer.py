@@ -25,6 +25,7 @@ from jaxlight.nn._layers import (
     check_attention_name,
 )
 from jaxlight.nn._stacked import Stacked, remat_policy
+from jaxlight.nn._stages import Stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +158,103 @@ class TransformerLM(nnx.Module):
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "activation_vocab"))
+
+
+class _EmbedStage(nnx.Module):
+    """Stage 0 of a `StagedTransformerLM`: the token embedding."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.dtype = config.dtype
+        self.embed = Embed(config.vocab_size, config.embed_dim, param_dtype=config.param_dtype,
+                           rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        return x if self.dtype is None else x.astype(self.dtype)
+
+
+class _BlocksStage(nnx.Module):
+    """A few transformer blocks, positions 0..length−1 (a middle stage)."""
+
+    def __init__(self, config: TransformerConfig, num_blocks: int, *, rngs: nnx.Rngs):
+        self.blocks = nnx.List([TransformerBlock(config, rngs=rngs) for _ in range(num_blocks)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        positions = jnp.arange(x.shape[1], dtype=jnp.int32)
+        for block in self.blocks:
+            x = block(x, positions)
+        return x
+
+
+class _HeadStage(nnx.Module):
+    """The last stage: final norm and the (untied) output head; float32 logits."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.final_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
+                                  rngs=rngs)
+        self.head = Dense(c.embed_dim, c.vocab_size, axes=("embed", "vocab"), dtype=c.dtype,
+                          param_dtype=c.param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.head(self.final_norm(x)).astype(jnp.float32)
+
+
+class StagedTransformerLM(Stages):
+    """`TransformerLM` as pipeline stages: an embedding stage, block stages, a head stage.
+
+    The same decoder (RMSNorm, rotary positions, SwiGLU, causal attention) as `TransformerLM`,
+    laid out as a `jaxlight.nn.Stages`: stage 0 is the token embedding, then
+    `num_layers / layers_per_stage` stages of `layers_per_stage` blocks each, then the final
+    norm and the output head. Under `GPipe` / `Hybrid` with a `pipe` axis of size p the
+    embedding and the head run inside the pipeline on the first and last devices (with a
+    `Stacked` `TransformerLM` they run outside it, replicated over `pipe`); p must divide the
+    stage count `num_layers / layers_per_stage + 2`. Under every other strategy the stages
+    run in order. The head is untied (`tie_embeddings=False`: the embedding and the head sit
+    on different devices). Positions are 0..length−1.
+
+    Its activations pass between devices as one buffer as wide as the widest boundary: the
+    head's logits, length × vocab per example (see `Stages`), so a vocabulary much larger than
+    the width makes every permute carry vocab/width times a block's activation.
+
+    Example:
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> cfg = TransformerConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2,
+        ...                         tie_embeddings=False)
+        >>> model = StagedTransformerLM(cfg, rngs=nnx.Rngs(0))
+        >>> model.num_stages, model(jnp.zeros((2, 8), jnp.int32)).shape
+        (4, (2, 8, 32))
+    """
+
+    def __init__(self, config: TransformerConfig, *, layers_per_stage: int = 1,
+                 rngs: nnx.Rngs):
+        c = config
+        if c.tie_embeddings:
+            raise ConfigurationError(
+                "StagedTransformerLM puts the embedding (first stage) and the output head (last "
+                "stage) on different pipeline devices, so they cannot share one table: use "
+                "TransformerConfig(tie_embeddings=False).")
+        if (not isinstance(layers_per_stage, int) or layers_per_stage < 1
+                or c.num_layers % layers_per_stage):
+            divisors = [d for d in range(1, c.num_layers + 1) if c.num_layers % d == 0]
+            raise ConfigurationError(
+                f"StagedTransformerLM: layers_per_stage={layers_per_stage!r} does not split "
+                f"num_layers={c.num_layers} into equal stages; use one of {divisors}.")
+        self.config = c
+        self.layers_per_stage = layers_per_stage
+        stages = [_EmbedStage(c, rngs=rngs)]
+        stages += [_BlocksStage(c, layers_per_stage, rngs=rngs)
+                   for _ in range(c.num_layers // layers_per_stage)]
+        stages.append(_HeadStage(c, rngs=rngs))
+        super().__init__(stages, remat=c.remat)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Logits `(batch, length, vocab)` for `tokens` `(batch, length)`."""
+        if tokens.ndim != 2:
+            raise DataError(f"StagedTransformerLM takes tokens of shape (batch, length), got "
+                            f"{tokens.shape}.")
+        return super().__call__(tokens)
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:

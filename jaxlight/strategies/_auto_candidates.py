@@ -91,7 +91,9 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
                 fsdp = n // (tp * pipe * data)
                 mesh = {a: s for a, s in (("data", data), ("pipe", pipe), ("fsdp", fsdp),
                                           ("tp", tp)) if s > 1}
-                out.extend(layouts_of_mesh(mesh, user_rules or None, layers))
+                # (A jaxlight.nn.Stages model runs GPipe's schedule only: no repeats=2.)
+                out.extend(layouts_of_mesh(mesh, user_rules or None,
+                                           0 if _has_stages(abstract_state.params) else layers))
     if layouts is not None:
         out = [c for c in out if "+".join(sorted(axes_key(c.layout))) in layouts]
     # Least sharded first: data parallelism communicates least when it fits; then more
@@ -153,6 +155,11 @@ def first_sentence(text: str) -> str:
 
 def axes_key(layout: str) -> list[str]:
     return [part.split("=")[0] for part in layout.split(" ")[0].split(",") if "=" in part]
+
+
+def _has_stages(params) -> bool:
+    return any("packed_" in jax.tree_util.keystr(path)
+               for path, _ in jax.tree_util.tree_leaves_with_path(params))
 
 
 def stacked_layers(params, logical) -> int:

@@ -19,9 +19,10 @@ DIMS = (48, 32, 16, 10)  # the seeds' 784, 512, 256, 10, scaled down for the tes
 class StageMLP(jl.TrainModule):
     """Three Linear stages (ReLU between); `stages=4` adds a parameter-free log-softmax stage."""
 
-    def __init__(self, stages: int = 3, dims: tuple = DIMS, lr: float = 1e-2):
+    def __init__(self, stages: int = 3, dims: tuple = DIMS, lr: float = 1e-2,
+                 balance: bool = False):
         super().__init__()
-        self.stages, self.dims, self.lr = stages, tuple(dims), lr
+        self.stages, self.dims, self.lr, self.balance = stages, tuple(dims), lr, balance
 
     def configure_model(self, rngs):
         d = self.dims
@@ -30,7 +31,7 @@ class StageMLP(jl.TrainModule):
                  nnx.Linear(d[2], d[3], rngs=rngs)]
         if self.stages == 4:
             parts.append(nnx.Sequential(jax.nn.log_softmax))
-        return nn.Stages(parts)
+        return nn.Stages(parts, balance=self.balance)
 
     def configure_optimizers(self):
         return optax.adamw(self.lr)

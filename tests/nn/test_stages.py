@@ -11,24 +11,20 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
+from jaxlight._state import model_spec
+from jaxlight._step import build_optimizer
+from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
-from tests.pipeline_runs import kill_at
+from tests.pipeline_runs import kill_at, logged_fit
 
 STEPS, BATCH = 10, 24
 
 
 def _fit(strategy, stages=3, cbs=(), steps=STEPS, ckpt_path=None):
-    losses = []
-    log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
-        metrics["loss"]))
-    fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
-                 callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
-    module = StageMLP(stages)
-    fit.fit(module, jl.data.ArrayLoader(stage_data(192), BATCH, seed=1), ckpt_path=ckpt_path)
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
-    return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}
+    return logged_fit(strategy, StageMLP(stages), jl.data.ArrayLoader(stage_data(192), BATCH,
+                                                                      seed=1),
+                      steps, cbs, ckpt_path)
 
 
 def _close(run, ref, tol=1e-5):
@@ -164,3 +160,46 @@ def test_stage_remat_gives_the_same_gradients(remat):
     assert jaxpr(remat).count("prevent_cse") == 2 and "prevent_cse" not in jaxpr(False)
     with pytest.raises(jl.ConfigurationError, match=r"remat='most' is not a rematerialization"):
         nn.Stages([nnx.Linear(2, 2, rngs=nnx.Rngs(0))], remat="most")
+
+
+def test_pipeline_remat_stores_less_and_trains_the_same(runs):
+    # GPipe(remat=True) recomputes each device's stages in the backward pass (it was ignored by
+    # Stages before: the compiled step kept every stage's activations).
+    rematted = _fit(strategies.GPipe(3, 4, remat=True, devices=jax.devices()[:6]))
+    _close(rematted, runs["single"])
+    temp = {name: run["fit"].compiled_train_step.memory_analysis().temp_size_in_bytes
+            for name, run in (("remat", rematted), ("plain", runs["gpipe"]))}
+    assert temp["remat"] < 0.9 * temp["plain"], temp
+    assert rematted["fit"].strategy.describe()["pipeline"]["remat"] is True
+
+
+def test_auto_offers_a_stages_model_the_gpipe_schedule_only():
+    # Stages run GPipe's schedule (repeats=1); Auto offered repeats=2 beside each pipe mesh
+    # whose stage count split into pipe × 2 (a compile that could only fail).
+    module = StageMLP(4)
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
+    layouts = [c.layout for c in enumerate_candidates((), None, spec.abstract_state,
+                                                      spec.logical_axes, 8)]
+    assert "data=2,pipe=4" in layouts and "data=4,pipe=2" in layouts
+    assert not any("repeats" in lay for lay in layouts), layouts
+
+
+def test_balanced_packing_holds_total_over_p_per_device(runs):
+    # Stages(balance=True): the stages' parameters back to back, each pipeline device holding
+    # total/p of them (and of the Adam slots) instead of the largest stage's row.
+    loader = jl.data.ArrayLoader(stage_data(192), BATCH, seed=1)
+    run = logged_fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]),
+                     StageMLP(balance=True), loader, STEPS)
+    np.testing.assert_allclose(run["losses"], runs["single"]["losses"], rtol=1e-5)
+    model, ref = run["module"].model, runs["single"]["module"].model
+    for i in range(3):
+        for a, b in zip(jax.tree.leaves(nnx.state(model.stage(i))),
+                        jax.tree.leaves(nnx.state(ref.stage(i))), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    own = model.own_parameter_bytes()
+    total = -(-sum(own) // (4 * 128 * 3)) * 128 * 3 * 4  # rounded up to 128 per stage row
+    packed = run["fit"].state.params["packed_float32"]
+    assert {s.data.nbytes for s in packed.addressable_shards} == {total // 3}
+    assert total // 3 < max(own)  # less than the largest stage, which every padded row holds
+    mu = run["fit"].state.opt_state[0].mu["packed_float32"]
+    assert {s.data.nbytes for s in mu.addressable_shards} == {total // 3}
