@@ -7,6 +7,7 @@ from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
+from jaxlight.callbacks._finders import BatchSizeFinder, LearningRateFinder
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
@@ -26,6 +27,7 @@ from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAvera
 
 __all__ = [
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "CSVLogger",
     "Callback",
     "DeviceStatsMonitor",
@@ -35,6 +37,7 @@ __all__ = [
     "Microbatches",
     "GradientClipping",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "MixedPrecision",
     "ModelCheckpoint",

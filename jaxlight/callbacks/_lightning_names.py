@@ -13,12 +13,9 @@ NOT_IN_JAXLIGHT = {
                       "nnx.LoRAParam; docs/checkpoints.md); freezing mid-run needs a second "
                       "compiled step and is not built",
     "BackboneFinetuning": "not yet (see BaseFinetuning)",
-    "BatchSizeFinder": "not yet: Fit.plan(module, batch) reports the compiled step's "
-                       "per-device bytes for a batch size",
     "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "
                   "the checkpoint callbacks",
     "GradientAccumulationScheduler": "not yet: Fit(accumulate_grad_batches=k) takes one k",
-    "LearningRateFinder": "not yet",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
     "RichProgressBar": "not yet: callbacks.TQDMProgressBar",

@@ -1,0 +1,176 @@
+"""Conformance group `tuner`: the learning-rate finder (`jl.Tuner(fit).lr_find`,
+`callbacks.LearningRateFinder`) and the batch-size finder (`Tuner.scale_batch_size`,
+`callbacks.BatchSizeFinder`) beside Lightning's (fixture: tests/conformance/fixtures/tuner.json,
+from lightning_side/tuner.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxlight as jl
+from jaxlight import callbacks
+from jaxlight.callbacks._finders import LRFinder, search_batch_size
+from tests.conformance._cases import assert_sequence, claim, departure
+
+HERE = pathlib.Path(__file__).resolve().parent
+FIXTURE = json.loads((HERE / "fixtures" / "tuner.json").read_text())
+_spec = importlib.util.spec_from_file_location("_data2_problem", HERE / "_data2_problem.py")
+_problem = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_problem)
+
+
+class Reg(jl.TrainModule):
+    def __init__(self, kernel, bias, lr, optimizer="sgd"):
+        super().__init__()
+        self.kernel, self.bias, self.lr, self.optimizer = kernel, bias, lr, optimizer
+
+    def configure_model(self, rngs):
+        layer = nnx.Linear(4, 2, rngs=rngs)
+        layer.kernel[...] = self.kernel
+        layer.bias[...] = self.bias
+        return layer
+
+    def configure_optimizers(self):
+        return {"sgd": optax.sgd, "adam": optax.adam}[self.optimizer](self.lr)
+
+    def training_step(self, model, batch):
+        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def _problem_of(case):
+    prob = _problem.make_problem(case["n"], seed=case["seed"])
+    np.testing.assert_allclose(_problem.checksum(prob), case["checksum"], rtol=1e-12)
+    return prob
+
+
+def _fit(**kw):
+    return jl.Fit("single", enable_progress_bar=False, logger=False, enable_model_summary=False,
+                  **kw)
+
+
+# -- the learning-rate finder ------------------------------------------------------------------
+
+
+def _check_lr_find(case_id):
+    case = FIXTURE["lr_find"][case_id]
+    prob = _problem_of(case)
+    module = Reg(prob["kernel"], prob["bias"], 0.01, case["optimizer"])
+    found = jl.Tuner(_fit(max_epochs=50)).lr_find(
+        module, jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"]),
+        **case["kwargs"])
+    # The same sweep: the same rates, the same smoothed losses, stopped at the same step.
+    assert len(found.results["lr"]) == len(case["lrs"])
+    np.testing.assert_allclose(found.results["lr"], case["lrs"], rtol=1e-5)
+    np.testing.assert_allclose(found.results["loss"], case["losses"], rtol=1e-5)
+    np.testing.assert_allclose(found.suggestion(), case["suggestion"], rtol=1e-5)
+    np.testing.assert_allclose(module.lr, case["module_lr"], rtol=1e-5)
+    # The model is as before: a later fit starts from the initial weights.
+    with pytest.raises(jl.JaxlightError, match="not built yet"):
+        _ = module.model
+
+
+@claim("Tuner.lr_find (exponential mode) sweeps the same rates, records the same smoothed "
+       "losses, stops at the same step when the loss diverges (early_stop_threshold), suggests "
+       "the same rate and sets module.lr to it")
+def test_tuner_lr_find_exponential_sgd():
+    _check_lr_find("lr_find_exponential_sgd")
+
+
+@claim("Tuner.lr_find(mode='linear') sweeps Lightning's linear rates and suggests the same rate")
+def test_tuner_lr_find_linear_sgd():
+    _check_lr_find("lr_find_linear_sgd")
+
+
+@claim("Tuner.lr_find(update_attr=False) leaves module.lr as it was")
+def test_tuner_lr_find_update_attr_false():
+    _check_lr_find("lr_find_update_attr_false")
+
+
+@claim("LearningRateFinder in a fit sweeps at the fit's start, sets module.lr to the suggestion "
+       "and trains from the initial weights with it: the same final weights and steps")
+def test_tuner_lr_finder_callback_trains_with_the_suggestion():
+    case = FIXTURE["lr_callback"]["lr_finder_callback_trains_with_the_suggestion"]
+    prob = _problem_of(case)
+    module = Reg(prob["kernel"], prob["bias"], 0.01)
+    finder = callbacks.LearningRateFinder(**case["kwargs"])
+    fit = _fit(max_epochs=case["epochs"], callbacks=[finder])
+    fit.fit(module, jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"]))
+    np.testing.assert_allclose(module.lr, case["module_lr"], rtol=1e-5)
+    np.testing.assert_allclose(finder.optimal_lr.suggestion(), case["suggestion"], rtol=1e-5)
+    assert fit.global_step == case["global_step"]
+    assert fit.session.compile_counts["train"] == 1
+    np.testing.assert_allclose(np.asarray(module.model.kernel[...]), case["final"]["kernel"],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(module.model.bias[...]), case["final"]["bias"],
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case_id", sorted(FIXTURE["suggestion"]))
+@claim("LRFinder.suggestion(skip_begin, skip_end) picks the same point of the same loss curve "
+       "(steepest gradient with respect to the rate, non-finite losses dropped; None with "
+       "fewer than two points)")
+def test_tuner_suggestion(case_id):
+    case = FIXTURE["suggestion"][case_id]
+    finder = LRFinder("exponential", 1e-5, 1.0, len(case["losses"]))
+    finder.results = {"lr": case["lrs"], "loss": case["losses"]}
+    if case["suggestion"] is None:
+        with pytest.warns(jl.JaxlightWarning, match="fewer than 2 finite losses"):
+            assert finder.suggestion(case["skip_begin"], case["skip_end"]) is None
+        return
+    assert finder.suggestion(case["skip_begin"], case["skip_end"]) == case["suggestion"]
+    assert finder._optimal_idx == case["optimal_idx"]
+
+
+# -- the batch-size finder ---------------------------------------------------------------------
+
+#: Cases where Lightning's first trial runs with the loader's old batch size (its
+#: `_adjust_batch_size(value=init_val)` does not rebuild the loader), not `init_val`.
+STALE_FIRST_TRIAL = ("power_max_trials", "power_fails_at_init")
+
+
+def _search(case):
+    """jaxlight's search with Lightning's oracle: a size fits when it is at most `limit`; a
+    trial's batch holds at most the dataset's examples."""
+    tried = []
+
+    def fits(size):
+        tried.append(min(size, case["n"]))
+        return min(size, case["n"]) <= case["limit"]
+
+    kwargs = {k: v for k, v in case["kwargs"].items()}
+    found = search_batch_size(fits, dataset_length=case["n"], **kwargs)
+    return tried, found
+
+
+@pytest.mark.parametrize("case_id", sorted(set(FIXTURE["batch_size"]) - set(STALE_FIRST_TRIAL)))
+@claim("scale_batch_size / BatchSizeFinder ('power', 'binsearch', margin, max_trials, max_val, "
+       "the dataset's length) try the same sizes in the same order and find the same size, "
+       "given the same fits/does-not-fit answers")
+def test_tuner_batch_size_search(case_id):
+    case = FIXTURE["batch_size"][case_id]
+    tried, found = _search(case)
+    assert_sequence(tried, case["tried"], "tried batch sizes")
+    assert found == case["found"]
+
+
+@pytest.mark.parametrize("case_id", STALE_FIRST_TRIAL)
+@departure("init_val is the first size tried; Lightning 2.6 runs its first trial with the "
+           "loader's previous batch size (and can return a size that never fit)",
+           section="The tuner: learning rate and batch size")
+def test_tuner_batch_size_first_trial_is_init_val(case_id):
+    case = FIXTURE["batch_size"][case_id]
+    tried, found = _search(case)
+    init = case["kwargs"]["init_val"]
+    assert case["tried"][0] == 2 != init  # Lightning: the loader's old size
+    assert tried[0] == init
+    assert found <= case["limit"]  # what jaxlight returns fits
+    expected = {"power_max_trials": ([3, 6, 12], 12), "power_fails_at_init": ([8, 4, 2, 4], 2)}
+    assert (tried, found) == expected[case_id]
