@@ -10,6 +10,7 @@ from jaxlight.callbacks._early_stopping import EarlyStopping
 from jaxlight.callbacks._finders import BatchSizeFinder, LearningRateFinder
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
+from jaxlight.callbacks._mlflow import MLFlowLogger
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
 from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
 from jaxlight.callbacks._precision import MixedPrecision
@@ -39,6 +40,7 @@ __all__ = [
     "LambdaCallback",
     "LearningRateFinder",
     "LearningRateMonitor",
+    "MLFlowLogger",
     "MixedPrecision",
     "ModelCheckpoint",
     "ModelSummary",

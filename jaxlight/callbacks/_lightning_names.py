@@ -22,7 +22,6 @@ NOT_IN_JAXLIGHT = {
     "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
                                  "average of every step, without SWA's learning-rate schedule",
     "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
-    "MLFlowLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "LitLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "Logger": "subclass callbacks.Callback and implement on_log(fit, module, metrics, step)",
 }
