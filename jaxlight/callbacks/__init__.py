@@ -17,7 +17,7 @@ from jaxlight.callbacks._precision import MixedPrecision
 from jaxlight.callbacks._prediction_writer import BasePredictionWriter
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
-from jaxlight.callbacks._rich import RichModelSummary
+from jaxlight.callbacks._rich import RichModelSummary, RichProgressBar, RichProgressBarTheme
 from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._tensorboard import TensorBoardLogger
@@ -49,6 +49,8 @@ __all__ = [
     "OnExceptionCheckpoint",
     "Profiler",
     "RichModelSummary",
+    "RichProgressBar",
+    "RichProgressBarTheme",
     "SpikeDetection",
     "TQDMProgressBar",
     "TensorBoardLogger",

@@ -18,7 +18,6 @@ NOT_IN_JAXLIGHT = {
     "GradientAccumulationScheduler": "not yet: Fit(accumulate_grad_batches=k) takes one k",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
-    "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
     "StochasticWeightAveraging": "not yet: callbacks.WeightAveraging() keeps the equal-weight "
                                  "average of every step, without SWA's learning-rate schedule",
     "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
