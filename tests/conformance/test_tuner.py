@@ -18,7 +18,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.callbacks._finders import LRFinder, search_batch_size
-from tests.conformance._cases import assert_sequence, claim, departure
+from tests.conformance._cases import assert_sequence, claim, departure, known_difference
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "tuner.json").read_text())
@@ -174,3 +174,102 @@ def test_tuner_batch_size_first_trial_is_init_val(case_id):
     assert found <= case["limit"]  # what jaxlight returns fits
     expected = {"power_max_trials": ([3, 6, 12], 12), "power_fails_at_init": ([8, 4, 2, 4], 2)}
     assert (tried, found) == expected[case_id]
+
+
+# -- what a logger receives: MLFlowLogger read back with MLflow's client ------------------------
+
+
+class LoggedReg(Reg):
+    def training_step(self, model, batch):
+        loss = super().training_step(model, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, model, batch):
+        return {"loss": super().training_step(model, batch)}
+
+
+@pytest.fixture(scope="module")
+def mlflow_run(tmp_path_factory):
+    """jaxlight's MLFlowLogger on the fixture's fit, read back: {name: [(step, value)]}, params."""
+    tracking = pytest.importorskip("mlflow.tracking")
+    case = FIXTURE["logger"]["mlflow_receives_lightnings_metrics"]
+    prob = _problem_of(case)
+    uri = f"file:{tmp_path_factory.mktemp('mlflow') / 'mlruns'}"
+    logger = callbacks.MLFlowLogger("conformance", tracking_uri=uri)
+    fit = jl.Fit("single", max_steps=case["max_steps"],
+                 log_every_n_steps=case["log_every_n_steps"],
+                 val_check_interval=case["val_check_interval"], callbacks=[logger],
+                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    loader = jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"])
+    fit.fit(LoggedReg(prob["kernel"], prob["bias"], 0.05), loader, loader)
+    client = tracking.MlflowClient(uri)
+    run = client.get_run(logger.run_id)
+    history = {name: sorted((m.step, m.value) for m in client.get_metric_history(
+        run.info.run_id, name)) for name in run.data.metrics}
+    return case, history, run.data.params
+
+
+def _lightning_history(case):
+    out: dict[str, list] = {}
+    for call in case["calls"]:
+        for name, value in call["metrics"].items():
+            if name != "epoch":
+                out.setdefault(name, []).append((call["step"], value))
+    return out
+
+
+@claim("MLFlowLogger receives Lightning's metric names (self.log's, validation's) with the "
+       "same values, as many times, and the module's hyperparameters as params")
+def test_tuner_mlflow_receives_lightnings_metrics(mlflow_run):
+    case, history, params = mlflow_run
+    lightning = _lightning_history(case)
+    for name, points in lightning.items():
+        assert name in history, (name, sorted(history))
+        assert len(history[name]) == len(points), name
+        np.testing.assert_allclose([v for _, v in history[name]], [v for _, v in points],
+                                   rtol=1e-5, err_msg=name)
+    assert {k: str(v) for k, v in case["hparams"].items()}.items() <= params.items()
+
+
+@known_difference("jaxlight logs a training metric at the optimizer steps taken (2, 4, ...); "
+                  "Lightning at the batch's 0-based index (1, 3, ...): every logger is one "
+                  "step later than Lightning's")
+@claim("MLFlowLogger records each metric at Lightning's step")
+def test_tuner_mlflow_logged_steps(mlflow_run):
+    case, history, _ = mlflow_run
+    for name, points in _lightning_history(case).items():
+        assert [s for s, _ in history[name]] == [s for s, _ in points], name
+
+
+# -- the names' arguments ----------------------------------------------------------------------
+
+
+def _ours(name):
+    import dataclasses
+    import inspect
+
+    if name == "RichProgressBarTheme":
+        return dataclasses.asdict(callbacks.RichProgressBarTheme())
+    owner, _, method = name.partition(".")
+    fn = getattr(jl.Tuner, method) if owner == "Tuner" else getattr(callbacks, owner).__init__
+    out = []
+    for p in list(inspect.signature(fn).parameters.values())[1:]:
+        if p.kind is inspect.Parameter.KEYWORD_ONLY:
+            continue  # jaxlight's own additions (memory_limit) come after Lightning's
+        d = "<required>" if p.default is inspect.Parameter.empty else p.default
+        out.append([p.name, d])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(FIXTURE["signatures"]))
+@claim("LearningRateFinder, BatchSizeFinder, Tuner.lr_find / scale_batch_size, "
+       "RichProgressBar (and its theme) and MLFlowLogger take Lightning's arguments, in its "
+       "order, with its defaults")
+def test_tuner_signature(name):
+    expected = FIXTURE["signatures"][name]
+    got = _ours(name)
+    if name == "RichProgressBar":  # theme=None is Lightning's default theme
+        assert dict(got)["theme"] is None
+        got = [[n, "<RichProgressBarTheme>" if n == "theme" else d] for n, d in got]
+    assert got == expected

@@ -1,5 +1,6 @@
 """Lightning side of the `tuner` group: the learning-rate finder (`Tuner.lr_find`,
-`LearningRateFinder`) and the batch-size finder (`Tuner.scale_batch_size`, `BatchSizeFinder`).
+`LearningRateFinder`), the batch-size finder (`Tuner.scale_batch_size`, `BatchSizeFinder`), and
+what a logger receives (the calls Lightning makes on `MLFlowLogger`).
 
 Run only under the reference environment (torch CPU + lightning 2.6):
     /work/venv-lightning/bin/python tests/conformance/lightning_side/tuner.py
@@ -26,6 +27,7 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 from lightning.pytorch import callbacks
+from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.tuner.lr_finder import _LRFinder
 from torch import nn
@@ -174,6 +176,81 @@ def batch_size_case(n, limit, kwargs, callback=False):
             "found": found, "module_batch_size": module.batch_size}
 
 
+class _Recording(Logger):
+    """Records what Lightning hands a logger (MLFlowLogger.log_metrics/log_hyperparams receive
+    exactly these calls)."""
+
+    name, version = "recording", 0
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.hparams = [], None
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append({"step": step, "metrics": {k: float(v) for k, v in metrics.items()}})
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.hparams = {k: v for k, v in dict(params).items()}
+
+
+class LoggedReg(Reg):
+    def __init__(self, prob, lr=0.05):
+        super().__init__(prob, lr)
+        self.save_hyperparameters(ignore=["prob"])
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.mse_loss(self.layer(batch["x"]), batch["y"]))
+
+
+def logger_case(n, seed, batch_size, max_steps, log_every, val_every):
+    """The metrics (names, steps, values) and hyperparameters a logger receives."""
+    prob = make_problem(n, seed=seed)
+    recording = _Recording()
+    t = L.Trainer(default_root_dir=tempfile.mkdtemp(prefix="conformance-"), accelerator="cpu",
+                  devices=1, logger=recording, max_steps=max_steps, log_every_n_steps=log_every,
+                  val_check_interval=val_every, enable_progress_bar=False,
+                  enable_checkpointing=False, num_sanity_val_steps=0, enable_model_summary=False)
+    loader = DataLoader(Examples(prob["x"], prob["y"]), batch_size=batch_size)
+    t.fit(LoggedReg(prob), loader, loader)
+    return {"n": n, "seed": seed, "checksum": checksum(prob), "batch_size": batch_size,
+            "max_steps": max_steps, "log_every_n_steps": log_every,
+            "val_check_interval": val_every, "calls": recording.calls,
+            "hparams": recording.hparams}
+
+
+def signatures() -> dict:
+    """Parameter names and defaults of the Lightning names this group carries."""
+    import dataclasses
+    import inspect
+
+    from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    def params(fn):
+        out = []
+        for p in list(inspect.signature(fn).parameters.values())[1:]:
+            d = p.default
+            if d is inspect.Parameter.empty:
+                d = "<required>"
+            elif not isinstance(d, (int, float, str, bool, type(None))):
+                d = f"<{type(d).__name__}>"
+            out.append([p.name, d])
+        return out
+
+    return {"LearningRateFinder": params(callbacks.LearningRateFinder.__init__),
+            "BatchSizeFinder": params(callbacks.BatchSizeFinder.__init__),
+            "RichProgressBar": params(callbacks.RichProgressBar.__init__),
+            "MLFlowLogger": params(MLFlowLogger.__init__),
+            "Tuner.lr_find": params(Tuner.lr_find),
+            "Tuner.scale_batch_size": params(Tuner.scale_batch_size),
+            "RichProgressBarTheme": dataclasses.asdict(RichProgressBarTheme())}
+
+
 def main() -> None:
     lr_cases = {
         "lr_find_exponential_sgd": lr_find_case(
@@ -210,7 +287,9 @@ def main() -> None:
         assert all(isinstance(s, int) for s in c["tried"]), name
     out = {"group": "tuner", "torch": torch.__version__, "lightning": lightning.__version__,
            "lr_find": lr_cases, "lr_callback": callback_cases,
-           "suggestion": suggestion_cases(), "batch_size": bs_cases}
+           "suggestion": suggestion_cases(), "batch_size": bs_cases,
+           "signatures": signatures(),
+           "logger": {"mlflow_receives_lightnings_metrics": logger_case(64, 3, 8, 8, 2, 4)}}
     FIXTURES.mkdir(exist_ok=True)
     path = FIXTURES / "tuner.json"
     text = json.dumps(out, indent=1, allow_nan=True)
