@@ -25,7 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxlight._errors import ConfigurationError, JaxlightWarning, MissingDependency
+from jaxlight._errors import (
+    ConfigurationError,
+    DataError,
+    JaxlightWarning,
+    MissingDependency,
+    ShardingError,
+)
 from jaxlight._optim import Scheduler, as_transformation
 from jaxlight.callbacks._base import Callback, StepTransform
 
@@ -440,7 +446,14 @@ def run_scale_batch_size(fit, module, train_data, datamodule, *, mode: str, init
         example = jax.tree.map(
             lambda x: np.broadcast_to(np.zeros((), np.asarray(x).dtype),
                                       (rows, *np.shape(x)[1:])), batch)
-        used = step_bytes(fit.plan(module, example, verbose=False).memory)
+        try:
+            used = step_bytes(fit.plan(module, example, verbose=False).memory)
+        except (DataError, ShardingError) as err:
+            raise type(err)(
+                f"the batch-size finder cannot try a batch of {rows} under {fit.strategy.name}: "
+                f"{err} A jaxlight batch is the global batch: give init_val a multiple of the "
+                "data-parallel degree (mode='power' keeps it one; 'binsearch' may try "
+                "midpoints that are not).") from err
         trials.append((rows, used))
         return used <= limit
 

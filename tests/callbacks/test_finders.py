@@ -141,6 +141,9 @@ def test_finder_errors():
     with pytest.raises(jl.ConfigurationError, match="batch_arg_name"):
         jl.Tuner(_fit(max_steps=1)).scale_batch_size(MLP(), datamodule=Data(),
                                                      batch_arg_name="bs")
+    with pytest.raises(jl.DataError, match=r"cannot try a batch of 2 under dp: .*not divisible "
+                       r"by the data-parallel degree 8.* give init_val a multiple"):
+        jl.Tuner(_fit("dp", max_steps=1)).scale_batch_size(MLP(), datamodule=Data())
     with pytest.raises(jl.ConfigurationError, match="mode='lin'"):
         callbacks.LearningRateFinder(mode="lin")
     with pytest.raises(jl.ConfigurationError, match="'power' or 'binsearch'"):
