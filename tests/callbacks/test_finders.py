@@ -1,6 +1,6 @@
 """The tuner's real parts: the batch-size search on compiled steps' memory analysis, the
-finders inside a fit, the sweep under data parallelism, and the errors a user can hit.
-(Lightning's sequences and suggestions: tests/conformance/test_tuner.py.)"""
+finders inside a fit, the plot, and the errors a user can hit (the sweep under data
+parallelism, Lightning's sequences and suggestions: tests/conformance/test_tuner.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight.callbacks._finders import step_bytes
+from jaxlight.callbacks._finders import LRFinder, step_bytes
 
 
 class MLP(jl.TrainModule):
@@ -95,24 +95,6 @@ def test_batch_size_finder_callback_sizes_the_fits_loader():
     assert shapes.rows == [8, 8]
 
 
-def test_lr_find_under_data_parallel_equals_single_device():
-    rng = np.random.default_rng(1)
-    data = {"x": rng.normal(size=(64, 16)).astype(np.float32),
-            "y": rng.normal(size=(64, 4)).astype(np.float32)}
-    results = []
-    for strategy in ("single", "dp"):
-        module = MLP()
-        found = jl.Tuner(_fit(strategy, max_epochs=10)).lr_find(
-            module, jl.data.DataLoader(data, 16), min_lr=1e-4, max_lr=1.0, num_training=14,
-            early_stop_threshold=None)
-        assert found.compile_counts["train"] == 1  # the rate is an input of one compiled step
-        assert len(found.results["lr"]) == 14
-        assert module.lr == found.suggestion() != 0.05
-        results.append((found.results["loss"], module.lr))
-    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
-    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5)
-
-
 class NoRate(MLP):
     def __init__(self):
         super().__init__()
@@ -150,3 +132,20 @@ def test_finder_errors():
         callbacks.BatchSizeFinder(mode="double")
     with pytest.raises(jl.ConfigurationError, match="method='fit'"):
         jl.Tuner(_fit(max_steps=1)).lr_find(MLP(), method="validate")
+
+
+def test_lr_finder_plot_marks_the_suggestion():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    found = LRFinder("exponential", 1e-4, 1.0, 30)
+    lrs = list(np.geomspace(1e-4, 1.0, 30))
+    losses = list(np.concatenate([np.linspace(2.0, 0.5, 20), np.linspace(0.6, 3.0, 10)]))
+    found.results = {"lr": lrs, "loss": losses}
+    fig = found.plot(suggest=True)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log"
+    curve, marker = ax.lines
+    assert list(curve.get_xdata()) == lrs
+    assert list(marker.get_xdata()) == [found.suggestion()] and marker.get_color() == "red"

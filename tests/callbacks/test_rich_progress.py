@@ -22,16 +22,16 @@ def test_rich_bar_on_a_terminal_redraws_at_most_refresh_rate_per_second(monkeypa
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal.stream)
     bar = callbacks.RichProgressBar(refresh_rate=4, leave=True)
-    fit = _fit(300, bar, log_every_n_steps=50)
+    fit = _fit(150, bar, log_every_n_steps=50)
     t0 = time.perf_counter()
-    fit.fit(Classifier(), _data(1200))
+    fit.fit(Classifier(), _data(600))
     elapsed = time.perf_counter() - t0
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.close().decode(errors="replace"))
     draws = out.count("epoch 0")
-    # A redraw per step would be 300; at most 4 per second (plus the first and last).
+    # A redraw per step would be 150; at most 4 per second (plus the first and last).
     assert 2 <= draws <= elapsed * 4 + 4, (draws, elapsed)
     last = out.rstrip().splitlines()[-1]
-    assert "300/300" in last and "steps/s" in last and re.search(r"loss: \d+\.\d{3}\b", last)
+    assert "150/150" in last and "steps/s" in last and re.search(r"loss: \d+\.\d{3}\b", last)
 
 
 def test_rich_bar_in_a_log_file_prints_plain_lines(capsys):

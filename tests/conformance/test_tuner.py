@@ -51,19 +51,19 @@ def _problem_of(case):
     return prob
 
 
-def _fit(**kw):
-    return jl.Fit("single", enable_progress_bar=False, logger=False, enable_model_summary=False,
+def _fit(strategy="single", **kw):
+    return jl.Fit(strategy, enable_progress_bar=False, logger=False, enable_model_summary=False,
                   **kw)
 
 
 # -- the learning-rate finder ------------------------------------------------------------------
 
 
-def _check_lr_find(case_id):
+def _check_lr_find(case_id, strategy="single"):
     case = FIXTURE["lr_find"][case_id]
     prob = _problem_of(case)
     module = Reg(prob["kernel"], prob["bias"], 0.01, case["optimizer"])
-    found = jl.Tuner(_fit(max_epochs=50)).lr_find(
+    found = jl.Tuner(_fit(strategy, max_epochs=50)).lr_find(
         module, jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"]),
         **case["kwargs"])
     # The same sweep: the same rates, the same smoothed losses, stopped at the same step.
@@ -72,6 +72,7 @@ def _check_lr_find(case_id):
     np.testing.assert_allclose(found.results["loss"], case["losses"], rtol=1e-5)
     np.testing.assert_allclose(found.suggestion(), case["suggestion"], rtol=1e-5)
     np.testing.assert_allclose(module.lr, case["module_lr"], rtol=1e-5)
+    assert found.compile_counts["train"] == 1  # the rate is computed in the one compiled step
     # The model is as before: a later fit starts from the initial weights.
     with pytest.raises(jl.JaxlightError, match="not built yet"):
         _ = module.model
@@ -80,8 +81,9 @@ def _check_lr_find(case_id):
 @claim("Tuner.lr_find (exponential mode) sweeps the same rates, records the same smoothed "
        "losses, stops at the same step when the loss diverges (early_stop_threshold), suggests "
        "the same rate and sets module.lr to it")
-def test_tuner_lr_find_exponential_sgd():
-    _check_lr_find("lr_find_exponential_sgd")
+@pytest.mark.parametrize("strategy", ["single", "dp"])
+def test_tuner_lr_find_exponential_sgd(strategy):
+    _check_lr_find("lr_find_exponential_sgd", strategy)  # dp: the batch of 8 over 8 devices
 
 
 @claim("Tuner.lr_find(mode='linear') sweeps Lightning's linear rates and suggests the same rate")
