@@ -72,6 +72,7 @@ def _check_lr_find(case_id, strategy="single"):
     np.testing.assert_allclose(found.results["loss"], case["losses"], rtol=1e-5)
     np.testing.assert_allclose(found.suggestion(), case["suggestion"], rtol=1e-5)
     np.testing.assert_allclose(module.lr, case["module_lr"], rtol=1e-5)
+    assert module.hparams["lr"] == module.lr  # as Lightning's lightning_setattr: hparams too
     assert found.compile_counts["train"] == 1  # the rate is computed in the one compiled step
     # The model is as before: a later fit starts from the initial weights.
     with pytest.raises(jl.JaxlightError, match="not built yet"):
