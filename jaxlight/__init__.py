@@ -19,6 +19,7 @@ from jaxlight._fit import Fit, StepOutput
 from jaxlight._module import TrainModule
 from jaxlight._state import TrainState
 from jaxlight._version import __version__ as __version__
+from jaxlight.callbacks._finders import Tuner
 from jaxlight.data._datamodule import DataModule
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "TrainModule",
     "TrainState",
     "TrainingStopped",
+    "Tuner",
     "UserStepError",
     "callbacks",
     "data",

@@ -111,6 +111,12 @@ class Session:
             # fit and plan can wait for a batch to measure with (unless auto's shortcut holds)
             self.choose_layout(None, defer=stage in ("fit", "plan"))
 
+    def rebuild(self, module: TrainModule) -> None:
+        """Sets `module` up again from `configure_optimizers` (a callback changed what it
+        returns before the first step: `LearningRateFinder` setting the module's rate)."""
+        self._spec_module = None
+        self.setup(module, "fit")
+
     def choose_layout(self, abstract_batch: Any, defer: bool = False) -> None:
         """Fixes the state's shardings; `strategies.Auto` first picks the layout, compiling
         candidate train steps for `abstract_batch` (None: from state bytes alone)."""

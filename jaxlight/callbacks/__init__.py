@@ -12,15 +12,17 @@ from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
 from jaxlight.callbacks._finetuning import BackboneFinetuning, BaseFinetuning
+from jaxlight.callbacks._finders import BatchSizeFinder, LearningRateFinder
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
+from jaxlight.callbacks._mlflow import MLFlowLogger
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
 from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
 from jaxlight.callbacks._precision import MixedPrecision
 from jaxlight.callbacks._prediction_writer import BasePredictionWriter
 from jaxlight.callbacks._profiler import Profiler
 from jaxlight.callbacks._progress import TQDMProgressBar
-from jaxlight.callbacks._rich import RichModelSummary
+from jaxlight.callbacks._rich import RichModelSummary, RichProgressBar, RichProgressBarTheme
 from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
 from jaxlight.callbacks._summary import ModelSummary
 from jaxlight.callbacks._swa import StochasticWeightAveraging
@@ -34,6 +36,7 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "CSVLogger",
     "Callback",
     "DeviceStatsMonitor",
@@ -44,7 +47,9 @@ __all__ = [
     "Microbatches",
     "GradientClipping",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
+    "MLFlowLogger",
     "MixedPrecision",
     "ModelCheckpoint",
     "ModelSummary",
@@ -53,6 +58,8 @@ __all__ = [
     "OnExceptionCheckpoint",
     "Profiler",
     "RichModelSummary",
+    "RichProgressBar",
+    "RichProgressBarTheme",
     "SpikeDetection",
     "StochasticWeightAveraging",
     "TQDMProgressBar",

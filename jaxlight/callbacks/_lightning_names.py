@@ -9,16 +9,11 @@ from jaxlight._errors import MissingAttributeError
 
 #: Lightning name -> what a jaxlight user does instead.
 NOT_IN_JAXLIGHT = {
-    "BatchSizeFinder": "not yet: Fit.plan(module, batch) reports the compiled step's "
-                       "per-device bytes for a batch size",
     "Checkpoint": "subclass callbacks.Callback; ModelCheckpoint and OnExceptionCheckpoint are "
                   "the checkpoint callbacks",
-    "LearningRateFinder": "not yet",
     "ModelPruning": "not yet",
     "ProgressBar": "subclass callbacks.Callback (TQDMProgressBar is the progress bar)",
-    "RichProgressBar": "not yet: callbacks.TQDMProgressBar",
     "CometLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
-    "MLFlowLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "LitLogger": "not yet: CSVLogger, TensorBoardLogger, WandbLogger",
     "Logger": "subclass callbacks.Callback and implement on_log(fit, module, metrics, step)",
 }

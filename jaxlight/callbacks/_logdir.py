@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jaxlight._errors import ConfigurationError, MissingDependency
+from jaxlight.callbacks._checkpoint import ModelCheckpoint
 
 
 def ensure_writable(path: str | os.PathLike, who: str) -> str:
@@ -88,3 +89,33 @@ def flatten(tree: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
 
 def is_global_zero() -> bool:
     return jax.process_index() == 0
+
+
+def checkpoint_dirs(fit, final: bool, logged: set[str]) -> list[tuple[str, list[str], dict]]:
+    """Committed checkpoint directories of the fit's ModelCheckpoint callbacks, for loggers
+    that upload them (`log_model`).
+
+    Returns (path, aliases, metadata). Final: the best and the last checkpoint; otherwise
+    every committed step directory not in `logged` yet.
+    """
+    found: dict[str, tuple[list[str], dict]] = {}
+    for cb in fit.callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        meta = {"monitor": cb.monitor, "mode": cb.mode}
+        if final:
+            for path, alias in ((cb.best_model_path, "best"), (cb.last_model_path, "latest")):
+                if path and os.path.isdir(path):
+                    entry = found.setdefault(os.path.abspath(path), ([], dict(meta)))
+                    entry[0].append(alias)
+            best = cb.best_model_path and os.path.abspath(cb.best_model_path)
+            if best in found and cb.best_model_score is not None:
+                found[best][1]["score"] = float(cb.best_model_score)
+            continue
+        dirpath = cb.resolved_dirpath(fit)
+        if os.path.isdir(dirpath):
+            # orbax writes into "<step>.orbax-checkpoint-tmp..." and renames on commit.
+            steps = [e for e in os.scandir(dirpath) if e.is_dir() and e.name.isdigit()]
+            for entry in sorted(steps, key=lambda e: int(e.name)):
+                found.setdefault(os.path.abspath(entry.path), ([], dict(meta)))
+    return [(p, a, m) for p, (a, m) in found.items() if final or p not in logged]

@@ -51,6 +51,9 @@ class TQDMProgressBar(Callback):
         >>> bar = TQDMProgressBar(mininterval=1.0, print_interval=60.0)
     """
 
+    #: How metric values are shown (RichProgressBar: its theme's `metrics_format`).
+    metrics_format = ".4g"
+
     def __init__(self, refresh_rate: int = 1, leave: bool = True, mininterval: float = 0.25,
                  print_interval: float = 30.0):
         for name, value in (("refresh_rate", refresh_rate), ("mininterval", mininterval),
@@ -86,16 +89,24 @@ class TQDMProgressBar(Callback):
         self._last_line = self._t0
         self._shown = {}
         self._told_stop = False
-        isatty = getattr(self._stream, "isatty", None)
-        self._plain = not (callable(isatty) and isatty())
+        self._plain = not self._is_terminal()
         if self._plain:
             self._line(fit, "train: started")
             return
+        self._bar = self._make_bar(fit)
+
+    def _is_terminal(self) -> bool:
+        isatty = getattr(self._stream, "isatty", None)
+        return callable(isatty) and isatty()
+
+    def _make_bar(self, fit):
+        """The terminal's bar: `n`, `desc`, `update(k)`, `set_description(text, refresh)`,
+        `set_postfix(dict, refresh)`, `refresh()`, `close()` (tqdm's; RichProgressBar's own)."""
         from tqdm.auto import tqdm  # optional: only a terminal needs it
 
-        self._bar = tqdm(total=self._total, initial=fit.global_step,
-                         desc=f"epoch {fit.current_epoch}", dynamic_ncols=True, leave=self.leave,
-                         file=self._stream, mininterval=self.mininterval)
+        return tqdm(total=self._total, initial=fit.global_step,
+                    desc=f"epoch {fit.current_epoch}", dynamic_ncols=True, leave=self.leave,
+                    file=self._stream, mininterval=self.mininterval)
 
     # -- progress ------------------------------------------------------------------------------
 
@@ -111,7 +122,8 @@ class TQDMProgressBar(Callback):
     def on_log(self, fit, module, metrics, step) -> None:
         if self._stream is None:
             return
-        self._shown.update((k, f"{v:.4g}") for k, v in metrics.items() if self._shows(fit, k))
+        self._shown.update((k, f"{v:{self.metrics_format}}") for k, v in metrics.items()
+                           if self._shows(fit, k))
         elapsed = time.perf_counter() - self._t0
         if elapsed > 0 and step > self._step0:
             self._shown["steps/s"] = f"{(step - self._step0) / elapsed:.2f}"

@@ -13,8 +13,13 @@ import jax
 
 from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Logger
-from jaxlight.callbacks._checkpoint import ModelCheckpoint
-from jaxlight.callbacks._logdir import ensure_writable, hparams_record, plain, require
+from jaxlight.callbacks._logdir import (
+    checkpoint_dirs,
+    ensure_writable,
+    hparams_record,
+    plain,
+    require,
+)
 from jaxlight.callbacks._plot import MetricRows, plot_curves
 
 
@@ -210,41 +215,12 @@ class WandbLogger(Logger):
 
     # -- checkpoints as artifacts ------------------------------------------------------------
 
-    def _checkpoint_paths(self, fit, final: bool) -> list[tuple[str, list[str], dict]]:
-        """Committed checkpoint directories of the fit's ModelCheckpoint callbacks.
-
-        Returns (path, aliases, metadata). Final: the best and the last checkpoint; otherwise
-        every committed step directory not logged yet.
-        """
-        found: dict[str, tuple[list[str], dict]] = {}
-        for cb in fit.callbacks:
-            if not isinstance(cb, ModelCheckpoint):
-                continue
-            meta = {"monitor": cb.monitor, "mode": cb.mode}
-            if final:
-                for path, alias in ((cb.best_model_path, "best"), (cb.last_model_path, "latest")):
-                    if path and os.path.isdir(path):
-                        entry = found.setdefault(os.path.abspath(path), ([], dict(meta)))
-                        entry[0].append(alias)
-                best = cb.best_model_path and os.path.abspath(cb.best_model_path)
-                if best in found and cb.best_model_score is not None:
-                    found[best][1]["score"] = float(cb.best_model_score)
-                continue
-            dirpath = cb.resolved_dirpath(fit)
-            if os.path.isdir(dirpath):
-                # orbax writes into "<step>.orbax-checkpoint-tmp..." and renames on commit.
-                steps = [e for e in os.scandir(dirpath) if e.is_dir() and e.name.isdigit()]
-                for entry in sorted(steps, key=lambda e: int(e.name)):
-                        found.setdefault(os.path.abspath(entry.path), ([], dict(meta)))
-        return [(p, a, m) for p, (a, m) in found.items()
-                if final or p not in self._logged_paths]
-
     def _log_checkpoints(self, fit, final: bool) -> None:
         if self.run.settings.mode == "disabled":
             return
         if final and self.log_model == "all":
             self._log_checkpoints(fit, final=False)  # the saves since the last log round
-        for path, aliases, meta in self._checkpoint_paths(fit, final):
+        for path, aliases, meta in checkpoint_dirs(fit, final, self._logged_paths):
             artifact = self._wandb.Artifact(f"model-{self.run_id}", type="model",
                                             metadata=plain({**meta, "path": path,
                                                             "global_step": fit.global_step}))

@@ -230,7 +230,8 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent("""
     cbs = [callbacks.CSVLogger(logs), callbacks.TensorBoardLogger(logs),
            callbacks.WandbLogger("two-proc", save_dir=logs, mode="offline",
                                  settings=wandb.Settings(console="off", x_disable_stats=True)),
-           callbacks.ThroughputMonitor(), callbacks.Profiler(start_step=2, num_steps=1)]
+           callbacks.ThroughputMonitor(), callbacks.Profiler(start_step=2, num_steps=1),
+           callbacks.MLFlowLogger("two-proc", tracking_uri="file:" + os.path.join(logs, "ml"))]
     fit = jl.Fit(strategies.DataParallel(), max_steps=6, log_every_n_steps=3, callbacks=cbs,
                  enable_progress_bar=False, enable_model_summary=False)
     fit.fit(Classifier(), jl.data.ArrayLoader(classification_data(256), 32, shuffle=False))
@@ -253,6 +254,12 @@ def test_only_process_zero_writes(tmp_path):
     assert sorted(os.listdir(logs / "csv")) == ["version_0"]
     assert sorted(os.listdir(logs / "tensorboard")) == ["version_0"]
     assert len(find_runs(str(logs))) == 1
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for a file store
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"file:{logs / 'ml'}")
+    [run] = client.search_runs([client.get_experiment_by_name("two-proc").experiment_id])
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "loss")] == [3, 6]
     events = os.listdir(logs / "tensorboard" / "version_0")
     assert len([e for e in events if e.startswith("events.out")]) == 1
     with open(logs / "csv" / "version_0" / "metrics.csv") as f:

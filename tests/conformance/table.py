@@ -32,6 +32,8 @@ GROUPS = {
     "checkpoint": "`ModelCheckpoint`",
     "resume": "`trainer.fit(..., ckpt_path=)`",
     "departures": "[Deliberate departures](#deliberate-departures)",
+    "tuner": "`Tuner.lr_find`, `Tuner.scale_batch_size`, `LearningRateFinder`, "
+             "`BatchSizeFinder`",
 }
 MARK = {"passed": "passed", "departure": "departure (pinned)", "known failure": "KNOWN FAILURE",
         "failed": "FAILED", "skipped": "skipped", "passed (xfail)": "passed (xfail)"}
