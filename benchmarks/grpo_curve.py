@@ -61,6 +61,7 @@ def grpo_run(path: str, args) -> dict:
     start = time.perf_counter()
     fit.fit(module, data.train)
     seconds = time.perf_counter() - start
+    programs = compiled_programs() - programs
     after = grpo.after_fit(fit, module, data, config)
     feed = data.train
     return {"config": {"group_size": args.group, "updates_per_generation": args.updates,
@@ -72,7 +73,7 @@ def grpo_run(path: str, args) -> dict:
             "fit_seconds": round(seconds, 2),
             "held_out_greedy_before": before, "held_out_greedy_after": after,
             "compiles": dict(fit.compile_counts),
-            "sampler_programs_compiled_in_fit": compiled_programs() - programs}
+            "sampler_programs_compiled_in_fit": programs}
 
 
 def dpo_run() -> dict:
@@ -96,12 +97,12 @@ def dpo_run() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--sft-steps", type=int, default=60)
-    p.add_argument("--steps", type=int, default=40, help="GRPO optimizer steps")
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps")
     p.add_argument("--updates", type=int, default=2)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--no-dpo", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results", "grpo_curve.json"))
     args = p.parse_args()

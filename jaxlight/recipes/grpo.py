@@ -87,7 +87,7 @@ class LoRAConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    prompts_per_step: int = option(4, "prompts per generation batch (rows: this x group_size, "
+    prompts_per_step: int = option(8, "prompts per generation batch (rows: this x group_size, "
                                       "a multiple of the data-parallel degree)")
     words: int = option(64, "training words of the reversal task")
     val_words: int = option(16, "held-out words (greedy reward before and after)")
@@ -116,7 +116,7 @@ class GRPOConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = option(1e-3, "Adam learning rate (the tiny fixture's; ~1e-6 for real models)")
+    lr: float = option(3e-4, "Adam learning rate (the tiny fixture's; ~1e-6 for real models)")
 
 
 @dataclasses.dataclass

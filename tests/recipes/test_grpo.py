@@ -168,3 +168,46 @@ def test_rewards_and_feed_state():
     for k, v in batch.items():
         np.testing.assert_array_equal(back[k], v)
         assert back[k].dtype == v.dtype
+
+
+def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
+    """One generation batch through the recipe's compiled step under FSDP() (a step per
+    replica, one row each: advantages and normalizers come from the host) and fsdp x tp: the
+    loss, KL and clip fraction equal `posttrain.grpo_loss` (Tunix's, by tests/posttrain) on one
+    device, to 1e-5."""
+    from jaxlight import strategies
+
+    config = grpo.Config()
+    config.model.pretrained = FIXTURE
+    config.data.prompts_per_step, config.grpo.group_size = 2, 4
+    config.grpo.max_new_tokens, config.grpo.beta = 4, 0.5
+    module, data = grpo.build(config)
+    model = module.configure_model(nnx.Rngs(0))
+    # The old log-probabilities of a slightly different policy: ratios off 1, clipping active.
+    # The random fixture earns no task reward: a reward that varies with the text instead.
+    batch = posttrain.rollout(module.policy(model), data.train.prompt_rows(0)[0], group_size=4,
+                              max_new_tokens=4, rewards=[lambda p, c: sum(map(ord, c)) % 7],
+                              decode=data.train.tokenizer.decode, temperature=1.0, seed=3)
+    batch = {k: batch[k] for k in grpo._BATCH_KEYS}
+    batch["old_logps"] = batch["old_logps"] + 0.3 * batch["mask"] * np.cos(
+        np.arange(batch["mask"].size).reshape(batch["mask"].shape)).astype(np.float32)
+    assert batch["advantages"].std() > 0
+    # The reference figure: the loss on the host's device, without any strategy (at the start
+    # the policy is the reference, one forward pass gives both).
+    logps = np.asarray(_old_log_probs(*nnx.split(module.policy(model)),
+                                      {k: jax.numpy.asarray(v) for k, v in batch.items()},
+                                      temperature=1.0))
+    weights = {k: batch[k] for k in ("token_weight", "row_weight")}
+    loss, m = posttrain.grpo_loss(logps, batch["old_logps"], logps, batch["advantages"],
+                                  batch["mask"], beta=0.5, weights=weights)
+    want = {"loss": float(loss), "kl": float(m["kl"]), "pg_clipfrac": float(m["pg_clipfrac"])}
+    assert want["pg_clipfrac"] > 0
+    for name, make in {"fsdp": lambda: strategies.FSDP(min_shard_size=1),
+                       "fsdp_tp": lambda: strategies.Hybrid({"fsdp": 4, "tp": 2},
+                                                            min_shard_size=1)}.items():
+        fit = jl.Fit(make(), max_steps=1, log_every_n_steps=1, enable_progress_bar=False,
+                     enable_model_summary=False, logger=False)
+        fit.fit(module, [batch])
+        for key, value in want.items():
+            assert abs(fit.callback_metrics[key] - value) <= 1e-5, (name, key, value,
+                                                                    fit.callback_metrics)
