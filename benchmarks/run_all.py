@@ -49,6 +49,7 @@ BENCHMARKS = {
     "pretrained_load": ["load"],
     "pretrained_sample": ["sample"],
     "pretrained_lora_step": ["lora-step"],
+    "grpo_curve": [],
 }
 
 
@@ -363,6 +364,20 @@ def summarize_pretrained_sample(r):
 def summarize_pretrained_lora_step(r):
     yield ("LoRA SFT step, Fit / hand-written (median)", _fmt(r["median_ratio"]), "≤ 1.02",
            r["met"])
+
+
+def summarize_grpo_curve(r):
+    g, d = r["grpo"], r["dpo"]
+    yield ("GRPO mean sampled reward, first / last quarter of the run (tiny Qwen 3 after SFT)",
+           f"{g['first_quarter_mean']:.3f} -> {g['last_quarter_mean']:.3f}", "rises",
+           g["last_quarter_mean"] > g["first_quarter_mean"])
+    before = g["held_out_greedy_before"]["val_reward"]
+    after = g["held_out_greedy_after"]["val_reward"]
+    yield ("GRPO held-out greedy reward, before -> after", f"{before:.3f} -> {after:.3f}",
+           "rises", after > before)
+    yield ("DPO held-out reward accuracy, before -> after",
+           f"{d['reward_accuracy_before']:.2f} -> {d['reward_accuracy_after']:.2f}", "rises",
+           d["reward_accuracy_after"] > d["reward_accuracy_before"])
 
 
 def summarize_checkpoint(r):

@@ -18,9 +18,9 @@ model), a completion earns `reversal_reward` (1 for exactly the reversed word) p
 recipe reports the held-out prompts' greedy mean reward before and after training.
 
 Sampling reads the policy after the previous optimizer step: the loop pulls a generation batch
-after dispatching the step before it, and `module.model` then holds that step's result
-(`prefetch_batches=0`, the recipe's default; prefetching would sample from older weights and is
-refused). Sampling and training share the training layout (nothing is resharded): the sampler
+after dispatching the step before it, and `module.model` then holds that step's result (the
+feed's `reads_live_model` tells the loop to read no batch ahead, whatever `prefetch_batches`).
+Sampling and training share the training layout (nothing is resharded): the sampler
 runs on the train state's arrays in place. The data's position (generation index, updates taken
 on the current generation batch, the batch itself) is checkpointed, and each generation's
 prompts and sampling seed follow from `--data.seed` and its index, so a resumed run samples
@@ -280,8 +280,8 @@ class GenerationFeed:
     yielded `updates` times (one optimizer step each).
 
     It reads the policy as `module.model` when the loop pulls a batch: after the step before
-    it was dispatched, so the sampler sees that step's parameters (the loop must not read
-    ahead: `prefetch_batches=0`). Generation `g` samples the prompts and the seed that
+    it was dispatched (`reads_live_model`: the loop reads no batch ahead), so the sampler sees
+    that step's parameters. Generation `g` samples the prompts and the seed that
     `seed` and `g` fix. `state_dict`/`load_state_dict` make it a resumable loader: the
     generation index, the updates taken on the current batch and that batch.
 
@@ -325,6 +325,10 @@ class GenerationFeed:
         #: Per generation batch made in this process: (index, mean reward, seconds sampling).
         self.history: list[tuple[int, float, float]] = []
 
+    #: The training loop reads each batch right after dispatching the step before it, never
+    #: ahead (whatever `prefetch_batches`): the sampler needs that step's parameters.
+    reads_live_model = True
+
     def __len__(self) -> int:  # no epochs: one endless pass, bounded by max_steps
         return 2 ** 62
 
@@ -337,11 +341,6 @@ class GenerationFeed:
     def _sampler(self) -> tuple[nnx.Module, Any]:
         module = self.module
         fit = module.trainer
-        if fit.prefetch_batches:
-            raise ConfigurationError(
-                f"GRPO samples from the policy after the previous step; with prefetch_batches="
-                f"{fit.prefetch_batches} the loop reads batches ahead of the steps, from older "
-                "weights. Use Fit(prefetch_batches=0) (the grpo recipe's default).")
         try:
             model = module.model
         except MissingAttributeError:
@@ -466,8 +465,7 @@ RECIPE = Recipe(
             "KL to a frozen reference; held-out greedy reward before/after",
     config=Config,
     build=build,
-    # The sampler reads the policy the previous step left: no batch read ahead.
-    fit_defaults={"max_steps": 40, "log_every_n_steps": 4, "prefetch_batches": 0},
+    fit_defaults={"max_steps": 40, "log_every_n_steps": 4},
     before_fit=before_fit,
     after_fit=after_fit,
 )

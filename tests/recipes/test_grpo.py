@@ -96,37 +96,34 @@ def test_grpo_samples_from_the_policy_after_each_step(straight):
 
 
 def test_on_policy_when_each_batch_feeds_one_step():
-    """updates=1: generation g is sampled from the policy after step g; after 2 steps the last
-    batch re-sampled from the final policy with its seed is the stored batch, bit for bit."""
+    """updates=1: generation 1 is sampled from the policy after step 1 and trained by step 2:
+    re-sampled from a copy of that policy with its prompts and seed it is the batch step 2
+    trained on, bit for bit, although the Fit asks for prefetching (the feed's
+    `reads_live_model` turns read-ahead off)."""
     config = grpo.Config()
     config.model.pretrained = FIXTURE
     config.data.prompts_per_step, config.grpo.group_size = 2, 4
     config.grpo.max_new_tokens, config.grpo.updates = 4, 1
     config.optim.lr = 1e-2
     module, data = grpo.build(config)
-    fit = jl.Fit("single", max_steps=1, prefetch_batches=0, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False)
+    copies = {}
+
+    class Keep(jl.callbacks.Callback):
+        def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
+            graphdef, state = nnx.split(module.policy(module.model))
+            copies[fit.global_step] = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, state))
+
+    fit = jl.Fit("single", max_steps=2, prefetch_batches=2, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False, callbacks=[Keep()])
     fit.fit(module, data.train)
     feed = data.train
-    # max_steps=1 reads one batch (generation 0); sample generation 1 as the loop would.
+    assert feed.generation == 2
     prompts, seed = feed.prompt_rows(1)
-    again = posttrain.rollout(module.policy(module.model), prompts, group_size=4,
-                              max_new_tokens=4, rewards=grpo.reward_functions(),
-                              decode=feed.tokenizer.decode, seed=seed,
-                              prompt_len=feed.prompt_len, strategy=fit.strategy)
-    batch = feed._generate()
+    again = posttrain.rollout(copies[1], prompts, group_size=4, max_new_tokens=4,
+                              rewards=grpo.reward_functions(), decode=feed.tokenizer.decode,
+                              seed=seed, prompt_len=feed.prompt_len, strategy=fit.strategy)
     for key in ("tokens", "old_logps", "rewards"):
-        np.testing.assert_array_equal(batch[key], again[key])
-
-
-def test_prefetching_is_refused():
-    config = grpo.Config()
-    config.model.pretrained = FIXTURE
-    module, data = grpo.build(config)
-    fit = jl.Fit("single", max_steps=1, prefetch_batches=2, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False)
-    with pytest.raises(jl.ConfigurationError, match="prefetch_batches=2"):
-        fit.fit(module, data.train)
+        np.testing.assert_array_equal(feed.batch[key], again[key])
 
 
 def test_sigkill_mid_generation_resumes_bitwise(straight, tmp_path):
