@@ -140,6 +140,7 @@ with jax.set_mesh(mesh):
         return out
     gen = median_time(generation)
     algo = grpo_learner.GRPOConfig(num_generations=group, num_iterations=1)
+    algo.temperature = 1.0  # the learner copies it from the rollout config
     ref = logps_fn(*nnx.split(reference), prompt_ids, completion)
     adv = jnp.asarray(rng.normal(size=rows), jnp.float32)
     example = grpo_learner.TrainExample(

@@ -50,6 +50,7 @@ BENCHMARKS = {
     "pretrained_sample": ["sample"],
     "pretrained_lora_step": ["lora-step"],
     "grpo_curve": [],
+    "grpo_vs_tunix": [],
 }
 
 
@@ -378,6 +379,17 @@ def summarize_grpo_curve(r):
     yield ("DPO held-out reward accuracy, before -> after",
            f"{d['reward_accuracy_before']:.2f} -> {d['reward_accuracy_after']:.2f}", "rises",
            d["reward_accuracy_after"] > d["reward_accuracy_before"])
+
+
+def summarize_grpo_vs_tunix(r):
+    ours, theirs = r["jaxlight"], r["tunix"]
+    yield (f"GRPO generation, jaxlight rollout / Tunix Sampler + logps ({ours['generation_s']:.3f}"
+           f" s / {theirs['generation_s']:.3f} s, 64 rows, CPU)",
+           _fmt(r["generation_ratio_jaxlight_over_tunix"]), "≤ 1",
+           r["generation_ratio_jaxlight_over_tunix"] <= 1)
+    yield (f"GRPO update, jaxlight step / Tunix grpo_loss_fn + Adam ({ours['update_s']:.3f} s / "
+           f"{theirs['update_s']:.3f} s)", _fmt(r["update_ratio_jaxlight_over_tunix"]), "≤ 1",
+           r["update_ratio_jaxlight_over_tunix"] <= 1)
 
 
 def summarize_checkpoint(r):
