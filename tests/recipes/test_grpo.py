@@ -208,3 +208,25 @@ def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
         for key, value in want.items():
             assert abs(fit.callback_metrics[key] - value) <= 1e-5, (name, key, value,
                                                                     fit.callback_metrics)
+
+
+def test_lora_policy_samples_and_trains_only_its_adapters():
+    """--lora.rank: the policy is the pretrained model with adapters, the reference the same
+    model with them off (no second copy); only the adapters train and the base stays loaded."""
+    config = grpo.Config()
+    config.model.pretrained = FIXTURE
+    config.lora.rank = 2
+    config.data.prompts_per_step, config.grpo.group_size = 2, 4
+    config.grpo.max_new_tokens, config.grpo.updates = 4, 1
+    config.optim.lr = 1e-2
+    module, data = grpo.build(config)
+    fit = jl.Fit("single", max_steps=2, enable_progress_bar=False, enable_model_summary=False,
+                 logger=False)
+    fit.fit(module, data.train)
+    assert data.train.generation == 2
+    leaves = jax.tree_util.tree_leaves_with_path(fit.state.params)
+    assert leaves and all("lora_" in jax.tree_util.keystr(k) for k, _ in leaves)
+    assert any(np.abs(np.asarray(v)).max() > 0 for k, v in leaves if "lora_b" in str(k))
+    base = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
+    np.testing.assert_array_equal(np.asarray(base["lm_head"]["kernel"]),
+                                  module.base_params["lm_head"]["kernel"])
