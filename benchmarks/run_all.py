@@ -51,6 +51,8 @@ BENCHMARKS = {
     "pretrained_load": ["load"],
     "pretrained_sample": ["sample"],
     "pretrained_lora_step": ["lora-step"],
+    "grpo_curve": [],
+    "grpo_vs_tunix": [],
 }
 
 
@@ -421,6 +423,31 @@ def summarize_pretrained_lora_step(r):
            f"{r['batch']} x {r['tokens']}), Fit / hand-written, median of {len(r['rounds'])} "
            f"rounds ({fit_ms:.1f} ms/step; {r.get('device', 'cpu')})", _fmt(r["median_ratio"], 4),
            "≤ 1.02", r["met"])
+
+
+def summarize_grpo_curve(r):
+    g, d = r["grpo"], r["dpo"]
+    yield ("GRPO mean sampled reward, first / last quarter of the run (tiny Qwen 3 after SFT)",
+           f"{g['first_quarter_mean']:.3f} -> {g['last_quarter_mean']:.3f}", "rises",
+           g["last_quarter_mean"] > g["first_quarter_mean"])
+    before = g["held_out_greedy_before"]["val_reward"]
+    after = g["held_out_greedy_after"]["val_reward"]
+    yield ("GRPO held-out greedy reward, before -> after", f"{before:.3f} -> {after:.3f}",
+           "rises", after > before)
+    yield ("DPO held-out reward accuracy, before -> after",
+           f"{d['reward_accuracy_before']:.2f} -> {d['reward_accuracy_after']:.2f}", "rises",
+           d["reward_accuracy_after"] > d["reward_accuracy_before"])
+
+
+def summarize_grpo_vs_tunix(r):
+    ours, theirs = r["jaxlight"], r["tunix"]
+    yield (f"GRPO generation, jaxlight rollout / Tunix Sampler + logps ({ours['generation_s']:.3f}"
+           f" s / {theirs['generation_s']:.3f} s, 64 rows, CPU)",
+           _fmt(r["generation_ratio_jaxlight_over_tunix"]), "≤ 1",
+           r["generation_ratio_jaxlight_over_tunix"] <= 1)
+    yield (f"GRPO update, jaxlight step / Tunix grpo_loss_fn + Adam ({ours['update_s']:.3f} s / "
+           f"{theirs['update_s']:.3f} s)", _fmt(r["update_ratio_jaxlight_over_tunix"]), "≤ 1",
+           r["update_ratio_jaxlight_over_tunix"] <= 1)
 
 
 def summarize_checkpoint(r):

@@ -204,7 +204,8 @@ def test_precision_accumulation_and_clipping_add_their_callbacks():
 def test_unknown_recipe_lists_valid_ones_and_suggests(capsys):
     assert main(["fit", "digit"]) == 2
     err = _err(capsys)
-    assert "unknown recipe 'digit'; valid recipes are ['digits', 'gpt', 'sft', 'dpo']" in err
+    assert ("unknown recipe 'digit'; valid recipes are ['digits', 'gpt', 'sft', 'dpo', 'grpo']"
+            in err)
     assert "Did you mean 'digits'?" in err
 
 

@@ -202,6 +202,12 @@ class TrainLoop:
                 self._steps[k] = self.session.compile_train_step(abstract, kind=kind)
         return self._steps[k]
 
+    def prefetch_depth(self, train_data: Iterable) -> int:
+        """Batches read ahead: none for data that samples from the live model (its
+        `reads_live_model` is True, e.g. GRPO's generation batches): each batch is then read in
+        the loop's thread right after the step before it was dispatched."""
+        return 0 if getattr(train_data, "reads_live_model", False) else self.config.prefetch_batches
+
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self, train_data: Iterable, val_data: Iterable | None) -> None:
@@ -286,7 +292,7 @@ class TrainLoop:
                 pairs = self._epoch_batches(limit)
             call("on_train_epoch_start")
             start = pos.batch_idx
-            batches = Prefetcher(pairs, put, config.prefetch_batches,
+            batches = Prefetcher(pairs, put, self.prefetch_depth(train_data),
                                  lambda b, n, s=start: check(b, n, s))
             first_epoch = False
             got_any = False

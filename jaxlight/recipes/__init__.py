@@ -6,6 +6,7 @@
 | `gpt` | a byte-level decoder-only transformer on the Python standard library's source |
 | `sft` | supervised fine-tuning (optionally LoRA) of a `gpt` model on string reversal |
 | `dpo` | DPO of a pretrained Hugging Face model against a frozen copy of itself |
+| `grpo` | GRPO of a pretrained Hugging Face model on string reversal (verifiable rewards) |
 
 Each recipe module defines a `Config` dataclass (every field has a default and a help text), a
 `TrainModule`, `build(config, max_steps) -> (module, data)` and `RECIPE`, the object the command
@@ -14,7 +15,7 @@ line uses. Recipe modules are imported on first use, so listing them costs nothi
 Example:
     >>> from jaxlight import recipes
     >>> recipes.names()
-    ['digits', 'gpt', 'sft', 'dpo']
+    ['digits', 'gpt', 'sft', 'dpo', 'grpo']
     >>> recipes.get("digits").config().model.hidden
     256
 """
@@ -34,6 +35,7 @@ REGISTRY: dict[str, str] = {
     "gpt": "jaxlight.recipes.gpt",
     "sft": "jaxlight.recipes.sft",
     "dpo": "jaxlight.recipes.dpo",
+    "grpo": "jaxlight.recipes.grpo",
 }
 
 
