@@ -125,7 +125,7 @@ class Evaluator:
             # Before the end hooks, where checkpoints are taken: they resume it.
             pos = self.position
             self.session.state = schedule.after_validation(
-                self.session.state, metrics, pos.global_step, pos.epoch, epoch_end)
+                self.session.state, metrics, pos.batch_idx, pos.epoch, epoch_end)
         self.log.callback_metrics.update(metrics)
         self.log.log(metrics, self.position.global_step)
         call("on_validation_epoch_end")

@@ -119,6 +119,21 @@ class TrainLoop:
         n = min(n, limit) if limit else n
         return self.position.batch_idx >= n
 
+    def validation_at_batch(self, every: int | None, taken: int) -> bool:
+        """Whether `val_check_interval` validates after the step that just took `taken`
+        loader batches. As Lightning: with `check_val_every_n_epoch` set, every `every`-th batch
+        of the epoch (its index within the epoch, so an 8-batch epoch and interval 3 validate at
+        batches 3 and 6 of each epoch), only in the epochs that validate; with
+        `check_val_every_n_epoch=None`, every `every`-th step counted across epochs."""
+        if not every:
+            return False
+        pos, n_epochs = self.position, self.config.check_val_every_n_epoch
+        if n_epochs is None:
+            return pos.global_step % every == 0
+        if (pos.epoch + 1) % n_epochs:
+            return False
+        return pos.batch_idx // every > (pos.batch_idx - taken) // every
+
     def done(self) -> bool:
         if self.position.effective_stop is not None or self.hit_max_steps():
             return True
@@ -297,7 +312,7 @@ class TrainLoop:
                     call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
                          pos.batch_idx - 1)
                     self.after_step()
-                    if val_every and pos.global_step % val_every == 0 and val_data is not None:
+                    if val_data is not None and self.validation_at_batch(val_every, taken):
                         self._retire_all(in_flight)
                         self.evaluator.run_validation(val_data)
                         logged = True
