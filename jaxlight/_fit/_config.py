@@ -15,14 +15,16 @@ from jaxlight._errors import ConfigurationError
 
 
 def _check_batch_limit(name: str, value: Any, verb: str) -> None:
-    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
-    if value is None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]; the
+    validation limit may also be 0 (Lightning's way to turn validation off)."""
+    if value is None or (name == "limit_val_batches" and not isinstance(value, bool)
+                         and value in (0, 0.0)):
         return
     bad = (isinstance(value, bool) or not isinstance(value, int | float)
            or (isinstance(value, int) and value < 1)
            or (isinstance(value, float) and not 0.0 < value <= 1.0))
     if bad:
-        skip = ("pass no validation data to skip validation" if "val" in name
+        skip = ("0 or no validation data to skip validation" if "val" in name
                 else "set max_steps or max_epochs to train less")
         raise ConfigurationError(
             f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
@@ -126,6 +128,12 @@ class FitConfig:
             default_root_dir=os.fspath(default_root_dir), seed=seed, fast_dev_run=fast_dev_run,
             prefetch_batches=prefetch_batches,
         )
+
+    @property
+    def validation_off(self) -> bool:
+        """`limit_val_batches=0`: no validation at all (no sanity check, no hooks), as in
+        Lightning."""
+        return self.limit_val_batches is not None and self.limit_val_batches == 0
 
     def require_length(self) -> None:
         """`Fit.fit` needs a length; a Fit used only to validate, test or predict does not."""

@@ -58,6 +58,14 @@ def test_fit_no_val():
     assert_sequence(calls, case(G, "fit_no_val")["calls"])
 
 
+@claim("fit with limit_val_batches=0 validates nothing (no sanity check, no validation hook), "
+       "as Lightning")
+def test_fit_limit_val_batches_0():
+    calls = _fit_calls(max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                       num_sanity_val_steps=2)
+    assert_sequence(calls, case(G, "fit_limit_val_batches_0")["calls"])
+
+
 @claim("a ModelCheckpoint saving every epoch calls on_save_checkpoint right after "
        "on_train_epoch_end, as Lightning's does")
 def test_fit_checkpoint_every_epoch(tmp_path):
@@ -133,8 +141,6 @@ def test_validate_2_batches():
     assert_sequence(_eval_calls("validate", 2), case(G, "validate_2_batches")["calls"])
 
 
-@known_difference("limit_val_batches=0 is refused (ConfigurationError); Lightning validates "
-                  "nothing")
 @claim("validate with limit_val_batches=0 calls only setup and teardown, as Lightning")
 def test_validate_0_batches():
     assert_sequence(_eval_calls("validate", 0), case(G, "validate_0_batches")["calls"])

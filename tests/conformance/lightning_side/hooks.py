@@ -38,6 +38,12 @@ calls, module, tr = hooked(max_epochs=1, limit_train_batches=2)
 tr.fit(module, train)
 cases["fit_no_val"] = {"calls": calls}
 
+# limit_val_batches=0 turns validation off: no sanity check, no validation hook
+calls, module, tr = hooked(max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                           num_sanity_val_steps=2)
+tr.fit(module, train, val)
+cases["fit_limit_val_batches_0"] = {"calls": calls}
+
 # a ModelCheckpoint saving at every epoch's end: on_save_checkpoint after on_train_epoch_end
 ckdir = tmpdir()
 calls, module, tr = hooked(max_epochs=2, limit_train_batches=2, limit_val_batches=2,
