@@ -243,7 +243,9 @@ class Fit(FitView):
                 self._session.choose_layout(None)  # restoring needs the layout before any batch
                 restored = restore_training(self._session, ckpt_path, fit=self)
             source.restore(None if restored is None else restored.meta)
-            train_data, val_data = source.loaders()
+            config = self._config
+            train_data, val_data = source.loaders(
+                val_first=config.num_sanity_val_steps != 0 and not config.validation_off)
             if self._config.validation_off:
                 val_data = None
             self._session.check_schedule_data(val_data)

@@ -208,15 +208,23 @@ class HookedDataModule(jl.DataModule):
         return self._val()
 
 
-@pytest.mark.parametrize("verb", cases_of(["fit", "validate", "test", "predict"], {
-    "fit": "without a sanity check Lightning asks train_dataloader before val_dataloader; "
-           "jaxlight asks val_dataloader first"}))
+@pytest.mark.parametrize("verb", ["fit", "validate", "test", "predict"])
 @claim("a DataModule's hooks run in Lightning's order in each stage")
 def test_datamodule(verb):
     called = []
     fit = make_fit(max_epochs=1, limit_train_batches=2, limit_val_batches=2)
     getattr(fit, verb)(Reg(G), datamodule=HookedDataModule(called))
     assert_sequence(called, case(G, f"datamodule_{verb}")["calls"])
+
+
+@claim("with a sanity check, a DataModule's val_dataloader is asked for before "
+       "train_dataloader, as Lightning")
+def test_datamodule_fit_sanity_check():
+    called = []
+    fit = make_fit(max_epochs=1, limit_train_batches=2, limit_val_batches=2,
+                   num_sanity_val_steps=2)
+    fit.fit(Reg(G), datamodule=HookedDataModule(called))
+    assert_sequence(called, case(G, "datamodule_fit_sanity_check")["calls"])
 
 
 def _training_mode(model) -> bool:

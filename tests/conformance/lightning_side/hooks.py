@@ -140,6 +140,13 @@ for verb in ("fit", "validate", "test", "predict"):
     getattr(tr, verb)(Reg(prob), datamodule=HookedDataModule(called), **kw)
     cases[f"datamodule_{verb}"] = {"calls": called}
 
+# with the sanity check the validation loader is asked for first
+called = []
+tr = trainer(tmpdir(), max_epochs=1, limit_train_batches=2, limit_val_batches=2,
+             num_sanity_val_steps=2)
+tr.fit(Reg(prob), datamodule=HookedDataModule(called))
+cases["datamodule_fit_sanity_check"] = {"calls": called}
+
 # test_train_eval_mode_restored / load_from_checkpoint: the module's mode after each call
 ckdir = tmpdir()
 module = Reg(prob)
