@@ -22,7 +22,6 @@ from jaxlight import callbacks
 from tests.conformance._cases import (
     assert_sequence,
     case,
-    cases_of,
     claim,
     departure,
     known_difference,
