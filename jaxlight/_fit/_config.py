@@ -191,6 +191,25 @@ def validation_interval(config: FitConfig, train_data: Any) -> int | None:
     return int(v)
 
 
+def validates_after_step(config: FitConfig, every: int | None, global_step: int, epoch: int,
+                         batch_idx: int, taken: int) -> bool:
+    """Whether `val_check_interval` (`every`, from `validation_interval`) validates after the
+    step that just took `taken` loader batches, ending at `batch_idx` of `epoch`.
+
+    As Lightning: with `check_val_every_n_epoch` set, every `every`-th batch of the epoch (its
+    index within the epoch: an 8-batch epoch and interval 3 validate at batches 3 and 6 of each
+    epoch), only in the epochs that validate; with `check_val_every_n_epoch=None`, every
+    `every`-th step counted across epochs."""
+    if not every:
+        return False
+    n_epochs = config.check_val_every_n_epoch
+    if n_epochs is None:
+        return global_step % every == 0
+    if (epoch + 1) % n_epochs:
+        return False
+    return batch_idx // every > (batch_idx - taken) // every
+
+
 def check_validation_interval(config: FitConfig, train_data: Any) -> None:
     """Refuses an int `val_check_interval` longer than an epoch (validation would never run),
     as Lightning does, unless `check_val_every_n_epoch=None` counts steps across epochs."""

@@ -26,6 +26,7 @@ from jaxlight._fit._config import (
     FitConfig,
     batch_limit,
     check_validation_interval,
+    validates_after_step,
     validation_interval,
 )
 from jaxlight._fit._evaluation import Evaluator
@@ -118,21 +119,6 @@ class TrainLoop:
             return False
         n = min(n, limit) if limit else n
         return self.position.batch_idx >= n
-
-    def validation_at_batch(self, every: int | None, taken: int) -> bool:
-        """Whether `val_check_interval` validates after the step that just took `taken`
-        loader batches. As Lightning: with `check_val_every_n_epoch` set, every `every`-th batch
-        of the epoch (its index within the epoch, so an 8-batch epoch and interval 3 validate at
-        batches 3 and 6 of each epoch), only in the epochs that validate; with
-        `check_val_every_n_epoch=None`, every `every`-th step counted across epochs."""
-        if not every:
-            return False
-        pos, n_epochs = self.position, self.config.check_val_every_n_epoch
-        if n_epochs is None:
-            return pos.global_step % every == 0
-        if (pos.epoch + 1) % n_epochs:
-            return False
-        return pos.batch_idx // every > (pos.batch_idx - taken) // every
 
     def done(self) -> bool:
         if self.position.effective_stop is not None or self.hit_max_steps():
@@ -273,6 +259,9 @@ class TrainLoop:
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()
         first_epoch = True
+        # Resumed from a checkpoint taken mid-epoch: that epoch's on_train_epoch_start has run
+        # already (Lightning restarts mid-epoch without it).
+        resumed_mid_epoch = pos.batch_idx > 0
         if pos.multi_process:
             pos.agree_stop()
         while not self.done():
@@ -280,7 +269,8 @@ class TrainLoop:
                 pairs = itertools.chain([(first, first_position)], pairs)
             else:
                 pairs = self._epoch_batches(limit)
-            call("on_train_epoch_start")
+            if not (first_epoch and resumed_mid_epoch):
+                call("on_train_epoch_start")
             start = pos.batch_idx
             batches = Prefetcher(pairs, put, config.prefetch_batches,
                                  lambda b, n, s=start: check(b, n, s))
@@ -312,7 +302,8 @@ class TrainLoop:
                     call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
                          pos.batch_idx - 1)
                     self.after_step()
-                    if val_data is not None and self.validation_at_batch(val_every, taken):
+                    if val_data is not None and validates_after_step(
+                            config, val_every, pos.global_step, pos.epoch, pos.batch_idx, taken):
                         self._retire_all(in_flight)
                         self.evaluator.run_validation(val_data)
                         logged = True
@@ -329,8 +320,10 @@ class TrainLoop:
                     "(a list, jaxlight.data.ArrayLoader) or set max_steps within one pass."
                 )
             self._retire_all(in_flight)
-            if self.hit_max_steps() and not self.epoch_exhausted(train_data, limit):
-                break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
+            # Stopped at max_steps mid-epoch: as Lightning, the epoch-end hooks run (and the
+            # checkpoints they take resume mid-epoch), but no end-of-epoch validation and no
+            # epoch-interval scheduler step; the position stays in the epoch.
+            mid_epoch = self.hit_max_steps() and not self.epoch_exhausted(train_data, limit)
             epoch_values = epoch_metrics.compute()
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
                 self.log.callback_metrics.update(epoch_values)
@@ -340,12 +333,12 @@ class TrainLoop:
                 # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
                 # end-of-epoch validation, as Lightning does: the epoch did not end.
                 stopped_early = pos.should_stop and not self.epoch_exhausted(train_data, limit)
-                return bool(val_data is not None and val_every is None
+                return bool(val_data is not None and val_every is None and not mid_epoch
                             and config.check_val_every_n_epoch
                             and (pos.epoch + 1) % config.check_val_every_n_epoch == 0
                             and not stopped_early)
 
-            if session.schedule is not None:
+            if session.schedule is not None and not mid_epoch:
                 # Epoch-interval schedulers advance before the epoch-end hooks, where
                 # checkpoints are taken, so that a resumed fit continues them exactly.
                 session.state = session.schedule.at_epoch_end(session.state, pos.epoch,
@@ -358,6 +351,8 @@ class TrainLoop:
             call("on_train_epoch_end")
             if pos.multi_process:
                 pos.agree_stop()
+            if mid_epoch:
+                break
             pos.epoch += 1
             pos.batch_idx = 0
         self._retire_all(in_flight)

@@ -194,7 +194,7 @@ class ModelCheckpoint(Callback):
             self._writer.check_failed()  # a background save's failure shows at the next step
         if self.every_n_steps is None or fit.global_step % self.every_n_steps:
             return
-        if _validation_due(fit):
+        if fit.validates_after_step:
             self._deferred = True
             return
         current = None
@@ -298,14 +298,3 @@ class ModelCheckpoint(Callback):
         if wait:
             self._writer.wait()
         return self._writer.step_dir(step)
-
-
-def _validation_due(fit) -> bool:
-    """Whether the loop validates right after this training step (val_check_interval)."""
-    if fit.val_data is None or fit.val_check_interval is None:
-        return False
-    try:
-        every = fit.val_every_n_steps
-    except Exception:  # noqa: BLE001 - no len(): the loop could not validate by fraction either
-        return False
-    return bool(every) and fit.global_step % every == 0

@@ -24,7 +24,6 @@ from tests.conformance._cases import (
     case,
     claim,
     departure,
-    known_difference,
 )
 from tests.conformance._jaxlight import Batches, Recorder, Reg, batches, hooked, make_fit
 
@@ -113,9 +112,6 @@ def test_resume_max_epochs(tmp_path):
     assert fit.global_step == expected["global_step"]
 
 
-@known_difference("resuming mid-epoch calls on_train_epoch_start again, and ending at max_steps "
-                  "mid-epoch calls no on_train_epoch_end (Lightning: none, then one, with the "
-                  "checkpoint saved there)")
 @claim("resuming mid-epoch (max_steps 1 -> 3) continues at batch 1 with Lightning's hooks")
 def test_resume_max_steps(tmp_path):
     calls, fit = _resume(tmp_path, dict(max_steps=1), dict(max_steps=3))
