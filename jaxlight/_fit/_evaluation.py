@@ -176,6 +176,7 @@ class Evaluator:
         `dataloader_idx` parameter is told N (it compiles once per loader).
         """
         loaders = several_loaders(data)
+        self.session.eval_loaders[method] = 1 if loaders is None else len(loaders)
         if loaders is None or len(loaders) == 1:  # one loader: no suffix, as in Lightning
             one = data if loaders is None else loaders[0]
             return self._evaluate_one(one, method, prefix, limit_arg, occasion, data_name,

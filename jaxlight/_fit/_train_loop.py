@@ -176,8 +176,10 @@ class TrainLoop:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
+            # Loggers also get the epoch (as Lightning's do); callback_metrics, as Lightning's,
+            # hold no "epoch", and the bare name of an on_step+on_epoch value.
+            self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
             metrics["epoch"] = float(self.position.epoch)
-            self.log.callback_metrics.update(metrics)
             self.log.log(metrics, pending.step)
             pending.log = False
         return None if final else pending
@@ -326,7 +328,7 @@ class TrainLoop:
             mid_epoch = self.hit_max_steps() and not self.epoch_exhausted(train_data, limit)
             epoch_values = epoch_metrics.compute()
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
-                self.log.callback_metrics.update(epoch_values)
+                self.log.callback_metrics.update(session.log_spec.with_bare_names(epoch_values))
                 self.log.log(epoch_values, pos.global_step)
 
             def validation_due() -> bool:
