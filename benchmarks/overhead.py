@@ -13,9 +13,11 @@ Fit / hand-written per round, over alternating rounds. Final parameters are comp
                                                       # over 4 stacked batches
 
 With `--accumulate K` one optimizer step takes K loader batches: Fit gets
-`accumulate_grad_batches=K`; the hand-written loop stacks K batches on the host, puts them on
-the devices split along the batch axis, and its jitted step scans them (`lax.scan`, gradients
-summed in fp32, divided by K), so both do the same work per optimizer step.
+`accumulate_grad_batches=K`; the hand-written loop interleaves K batches on the host into one
+array (each device's rows hold its share of all K), puts it on the devices split along the batch
+axis, and its jitted step scans each device's K microbatches inside `shard_map` (gradients
+summed in fp32, no collective in the loop) followed by one all-reduce, divided by K times the
+replicas: the same work and the same single gradient collective per optimizer step as Fit.
     python benchmarks/overhead.py --ema 0.999         # EMAWeightAveraging vs a hand-written EMA
     python benchmarks/overhead.py --swa 1e-4          # StochasticWeightAveraging(1e-4, 1, 2) vs a
                                                       # hand-written SWA (SWALR + epoch-start mean)
@@ -123,9 +125,10 @@ def run_one(args) -> dict:
             opt_sh = opt_sh.inner
         batch_spec = PartitionSpec("data" if args.strategy == "dp" else "fsdp") \
             if args.devices > 1 else PartitionSpec()
-        if k > 1:  # K stacked batches: (K, batch, ...), split along the batch axis
-            batch_spec = PartitionSpec(None, *batch_spec)
+        # K loader batches as one input of K * batch rows, row j of batch i at row j*K + i, so
+        # that each device's contiguous rows hold its share of every one of the K batches.
         batch_sh = NamedSharding(mesh, batch_spec)
+        axis = None if args.devices == 1 else ("data" if args.strategy == "dp" else "fsdp")
         params = jax.device_put(params, param_sh)
         opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
         # --ema: the hand-written average, as torch's AveragedModel + get_ema_avg_fn (the first
@@ -145,15 +148,36 @@ def run_one(args) -> dict:
             if k == 1:
                 loss, grads = jax.value_and_grad(loss_fn)(params)
             else:
-                def body(acc, one):
-                    loss, g = jax.value_and_grad(
-                        lambda p: module.training_step(nnx.merge(graphdef, p, rest), one))(params)
-                    return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), loss
+                # Each device scans its own rows' K microbatches (no collective inside the
+                # loop), then one fp32 all-reduce of the summed gradients: what Fit compiles.
+                def local(p, rows):
+                    n = jax.tree.leaves(rows)[0].shape[0]
+                    micro = jax.tree.map(
+                        lambda x: jnp.swapaxes(x.reshape(n // k, k, *x.shape[1:]), 0, 1), rows)
 
-                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                grads, losses = jax.lax.scan(body, zeros, batch)
-                grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grads, params)
-                loss = losses.mean()
+                    def body(acc, one):
+                        loss, g = jax.value_and_grad(
+                            lambda q: module.training_step(nnx.merge(graphdef, q, rest), one))(p)
+                        return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), loss
+
+                    zeros = jax.tree.map(lambda q: jnp.zeros(q.shape, jnp.float32), p)
+                    acc, losses = jax.lax.scan(body, zeros, micro)
+                    loss = losses.mean()
+                    if axis is not None:
+                        acc = jax.lax.psum(acc, axis)
+                        loss = jax.lax.pmean(loss, axis)
+                    return acc, loss
+
+                if axis is None:
+                    acc, loss = local(params, batch)
+                else:
+                    acc, loss = jax.shard_map(
+                        local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(axis)),
+                        out_specs=(PartitionSpec(), PartitionSpec()), axis_names=frozenset({axis}),
+                        check_vma=False)(params, batch)
+                replicas = 1 if axis is None else args.devices
+                grads = jax.tree.map(lambda g, p: (g / (k * replicas)).astype(p.dtype), acc,
+                                     params)
             updates, opt_state = tx.update(grads, opt_state, params)
             if args.swa is not None:
                 count = ema[1]
@@ -201,7 +225,8 @@ def run_one(args) -> dict:
             batch = next_batch()
             if k > 1:
                 group = [batch] + [next_batch() for _ in range(k - 1)]
-                batch = jax.tree.map(lambda *xs: np.stack(xs), *group)
+                batch = jax.tree.map(
+                    lambda *xs: np.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *group)
             params, opt_state, ema, loss = step(params, opt_state, ema,
                                                 jax.device_put(batch, batch_sh))
             if prev is not None:

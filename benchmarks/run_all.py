@@ -36,7 +36,7 @@ BENCHMARKS = {
     "tp_overlap": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
     "overhead_log": ["--steps", "150", "--rounds", "9", "--log"],
-    "overhead_accumulate": ["--steps", "40", "--rounds", "3", "--batch", "128", "--hidden", "512",
+    "overhead_accumulate": ["--steps", "40", "--rounds", "5", "--batch", "128", "--hidden", "512",
                             "--accumulate", "4"],
     "gan_step": [],
     "overhead_ema": ["--steps", "100", "--rounds", "3", "--ema", "0.999"],

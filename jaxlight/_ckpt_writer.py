@@ -27,6 +27,23 @@ from jaxlight._ckpt_paths import complete_steps
 from jaxlight._errors import CheckpointError, JaxlightWarning
 
 
+def join_best(best: dict, step: int, value: float | None, k: int, mode: str) -> bool:
+    """Lightning's top-k rule, one checkpoint at a time: `step` (with a finite `value`) joins
+    `best` (step -> value, updated in place) while fewer than `k` are kept; after that only a
+    strictly better value replaces the worst kept one (among equally worst, the first kept).
+    Returns whether it joined."""
+    if value is None or k == 0:
+        return False
+    if len(best) >= k:
+        worst = max if mode == "min" else min
+        kth = worst(best, key=best.get)  # the first of equally worst ones
+        if not (value < best[kth] if mode == "min" else value > best[kth]):
+            return False
+        del best[kth]
+    best[step] = value
+    return True
+
+
 @dataclasses.dataclass
 class Retention:
     """Which checkpoints orbax keeps: the best `top_k` by a finite monitored value (or the latest
@@ -60,19 +77,9 @@ class Retention:
         the kept ones plus the newest: replaying them reproduces the decisions made when each
         was saved, as deleted ones never return.)"""
         k = len(checkpoints) if self.top_k < 0 else self.top_k
-        better = (lambda a, b: a < b) if self.mode == "min" else (lambda a, b: a > b)
-        worst = max if self.mode == "min" else min
         best: dict = {}
         for info in sorted(checkpoints, key=lambda c: c.step):
-            v = self.value(info)
-            if v is None or k == 0:
-                continue
-            if len(best) == k:
-                kth = worst(best, key=best.get)  # the first of equally worst ones
-                if not better(v, best[kth]):
-                    continue
-                del best[kth]
-            best[info.step] = v
+            join_best(best, info.step, self.value(info), k, self.mode)
         return best
 
     def should_preserve(self, checkpoints: Sequence[Any], *, context: Any = None) -> list[bool]:

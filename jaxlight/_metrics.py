@@ -212,6 +212,18 @@ class LogSpec:
                 out[f"{key}_step" if opt.on_epoch else key] = value
         return out
 
+    def with_bare_names(self, values: dict[str, Any]) -> dict[str, Any]:
+        """`values` plus, for each name logged with both `on_step` and `on_epoch`, the bare
+        name holding its `_step` or `_epoch` value: Lightning's `callback_metrics` (what
+        monitors read) has all three, its loggers only the suffixed two."""
+        out = dict(values)
+        for name, opt in self.options.items():
+            if opt.on_step and opt.on_epoch:
+                for shown in (f"{name}_step", f"{name}_epoch"):
+                    if shown in values:
+                        out[name] = values[shown]
+        return out
+
     def epoch_name(self, name: str) -> str:
         opt = self.options[name]
         return f"{name}_epoch" if opt.on_step else name

@@ -9,7 +9,9 @@ way), or Lightning's dict:
 
 `s` is either an optax schedule, read as the factor the optimizer's learning rate is multiplied
 by (torch's `LambdaLR`: `optax.exponential_decay(1.0, 1, 0.5)` halves the rate every interval),
-indexed by optimizer steps (`"step"`) or completed epochs (`"epoch"`), divided by `frequency`;
+indexed by optimizer steps (`"step"`) or completed epochs (`"epoch"`), divided by `frequency`
+(as in Lightning, a step schedule counts `frequency` within each epoch: it advances after the
+epoch's batches `frequency`, 2 * `frequency`, ..., and an epoch's remainder is dropped);
 or a plateau scheduler: `jaxlight.schedules.ReduceLROnPlateau(...)` (torch's arguments and
 counting: lowers the rate after more than `patience` bad values) or
 `optax.contrib.reduce_on_plateau(...)` (after `patience` bad values), which multiply the rate by
@@ -147,8 +149,14 @@ class Scheduler:
                 go = feed & has_pending
                 plateau = jax.tree.map(lambda new, old: jnp.where(go, new, old), fed, plateau)
                 has_pending = has_pending & ~go
-            count = state.count + advance.astype(jnp.int32) if self.interval == "epoch" \
-                else state.count
+            if self.interval == "epoch":
+                count = state.count + advance.astype(jnp.int32)
+            else:
+                # A step schedule's count is frequency * (its steps in earlier epochs) + this
+                # epoch's batches; at an epoch's end the batches short of a full `frequency`
+                # are dropped, as Lightning counts `frequency` within each epoch.
+                count = jnp.where(advance, state.count // self.frequency * self.frequency,
+                                  state.count)
             return state._replace(count=count, plateau=plateau, pending=pending,
                                   has_pending=has_pending)
 
@@ -411,7 +419,7 @@ class ScheduleUpdate:
         warnings.warn(message + " The learning rate is not updated ('strict': False).",
                       stacklevel=3)
 
-    def after_validation(self, state, metrics: dict[str, float], global_step: int,
+    def after_validation(self, state, metrics: dict[str, float], epoch_batches: int,
                          epoch: int, epoch_end: bool):
         """Writes the monitored metric into the state; feeds the plateau when it is due."""
         sched = self.scheduler
@@ -421,7 +429,8 @@ class ScheduleUpdate:
             self.check_monitor(metrics)
             return state
         if sched.interval == "step":
-            feed = global_step % sched.frequency == 0
+            # Lightning counts `frequency` in batches of the current epoch.
+            feed = epoch_batches % sched.frequency == 0
         else:
             feed = epoch_end and (epoch + 1) % sched.frequency == 0
         return self._run(state, float(metrics[sched.monitor]), True, feed, False)
@@ -433,6 +442,8 @@ class ScheduleUpdate:
         """
         sched = self.scheduler
         if sched.interval != "epoch":
+            if sched.plateau is None and sched.frequency > 1:
+                return self._run(state, 0.0, False, False, True)  # drop the epoch's remainder
             return state
         feed = (sched.plateau is not None and not validation_follows
                 and (epoch + 1) % sched.frequency == 0)

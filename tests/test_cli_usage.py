@@ -59,7 +59,7 @@ def test_limit_train_batches_zero_is_refused(capsys):
     assert "--limit-train-batches" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("kw", [{"limit_train_batches": 0}, {"limit_val_batches": 0},
+@pytest.mark.parametrize("kw", [{"limit_train_batches": 0}, {"limit_val_batches": -1},
                                 {"limit_train_batches": -2}, {"limit_val_batches": 1.5},
                                 {"limit_train_batches": 0.0}, {"limit_train_batches": "3"}])
 def test_fit_refuses_batch_limits_that_select_nothing(kw):

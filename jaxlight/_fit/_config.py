@@ -15,14 +15,16 @@ from jaxlight._errors import ConfigurationError
 
 
 def _check_batch_limit(name: str, value: Any, verb: str) -> None:
-    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]."""
-    if value is None:
+    """A batch limit is None, a positive int (batches) or a float fraction in (0, 1]; the
+    validation limit may also be 0 (Lightning's way to turn validation off)."""
+    if value is None or (name == "limit_val_batches" and not isinstance(value, bool)
+                         and value in (0, 0.0)):
         return
     bad = (isinstance(value, bool) or not isinstance(value, int | float)
            or (isinstance(value, int) and value < 1)
            or (isinstance(value, float) and not 0.0 < value <= 1.0))
     if bad:
-        skip = ("pass no validation data to skip validation" if "val" in name
+        skip = ("0 or no validation data to skip validation" if "val" in name
                 else "set max_steps or max_epochs to train less")
         raise ConfigurationError(
             f"{name}={value!r} would {verb} no batch (or is not a batch count): give a positive "
@@ -127,6 +129,12 @@ class FitConfig:
             prefetch_batches=prefetch_batches,
         )
 
+    @property
+    def validation_off(self) -> bool:
+        """`limit_val_batches=0`: no validation at all (no sanity check, no hooks), as in
+        Lightning."""
+        return self.limit_val_batches is not None and self.limit_val_batches == 0
+
     def require_length(self) -> None:
         """`Fit.fit` needs a length; a Fit used only to validate, test or predict does not."""
         if self.max_steps is None and self.max_epochs is None and self.max_time is None:
@@ -181,6 +189,25 @@ def validation_interval(config: FitConfig, train_data: Any) -> int | None:
         per_epoch = min(per_epoch, limit) if limit else per_epoch
         return max(1, int(per_epoch * v))
     return int(v)
+
+
+def validates_after_step(config: FitConfig, every: int | None, global_step: int, epoch: int,
+                         batch_idx: int, taken: int) -> bool:
+    """Whether `val_check_interval` (`every`, from `validation_interval`) validates after the
+    step that just took `taken` loader batches, ending at `batch_idx` of `epoch`.
+
+    As Lightning: with `check_val_every_n_epoch` set, every `every`-th batch of the epoch (its
+    index within the epoch: an 8-batch epoch and interval 3 validate at batches 3 and 6 of each
+    epoch), only in the epochs that validate; with `check_val_every_n_epoch=None`, every
+    `every`-th step counted across epochs."""
+    if not every:
+        return False
+    n_epochs = config.check_val_every_n_epoch
+    if n_epochs is None:
+        return global_step % every == 0
+    if (epoch + 1) % n_epochs:
+        return False
+    return batch_idx // every > (batch_idx - taken) // every
 
 
 def check_validation_interval(config: FitConfig, train_data: Any) -> None:

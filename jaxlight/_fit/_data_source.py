@@ -137,8 +137,11 @@ class DataSource:
         if self.datamodule is not None and meta is not None and META_KEY in meta:
             self.datamodule.load_state_dict(meta[META_KEY])
 
-    def loaders(self) -> tuple:
-        """fit: `(train, val)` (val None without `val_dataloader`); other stages: `(data,)`."""
+    def loaders(self, val_first: bool = False) -> tuple:
+        """fit: `(train, val)` (val None without `val_dataloader`); other stages: `(data,)`.
+
+        A DataModule's loaders are asked for in Lightning's order: `train_dataloader` first,
+        unless a sanity check will run (`val_first`), which asks `val_dataloader` before."""
         dm = self.datamodule
         if self.module is not None:  # the module's own loaders (after its setup, as Lightning)
             name = LOADERS[self.stage]
@@ -152,8 +155,12 @@ class DataSource:
         if dm is None:
             return self.given
         if self.stage == "fit":
-            val = dm.val_dataloader() if defines(dm, "val_dataloader") else None
-            return self._checked(dm.train_dataloader(), "train_dataloader"), val
+            def val():
+                return dm.val_dataloader() if defines(dm, "val_dataloader") else None
+
+            first = val() if val_first else None
+            train = self._checked(dm.train_dataloader(), "train_dataloader")
+            return train, (first if val_first else val())
         name = LOADERS[self.stage]
         return (self._checked(getattr(dm, name)(), name),)
 

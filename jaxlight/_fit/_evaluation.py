@@ -125,7 +125,7 @@ class Evaluator:
             # Before the end hooks, where checkpoints are taken: they resume it.
             pos = self.position
             self.session.state = schedule.after_validation(
-                self.session.state, metrics, pos.global_step, pos.epoch, epoch_end)
+                self.session.state, metrics, pos.batch_idx, pos.epoch, epoch_end)
         self.log.callback_metrics.update(metrics)
         self.log.log(metrics, self.position.global_step)
         call("on_validation_epoch_end")
@@ -176,6 +176,7 @@ class Evaluator:
         `dataloader_idx` parameter is told N (it compiles once per loader).
         """
         loaders = several_loaders(data)
+        self.session.eval_loaders[method] = 1 if loaders is None else len(loaders)
         if loaders is None or len(loaders) == 1:  # one loader: no suffix, as in Lightning
             one = data if loaders is None else loaders[0]
             return self._evaluate_one(one, method, prefix, limit_arg, occasion, data_name,

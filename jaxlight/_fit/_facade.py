@@ -59,7 +59,8 @@ class Fit(FitView):
             As in Lightning, an int longer than the epoch is refused unless
             `check_val_every_n_epoch=None` (then it counts steps across epochs).
         check_val_every_n_epoch: epochs between end-of-epoch validations.
-        limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float).
+        limit_train_batches, limit_val_batches: batches per epoch (int) or fraction (float);
+            `limit_val_batches=0` turns validation off (Lightning's meaning).
         num_sanity_val_steps: validation batches run before training (-1: all, 0: none), as
             in Lightning: an error in `validation_step` or in the validation data shows before
             the first training step, not at the first validation. The step compiled for it is
@@ -242,7 +243,11 @@ class Fit(FitView):
                 self._session.choose_layout(None)  # restoring needs the layout before any batch
                 restored = restore_training(self._session, ckpt_path, fit=self)
             source.restore(None if restored is None else restored.meta)
-            train_data, val_data = source.loaders()
+            config = self._config
+            train_data, val_data = source.loaders(
+                val_first=config.num_sanity_val_steps != 0 and not config.validation_off)
+            if self._config.validation_off:
+                val_data = None
             self._session.check_schedule_data(val_data)
             self._train_data, self._val_data = train_data, val_data
             self._feed = TrainFeed(train_data)
@@ -280,6 +285,10 @@ class Fit(FitView):
         As Lightning's `trainer.validate(model, dataloaders, ckpt_path, datamodule=)`: `module`
         may be left out after a fit (the fit's module), and `dataloaders=` is `data`'s
         Lightning name; the same holds for `test` and `predict`."""
+        if self._config.validation_off:  # as Lightning: setup and teardown only, no metrics
+            return self._stage(module, "validate", ckpt_path, None, None, lambda d: {}, data,
+                               datamodule, unknown)
+
         def run(d):  # the epoch hooks inside the stage's start/end, as Lightning's validate
             self._call("on_validation_epoch_start")
             metrics = self._metrics(d, "validation_step", "val", self._config.limit_val_batches,
@@ -340,9 +349,11 @@ class Fit(FitView):
                 load_checkpoint(ckpt_path, module, strategy=self.strategy, fit=self)
                 self._session.state = None
             (data,) = source.loaders()
-            self._call(start)
+            if start is not None:
+                self._call(start)
             out = run(data)
-            self._call(end)
+            if end is not None:
+                self._call(end)
             return out
         except BaseException as exc:
             self._call("on_exception", exc)

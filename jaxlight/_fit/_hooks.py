@@ -154,7 +154,8 @@ class MetricLog:
         try:
             while self._queue:
                 queued, at = self._queue.pop(0)
-                self.logged_metrics.update(queued)
+                # "epoch" goes to the loggers but not into logged_metrics, as in Lightning.
+                self.logged_metrics.update((k, v) for k, v in queued.items() if k != "epoch")
                 self._hooks("on_log", queued, at)
         finally:
             self._logging = False

@@ -79,6 +79,8 @@ class Session:
         #: What `self.log` in the training step reports (filled when the step is traced).
         self.log_spec = _metrics.LogSpec()
         self._eval_specs: dict[str, _eval_totals.EvalSpec] = {}
+        #: Loaders each evaluation method last ran over (several: names get /dataloader_idx_N).
+        self.eval_loaders: dict[str, int] = {}
         self._current: tuple[TrainState, nnx.Module] | None = None
 
     # -- set-up ------------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class Session:
             self._compiled = {}
             self.log_spec = _metrics.LogSpec()
             self._eval_specs = {}
+            self.eval_loaders = {}
             self._shardings = None
             if self.auto is not None:
                 self.strategy = self.auto  # a new model: choose again
@@ -233,8 +236,19 @@ class Session:
 
     @property
     def progress_bar_metrics(self) -> set[str]:
-        """Names logged with `prog_bar=True` by the traced steps (training and evaluation)."""
-        return set(self.log_spec.prog_bar).union(*(s.prog_bar for s in self._eval_specs.values()))
+        """Names logged with `prog_bar=True` by the traced steps (training and evaluation);
+        an evaluation over several loaders shows each name as `<name>/dataloader_idx_N`, as
+        its metrics are named (Lightning's progress bar too)."""
+        names = set(self.log_spec.prog_bar)
+        for key, spec in self._eval_specs.items():
+            method, idx = (key, None) if isinstance(key, str) else key
+            n = self.eval_loaders.get(method, 1)
+            if n <= 1:
+                names.update(spec.prog_bar)
+            else:
+                names.update(f"{name}/dataloader_idx_{i}" for name in spec.prog_bar
+                             for i in (range(n) if idx is None else (idx,)))
+        return names
 
     # -- compiled steps ----------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from jaxlight._fit._config import (
     FitConfig,
     batch_limit,
     check_validation_interval,
+    validates_after_step,
     validation_interval,
 )
 from jaxlight._fit._evaluation import Evaluator
@@ -178,8 +179,10 @@ class TrainLoop:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
+            # Loggers also get the epoch (as Lightning's do); callback_metrics, as Lightning's,
+            # hold no "epoch", and the bare name of an on_step+on_epoch value.
+            self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
             metrics["epoch"] = float(self.position.epoch)
-            self.log.callback_metrics.update(metrics)
             self.log.log(metrics, pending.step)
             pending.log = False
         return None if final else pending
@@ -280,6 +283,9 @@ class TrainLoop:
         # Steps not yet waited for, oldest first; the newest is the one just dispatched.
         in_flight: collections.deque[_Pending] = collections.deque()
         first_epoch = True
+        # Resumed from a checkpoint taken mid-epoch: that epoch's on_train_epoch_start has run
+        # already (Lightning restarts mid-epoch without it).
+        resumed_mid_epoch = pos.batch_idx > 0
         if pos.multi_process:
             pos.agree_stop()
         while not self.done():
@@ -290,7 +296,8 @@ class TrainLoop:
                 k = self.batches_per_step = batches_per_step(session.callbacks, pos.epoch)
                 compiled = self._step_for(k, one, first_name)[0]
                 pairs = self._epoch_batches(limit)
-            call("on_train_epoch_start")
+            if not (first_epoch and resumed_mid_epoch):
+                call("on_train_epoch_start")
             start = pos.batch_idx
             batches = Prefetcher(pairs, put, self.prefetch_depth(train_data),
                                  lambda b, n, s=start: check(b, n, s))
@@ -322,7 +329,8 @@ class TrainLoop:
                     call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
                          pos.batch_idx - 1)
                     self.after_step()
-                    if val_every and pos.global_step % val_every == 0 and val_data is not None:
+                    if val_data is not None and validates_after_step(
+                            config, val_every, pos.global_step, pos.epoch, pos.batch_idx, taken):
                         self._retire_all(in_flight)
                         self.evaluator.run_validation(val_data)
                         logged = True
@@ -339,23 +347,25 @@ class TrainLoop:
                     "(a list, jaxlight.data.ArrayLoader) or set max_steps within one pass."
                 )
             self._retire_all(in_flight)
-            if self.hit_max_steps() and not self.epoch_exhausted(train_data, limit):
-                break  # stopped mid-epoch: no epoch-end hooks, as in Lightning
+            # Stopped at max_steps mid-epoch: as Lightning, the epoch-end hooks run (and the
+            # checkpoints they take resume mid-epoch), but no end-of-epoch validation and no
+            # epoch-interval scheduler step; the position stays in the epoch.
+            mid_epoch = self.hit_max_steps() and not self.epoch_exhausted(train_data, limit)
             epoch_values = epoch_metrics.compute()
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
-                self.log.callback_metrics.update(epoch_values)
+                self.log.callback_metrics.update(session.log_spec.with_bare_names(epoch_values))
                 self.log.log(epoch_values, pos.global_step)
 
             def validation_due() -> bool:
                 # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the
                 # end-of-epoch validation, as Lightning does: the epoch did not end.
                 stopped_early = pos.should_stop and not self.epoch_exhausted(train_data, limit)
-                return bool(val_data is not None and val_every is None
+                return bool(val_data is not None and val_every is None and not mid_epoch
                             and config.check_val_every_n_epoch
                             and (pos.epoch + 1) % config.check_val_every_n_epoch == 0
                             and not stopped_early)
 
-            if session.schedule is not None:
+            if session.schedule is not None and not mid_epoch:
                 # Epoch-interval schedulers advance before the epoch-end hooks, where
                 # checkpoints are taken, so that a resumed fit continues them exactly.
                 session.state = session.schedule.at_epoch_end(session.state, pos.epoch,
@@ -368,6 +378,8 @@ class TrainLoop:
             call("on_train_epoch_end")
             if pos.multi_process:
                 pos.agree_stop()
+            if mid_epoch:
+                break
             pos.epoch += 1
             pos.batch_idx = 0
         self._retire_all(in_flight)

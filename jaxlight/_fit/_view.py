@@ -13,10 +13,11 @@ import jax
 
 from jaxlight import strategies as _strategies
 from jaxlight._ckpt_paths import CheckpointLocation
-from jaxlight._fit._config import validation_interval
+from jaxlight._fit._config import validates_after_step, validation_interval
 from jaxlight._fit._resume import checkpoint_locations
 from jaxlight._fit._session import Session
 from jaxlight._state import TrainState
+from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._feed import TrainFeed
 
 
@@ -113,6 +114,21 @@ class FitView:
         """Training steps between validations during fit (None: at epoch ends)."""
         return None if self._train_data is None else validation_interval(self._config,
                                                                          self._train_data)
+
+    @property
+    def validates_after_step(self) -> bool:
+        """Whether the loop validates right after the step just taken (`val_check_interval`;
+        False when it validates only at epoch ends)."""
+        if self._val_data is None or self._config.val_check_interval is None:
+            return False
+        try:
+            every = self.val_every_n_steps
+        except Exception:  # noqa: BLE001 - no len(): the loop could not validate by fraction
+            return False
+        pos = self._position
+        taken = batches_per_step(self.callbacks)
+        return validates_after_step(self._config, every, pos.global_step, pos.epoch,
+                                    pos.batch_idx, taken)
 
     @property
     def checkpoint_locations(self) -> list[CheckpointLocation]:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxlight._ckpt_paths import default_dirpath
-from jaxlight._ckpt_writer import CheckpointWriter
+from jaxlight._ckpt_writer import CheckpointWriter, join_best
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
 
@@ -39,15 +39,18 @@ class ModelCheckpoint(Callback):
     When it saves: every `every_n_steps` optimizer steps (the state after that step; if a
     validation runs at that step, after it, so the monitored value is fresh), or every
     `every_n_epochs` epochs at the epoch's end (after its validation, as in Lightning); with
-    neither, at the end of every epoch. With `save_last`, the final state is also saved when
-    training ends.
+    neither, at the end of every epoch. By default (`save_last=None`) the final state is also
+    saved when training ends, so that `ckpt_path="last"` resumes where the fit stopped.
 
     Which it keeps: with `monitor`, the `save_top_k` best by the monitored value: a training
     metric of the saved step itself for `every_n_steps` saves, else the latest value in
     `fit.callback_metrics` (validation metrics are named `val_<name>`). A non-finite value
     never counts as better than a finite one. Without `monitor`, the `save_top_k` latest.
-    `save_top_k=-1` keeps all, `0` none but the last. With `save_last`, the newest checkpoint is
-    always kept too (what `ckpt_path="last"` resumes from).
+    `save_top_k=-1` keeps all, `0` none but the last. By default the newest checkpoint is always
+    kept too (what `ckpt_path="last"` resumes from). `save_last=True` is Lightning's `last.ckpt`
+    instead: a step is written only when it joins the best `save_top_k` (with `monitor`), the
+    newest such save is `last_model_path`, and the final state is saved at the end only if the
+    fit saved nothing. `save_last=False` keeps no newest step and saves nothing at the end.
 
     Args:
         dirpath: the checkpoint directory (default `<default_root_dir>/checkpoints`).
@@ -57,7 +60,10 @@ class ModelCheckpoint(Callback):
         monitor: a metric name in `fit.callback_metrics` ranking the checkpoints.
         mode: "min" or "max": which monitored values are better.
         save_top_k: how many ranked checkpoints to keep (-1: all).
-        save_last: always keep the newest checkpoint, and save the final state at the end.
+        save_last: None (default): also keep the newest checkpoint and save the final state at
+            the end (jaxlight's resumable default); True: Lightning's `last.ckpt` (the newest
+            save, written only when it ranks; the final state only if nothing was saved);
+            False: neither.
         async_save: write in a background thread while training continues.
         compress: compress the array data with orbax's zstd: about 8% fewer bytes for a
             float32 train state, for about a quarter more CPU time per save (more for
@@ -76,7 +82,7 @@ class ModelCheckpoint(Callback):
         monitor: str | None = None,
         mode: str = "min",
         save_top_k: int = 1,
-        save_last: bool = True,
+        save_last: bool | None = None,
         async_save: bool = True,
         compress: bool = False,
         every_n_train_steps: int | None = None,
@@ -103,6 +109,10 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(save_top_k={save_top_k!r}): give -1 (keep all), 0 or a "
                 "positive number."
             )
+        if save_last not in (None, True, False):
+            raise ConfigurationError(
+                f"ModelCheckpoint(save_last={save_last!r}): give None (keep the newest step and "
+                "save the final state: the default), True (Lightning's last.ckpt) or False.")
         for name, flag in (("async_save", async_save), ("compress", compress)):
             if not isinstance(flag, bool):
                 raise ConfigurationError(f"ModelCheckpoint({name}={flag!r}): give True or False.")
@@ -119,9 +129,12 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.best_step: int | None = None
         self.best_model_path: str | None = None
-        #: The step directory of the newest save, with `save_last` (None without, as Lightning's
-        #: is empty).
+        #: The step directory of the newest save, unless `save_last=False` (then None, as
+        #: Lightning's is empty).
         self.last_model_path: str | None = None
+        #: save_last=True: the best save_top_k saved so far (step -> value), Lightning's rule.
+        self._ranked: dict[int, float] = {}
+        self._saved_in_fit = False
         self._writer = None
         self._retention = None  # the writer's retention policy (kept after the writer closes)
         self._stage: str | None = None
@@ -151,7 +164,8 @@ class ModelCheckpoint(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor, "mode": self.mode, "best_model_score":
                 self.best_model_score, "best_step": self.best_step,
-                "best_model_path": self.best_model_path, "last_model_path": self.last_model_path}
+                "best_model_path": self.best_model_path, "last_model_path": self.last_model_path,
+                "ranked": {str(k): v for k, v in self._ranked.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("monitor") != self.monitor:
@@ -160,6 +174,7 @@ class ModelCheckpoint(Callback):
         self.best_step = state.get("best_step")
         self.best_model_path = state.get("best_model_path")
         self.last_model_path = state.get("last_model_path")
+        self._ranked = {int(k): float(v) for k, v in (state.get("ranked") or {}).items()}
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -169,7 +184,8 @@ class ModelCheckpoint(Callback):
             return
         self._writer = CheckpointWriter(
             self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
-            save_top_k=self.save_top_k, save_last=self.save_last, async_save=self.async_save,
+            save_top_k=self.save_top_k, save_last=self.save_last is not False,
+            async_save=self.async_save,
             compress=self.compress)
         self._retention = self._writer.retention
         self._dirpath_used = self._writer.dirpath
@@ -181,6 +197,7 @@ class ModelCheckpoint(Callback):
 
     def on_train_start(self, fit, module) -> None:
         self._deferred = False
+        self._saved_in_fit = False
         if (self.monitor is not None and self.monitor.startswith("val_")
                 and fit.val_data is None):
             raise ConfigurationError(
@@ -194,7 +211,7 @@ class ModelCheckpoint(Callback):
             self._writer.check_failed()  # a background save's failure shows at the next step
         if self.every_n_steps is None or fit.global_step % self.every_n_steps:
             return
-        if _validation_due(fit):
+        if fit.validates_after_step:
             self._deferred = True
             return
         current = None
@@ -224,8 +241,8 @@ class ModelCheckpoint(Callback):
         if self._deferred:
             self._deferred = False
             self._save(fit, module)
-        if self.save_last:
-            self._save(fit, module)
+        if self.save_last is None or (self.save_last and not self._saved_in_fit):
+            self._save(fit, module, last=True)
         if self.monitor is not None and self.monitor not in fit.callback_metrics:
             self._missing_monitor(fit)
         if self._writer is not None:
@@ -262,18 +279,25 @@ class ModelCheckpoint(Callback):
             self._missing_monitor(fit)
         return None
 
-    def _save(self, fit, module, *, pin: bool = False, current: float | None = None) -> bool:
+    def _save(self, fit, module, *, pin: bool = False, current: float | None = None,
+              last: bool = False) -> bool:
         if self._writer is None or fit.state is None:
             return False
         value = current if current is not None else self._monitor_value(fit, strict=not pin)
         finite = value is not None and math.isfinite(value)
-        if (self.monitor is not None and not finite and not self.save_last and not pin
-                and self.save_top_k != -1):
+        ranks = self.monitor is not None and self.save_top_k != -1 and not pin and not last
+        if ranks and not finite and self.save_last is not None:
             return False  # it could never rank (and keep-all is off): do not spend a write
+        if ranks and self.save_last and not join_best(
+                dict(self._ranked), fit.global_step, value, self.save_top_k, self.mode):
+            return False  # Lightning writes (and points last.ckpt at) only a ranking save
         saved = self._writer.save(fit, module, value, pin=pin)
         if saved:
+            self._saved_in_fit = True
+            if ranks and self.save_last:
+                join_best(self._ranked, fit.global_step, value, self.save_top_k, self.mode)
             path = self._writer.step_dir(fit.global_step)
-            if self.save_last:  # Lightning's last_model_path: only with save_last
+            if self.save_last is not False:  # Lightning's is empty without save_last
                 self.last_model_path = path
             if self.monitor is None:  # Lightning: without a monitor, the newest is "best"
                 self.best_step, self.best_model_path = fit.global_step, path
@@ -298,14 +322,3 @@ class ModelCheckpoint(Callback):
         if wait:
             self._writer.wait()
         return self._writer.step_dir(step)
-
-
-def _validation_due(fit) -> bool:
-    """Whether the loop validates right after this training step (val_check_interval)."""
-    if fit.val_data is None or fit.val_check_interval is None:
-        return False
-    try:
-        every = fit.val_every_n_steps
-    except Exception:  # noqa: BLE001 - no len(): the loop could not validate by fraction either
-        return False
-    return bool(every) and fit.global_step % every == 0

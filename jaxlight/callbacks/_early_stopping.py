@@ -14,8 +14,12 @@ class EarlyStopping(Callback):
 
     The check runs after every validation during `fit` when `monitor` is a validation metric
     (`val_<name>`), else at the end of every training epoch on the latest logged training
-    metrics. An improvement is a value better than the best so far by more than `min_delta`.
-    With `check_finite`, a NaN or infinite value stops training at once.
+    metrics; `check_on_train_epoch_end=True` / `False` chooses the epoch's end / the end of each
+    validation explicitly (Lightning's argument). An improvement is a value better than the
+    best so far by more than `min_delta`. With `check_finite`, a NaN or infinite value stops
+    training at once; so does a value better than `stopping_threshold` (the goal is reached)
+    or worse than `divergence_threshold`, checked in that order before the improvement, as in
+    Lightning.
 
     The decision is the same on every process: the metrics it reads are global (reduced on
     device, then copied whole to every host), so every process computes the same decision from
@@ -31,6 +35,12 @@ class EarlyStopping(Callback):
         mode: "min" or "max": which values are better.
         min_delta: the smallest change that counts as an improvement.
         check_finite: stop when the monitored value is NaN or infinite.
+        stopping_threshold: stop as soon as the value is better than this (below it in "min"
+            mode, above it in "max").
+        divergence_threshold: stop as soon as the value is worse than this (above it in "min"
+            mode, below it in "max").
+        check_on_train_epoch_end: check at the end of each training epoch (True) or after each
+            validation (False); None: after validation for a `val_` metric, else at epoch ends.
 
     Example:
         >>> from jaxlight import callbacks
@@ -38,7 +48,10 @@ class EarlyStopping(Callback):
     """
 
     def __init__(self, monitor: str, patience: int = 3, mode: str = "min",
-                 min_delta: float = 0.0, check_finite: bool = True):
+                 min_delta: float = 0.0, check_finite: bool = True,
+                 stopping_threshold: float | None = None,
+                 divergence_threshold: float | None = None,
+                 check_on_train_epoch_end: bool | None = None):
         if mode not in ("min", "max"):
             raise ConfigurationError(f"EarlyStopping(mode={mode!r}): mode is 'min' or 'max'.")
         if not isinstance(patience, int) or patience < 1:
@@ -48,8 +61,25 @@ class EarlyStopping(Callback):
             raise ConfigurationError(
                 f"EarlyStopping(min_delta={min_delta}): give a non-negative amount; the mode "
                 "says which direction is better.")
+        for name, value in (("stopping_threshold", stopping_threshold),
+                            ("divergence_threshold", divergence_threshold)):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, int | float)):
+                raise ConfigurationError(
+                    f"EarlyStopping({name}={value!r}): give a number (a value of the monitored "
+                    "metric) or None.")
+        if check_on_train_epoch_end not in (None, True, False):
+            raise ConfigurationError(
+                f"EarlyStopping(check_on_train_epoch_end={check_on_train_epoch_end!r}): give "
+                "True (check at each training epoch's end), False (after each validation) or "
+                "None (after validation for a val_ metric, else at epoch ends).")
         self.monitor = monitor
         self.patience = patience
+        self.stopping_threshold = (None if stopping_threshold is None
+                                   else float(stopping_threshold))
+        self.divergence_threshold = (None if divergence_threshold is None
+                                     else float(divergence_threshold))
+        self.check_on_train_epoch_end = check_on_train_epoch_end
         self.mode = mode
         self.min_delta = float(min_delta)
         self.check_finite = check_finite
@@ -82,13 +112,27 @@ class EarlyStopping(Callback):
                 "Fit.fit got no val_data. Pass val_data or monitor a training metric."
             )
 
+    def _on_epoch_end(self) -> bool:
+        """Whether the check runs at training epochs' ends (else after validations)."""
+        if self.check_on_train_epoch_end is None:
+            return not self.monitor.startswith("val_")
+        return self.check_on_train_epoch_end
+
     def on_validation_end(self, fit, module) -> None:
-        if self._stage == "fit" and self.monitor.startswith("val_"):
+        if self._stage == "fit" and not self._on_epoch_end():
             self._check(fit)
 
     def on_train_epoch_end(self, fit, module) -> None:
-        if not self.monitor.startswith("val_"):
+        if self._on_epoch_end():
             self._check(fit)
+
+    def _beyond(self, value: float, threshold: float | None, better: bool) -> bool:
+        """Whether `value` is strictly better (or, `better=False`, worse) than `threshold`."""
+        if threshold is None:
+            return False
+        if (self.mode == "min") == better:
+            return value < threshold
+        return value > threshold
 
     def _improved(self, value: float) -> bool:
         if self.best_score is None:
@@ -104,6 +148,12 @@ class EarlyStopping(Callback):
                 return (f"EarlyStopping: {self.monitor} = {value} is not finite; best was "
                         f"{self.best_score}.")
             self.wait_count += 1
+        elif self._beyond(value, self.stopping_threshold, better=True):
+            return (f"EarlyStopping: {self.monitor} = {value} reached stopping_threshold="
+                    f"{self.stopping_threshold}.")
+        elif self._beyond(value, self.divergence_threshold, better=False):
+            return (f"EarlyStopping: {self.monitor} = {value} crossed divergence_threshold="
+                    f"{self.divergence_threshold}; best was {self.best_score}.")
         elif self._improved(value):
             self.best_score, self.wait_count = value, 0
             return None

@@ -63,6 +63,10 @@ def test_monitor_never_logged_lists_logged_metrics():
         make_fit("single", 4, [callbacks.EarlyStopping("val_loss")]).fit(Classifier(), loader())
     with pytest.raises(jl.ConfigurationError, match="patience"):
         callbacks.EarlyStopping("val_loss", patience=0)
+    with pytest.raises(jl.ConfigurationError, match=r"stopping_threshold='1'\): give a number"):
+        callbacks.EarlyStopping("val_loss", stopping_threshold="1")
+    with pytest.raises(jl.ConfigurationError, match=r"check_on_train_epoch_end='yes'\): give"):
+        callbacks.EarlyStopping("val_loss", check_on_train_epoch_end="yes")
 
 
 def test_state_is_checkpointed_and_restored(tmp_path):

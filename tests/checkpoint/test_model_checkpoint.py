@@ -124,9 +124,9 @@ def test_top_k_by_monitored_metric_and_best_and_last(tmp_path):
             logged[step] = metrics["val_loss"]
 
     # mode="max" on a falling validation loss keeps the earliest checkpoints: the ranking,
-    # not recency, decides; save_last keeps the newest as well.
+    # not recency, decides; by default (save_last=None) the newest is kept as well.
     ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=2, monitor="val_loss", mode="max",
-                                     save_top_k=2, save_last=True)
+                                     save_top_k=2)
     fit = make_fit("dp", 10, [ckpt, callbacks.LambdaCallback(on_log=record)],
                    val_check_interval=2, log_every_n_steps=1)
     fit.fit(Classifier(lr=5e-2), loader(), _val_data())
@@ -163,8 +163,7 @@ def _nan_loader():
 
 
 def test_nonfinite_monitored_value_never_replaces_a_good_checkpoint(tmp_path):
-    ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=1, monitor="loss", save_top_k=1,
-                                     save_last=True)
+    ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=1, monitor="loss", save_top_k=1)
     fit = make_fit("single", 8, [ckpt], log_every_n_steps=1)
     fit.fit(Classifier(), _nan_loader())
     assert math.isnan(fit.callback_metrics["loss"])

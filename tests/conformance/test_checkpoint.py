@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlight import callbacks
-from tests.conformance._cases import case, cases_of, claim, fixture, known_difference
+from tests.conformance._cases import case, claim, departure, fixture
 from tests.conformance._jaxlight import Passes, Reg, batches, make_fit
 
 G = "checkpoint"
@@ -22,10 +22,11 @@ def _step(path):
     return None if not path else int(os.path.basename(os.path.normpath(path)))
 
 
-def _run(name, tmp_path):
+def _run(name, tmp_path, **override):
     expected = case(G, name)
     kw = dict(expected["kwargs"])  # Lightning's argument names, every_n_train_steps included
-    kw.setdefault("save_last", False)  # Lightning's default (None)
+    kw.setdefault("save_last", False)  # Lightning's default (None): no last checkpoint
+    kw.update(override)
     ck = callbacks.ModelCheckpoint(tmp_path / "ck", monitor=expected["monitor"], **kw)
     values = expected["values"]
     x = fixture(G)["problem"]["val"]["x"][:4]
@@ -39,12 +40,7 @@ def _run(name, tmp_path):
     return expected, ck, kept
 
 
-_LAST = ("save_last keeps the newest step as a checkpoint of its own (last_model_path = step "
-         "12); Lightning's last.ckpt is a copy of the newest top-k save (step 8)")
-
-
-@pytest.mark.parametrize("name", cases_of(CASES, {
-    "save_last": _LAST}))
+@pytest.mark.parametrize("name", CASES)
 @claim("ModelCheckpoint keeps the same steps on disk and names the same best step "
        "(save_top_k with ties, mode, every_n_epochs, every_n_train_steps, training monitor)")
 def test_kept_and_best(name, tmp_path):
@@ -62,7 +58,6 @@ def test_best_k_models(tmp_path):
     assert got == expected["best_k_models"]
 
 
-@known_difference(_LAST)
 @claim("save_last=True: last_model_path is Lightning's last.ckpt (rewritten whenever a "
        "checkpoint is saved)")
 def test_save_last(tmp_path):
@@ -75,3 +70,15 @@ def test_no_last_model_path_without_save_last(tmp_path):
     expected, ck, _ = _run("top_1_ties", tmp_path)
     assert expected["last_step"] is None
     assert not ck.last_model_path
+
+
+@departure("ModelCheckpoint's default (save_last=None) also keeps the newest step and saves the "
+           "final state, so ckpt_path='last' resumes where the fit stopped; Lightning's default "
+           "keeps only the save_top_k",
+           section="Deliberate departures")
+def test_default_keeps_the_newest_step(tmp_path):
+    expected, ck, kept = _run("top_1_ties", tmp_path, save_last=None)
+    assert expected["kept_steps"] == [4] and not expected["has_last"]
+    assert kept == [4, 12]
+    assert _step(ck.best_model_path) == expected["best_step"]
+    assert _step(ck.last_model_path) == 12

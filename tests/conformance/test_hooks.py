@@ -22,10 +22,8 @@ from jaxlight import callbacks
 from tests.conformance._cases import (
     assert_sequence,
     case,
-    cases_of,
     claim,
     departure,
-    known_difference,
 )
 from tests.conformance._jaxlight import Batches, Recorder, Reg, batches, hooked, make_fit
 
@@ -56,6 +54,14 @@ def test_fit_two_epochs():
 def test_fit_no_val():
     calls = _fit_calls(val=False, max_epochs=1, limit_train_batches=2)
     assert_sequence(calls, case(G, "fit_no_val")["calls"])
+
+
+@claim("fit with limit_val_batches=0 validates nothing (no sanity check, no validation hook), "
+       "as Lightning")
+def test_fit_limit_val_batches_0():
+    calls = _fit_calls(max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                       num_sanity_val_steps=2)
+    assert_sequence(calls, case(G, "fit_limit_val_batches_0")["calls"])
 
 
 @claim("a ModelCheckpoint saving every epoch calls on_save_checkpoint right after "
@@ -106,9 +112,6 @@ def test_resume_max_epochs(tmp_path):
     assert fit.global_step == expected["global_step"]
 
 
-@known_difference("resuming mid-epoch calls on_train_epoch_start again, and ending at max_steps "
-                  "mid-epoch calls no on_train_epoch_end (Lightning: none, then one, with the "
-                  "checkpoint saved there)")
 @claim("resuming mid-epoch (max_steps 1 -> 3) continues at batch 1 with Lightning's hooks")
 def test_resume_max_steps(tmp_path):
     calls, fit = _resume(tmp_path, dict(max_steps=1), dict(max_steps=3))
@@ -133,8 +136,6 @@ def test_validate_2_batches():
     assert_sequence(_eval_calls("validate", 2), case(G, "validate_2_batches")["calls"])
 
 
-@known_difference("limit_val_batches=0 is refused (ConfigurationError); Lightning validates "
-                  "nothing")
 @claim("validate with limit_val_batches=0 calls only setup and teardown, as Lightning")
 def test_validate_0_batches():
     assert_sequence(_eval_calls("validate", 0), case(G, "validate_0_batches")["calls"])
@@ -202,15 +203,23 @@ class HookedDataModule(jl.DataModule):
         return self._val()
 
 
-@pytest.mark.parametrize("verb", cases_of(["fit", "validate", "test", "predict"], {
-    "fit": "without a sanity check Lightning asks train_dataloader before val_dataloader; "
-           "jaxlight asks val_dataloader first"}))
+@pytest.mark.parametrize("verb", ["fit", "validate", "test", "predict"])
 @claim("a DataModule's hooks run in Lightning's order in each stage")
 def test_datamodule(verb):
     called = []
     fit = make_fit(max_epochs=1, limit_train_batches=2, limit_val_batches=2)
     getattr(fit, verb)(Reg(G), datamodule=HookedDataModule(called))
     assert_sequence(called, case(G, f"datamodule_{verb}")["calls"])
+
+
+@claim("with a sanity check, a DataModule's val_dataloader is asked for before "
+       "train_dataloader, as Lightning")
+def test_datamodule_fit_sanity_check():
+    called = []
+    fit = make_fit(max_epochs=1, limit_train_batches=2, limit_val_batches=2,
+                   num_sanity_val_steps=2)
+    fit.fit(Reg(G), datamodule=HookedDataModule(called))
+    assert_sequence(called, case(G, "datamodule_fit_sanity_check")["calls"])
 
 
 def _training_mode(model) -> bool:

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 import jaxlight as jl
-from tests.conformance._cases import case, cases_of, claim, departure, known_difference
+from tests.conformance._cases import case, claim, departure
 from tests.conformance._jaxlight import RTOL, Batches, Reg, _mse, batches, make_fit
 
 G = "metrics"
-#: Keys jaxlight's logged_metrics / callback_metrics hold that Lightning's do not: the training
-#: loss a step returns, and the epoch. The other cases compare the rest; test_same_keys the keys.
-EXTRA = {"loss", "epoch"}
+#: The key jaxlight's logged_metrics / callback_metrics hold that Lightning's do not: the training
+#: loss a step returns (a pinned departure). The other cases compare the rest; test_same_keys
+#: the keys.
+EXTRA = {"loss"}
 
 
 class Logs(Reg):
@@ -54,14 +55,16 @@ def _run(name, module, val=None):
     return fit
 
 
-@known_difference("jaxlight's logged_metrics and callback_metrics also hold 'loss' and 'epoch'")
-@claim("logged_metrics and callback_metrics hold exactly Lightning's names")
+@departure("logged_metrics and callback_metrics hold Lightning's names and also 'loss', the loss "
+           "training_step returns (Lightning logs only what self.log names)",
+           section="Deliberate departures")
 def test_same_keys():
     fit = make_fit(max_epochs=2)
     fit.fit(Logs({}), batches(G), _val())
     expected = case(G, "train_default")
-    assert sorted(fit.logged_metrics) == sorted(expected["logged"])
-    assert sorted(fit.callback_metrics) == sorted(expected["callback"])
+    assert "loss" not in expected["logged"] and "loss" not in expected["callback"]
+    assert sorted(fit.logged_metrics) == sorted([*expected["logged"], "loss"])
+    assert sorted(fit.callback_metrics) == sorted([*expected["callback"], "loss"])
 
 
 LOGS = {
@@ -74,20 +77,13 @@ LOGS = {
 }
 
 
-_BARE = ("on_step=True, on_epoch=True: Lightning's callback_metrics also holds the bare name "
-         "(the epoch value); jaxlight's has only _step and _epoch")
-
-
-@pytest.mark.parametrize("name", cases_of(sorted(LOGS), {"train_on_step_and_epoch": _BARE,
-                                                         "train_prog_bar": _BARE}))
+@pytest.mark.parametrize("name", sorted(LOGS))
 @claim("self.log's on_step / on_epoch / prog_bar / batch_size give Lightning's metric names "
        "(_step / _epoch) and values (epoch means weighted by batch size)")
 def test_logged(name):
     _run(name, Logs(*LOGS[name]))
 
 
-@known_difference("several loaders: progress_bar_metrics keeps the bare name (val_abs); "
-                  "Lightning's is suffixed /dataloader_idx_N like the other metrics")
 @claim("several validation loaders: each is evaluated and its metrics are suffixed "
        "/dataloader_idx_N")
 def test_val_two_loaders():

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxlight as jl
-from tests.conformance._cases import case, claim, fixture, known_difference
+from tests.conformance._cases import case, claim, fixture
 from tests.conformance._jaxlight import Passes, Reg, assert_weights, batches, make_fit
 
 G = "optim"
@@ -82,9 +82,6 @@ def test_lambdalr_step():
                                            "interval": "step"}), max_epochs=2)
 
 
-@known_difference("with interval 'step', Lightning steps the scheduler when the batch index "
-                  "within the epoch + 1 is a multiple of frequency; jaxlight every frequency "
-                  "global steps")
 @claim("{'interval': 'step', 'frequency': 3} steps the scheduler as Lightning does")
 def test_lambdalr_step_frequency_3():
     _run("lambdalr_step_frequency_3", Scheduled(entry={

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxlight import callbacks
-from tests.conformance._cases import assert_sequence, case, cases_of, claim, fixture
+from tests.conformance._cases import assert_sequence, case, claim, fixture
 from tests.conformance._jaxlight import Reg, batches, make_fit
 
 G = "validation"
@@ -32,9 +32,7 @@ class Validations(callbacks.Callback):
 CASES = sorted(fixture(G)["cases"])
 
 
-@pytest.mark.parametrize("name", cases_of(CASES, {
-    "val_check_interval_int_3": "an int val_check_interval counts global steps (3, 6, 9, 12, 15); "
-                                "Lightning counts batches within the epoch (3, 6, 11, 14)"}))
+@pytest.mark.parametrize("name", CASES)
 @claim("validation runs after the same steps, on the same number of batches, for the same "
        "max_epochs / max_steps / limit_*_batches / val_check_interval / "
        "check_val_every_n_epoch / num_sanity_val_steps / fast_dev_run")

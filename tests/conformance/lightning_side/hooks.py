@@ -38,6 +38,12 @@ calls, module, tr = hooked(max_epochs=1, limit_train_batches=2)
 tr.fit(module, train)
 cases["fit_no_val"] = {"calls": calls}
 
+# limit_val_batches=0 turns validation off: no sanity check, no validation hook
+calls, module, tr = hooked(max_epochs=1, limit_train_batches=2, limit_val_batches=0,
+                           num_sanity_val_steps=2)
+tr.fit(module, train, val)
+cases["fit_limit_val_batches_0"] = {"calls": calls}
+
 # a ModelCheckpoint saving at every epoch's end: on_save_checkpoint after on_train_epoch_end
 ckdir = tmpdir()
 calls, module, tr = hooked(max_epochs=2, limit_train_batches=2, limit_val_batches=2,
@@ -133,6 +139,13 @@ for verb in ("fit", "validate", "test", "predict"):
     kw = {} if verb in ("fit", "predict") else {"verbose": False}
     getattr(tr, verb)(Reg(prob), datamodule=HookedDataModule(called), **kw)
     cases[f"datamodule_{verb}"] = {"calls": called}
+
+# with the sanity check the validation loader is asked for first
+called = []
+tr = trainer(tmpdir(), max_epochs=1, limit_train_batches=2, limit_val_batches=2,
+             num_sanity_val_steps=2)
+tr.fit(Reg(prob), datamodule=HookedDataModule(called))
+cases["datamodule_fit_sanity_check"] = {"calls": called}
 
 # test_train_eval_mode_restored / load_from_checkpoint: the module's mode after each call
 ckdir = tmpdir()
