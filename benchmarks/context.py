@@ -30,6 +30,7 @@ allocated at the long lengths.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -257,15 +258,18 @@ def main():
     report = {"model": {"width": WIDTH, "heads": HEADS, "head_dim": HEAD_DIM, "layers": LAYERS,
                         "vocab": VOCAB, "batch": BATCH},
               "backend": jax.default_backend(), "devices": len(jax.devices())}
-    if "memory" in args.only:
-        report["memory"] = memory_section(args.lengths, args.degrees)
-    if "equality" in args.only:
-        report["equality"] = equality_section(args.equality_length, args.equality_steps)
-    if "time" in args.only:
-        report["time"] = time_section(args.time_length, args.rounds, args.steps)
-    if "reach" in args.only:
-        report["reach"] = reach_section(args.degrees, args.budget_length)
+    partial = (args.out or os.path.join(HERE, "results", "context.json")) + ".partial"
+    sections = {"memory": lambda: memory_section(args.lengths, args.degrees),
+                "equality": lambda: equality_section(args.equality_length, args.equality_steps),
+                "time": lambda: time_section(args.time_length, args.rounds, args.steps),
+                "reach": lambda: reach_section(args.degrees, args.budget_length)}
+    for name, run in sections.items():
+        if name in args.only:
+            report[name] = run()
+            with open(partial, "w") as f:  # what is measured survives an interrupted run
+                json.dump(report, f, indent=2)
     write_result("context", report, args.out)
+    os.remove(partial)
 
 
 if __name__ == "__main__":

@@ -473,6 +473,11 @@ class Hybrid(Pipelined, SpmdStrategy):
                  devices: Sequence[jax.Device] | None = None):
         self.context_attention = check_context_algorithm(context_attention, "Hybrid")
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
+        if shape.get("pipe", 1) != 1 and shape.get("context", 1) != 1:
+            raise ConfigurationError(
+                f"Hybrid: mesh_shape {shape} has both a pipe and a context axis; context "
+                "parallelism does not run inside the pipeline schedule yet. Use the context "
+                "axis with data, fsdp and tp, or the pipe axis without context.")
         user, full = with_default_rules(rules, "Hybrid")
         if "pipe" in shape:
             full = (("layers", "pipe"), *full)  # each stage holds its own layers

@@ -27,8 +27,11 @@ from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
 from jaxlight import _hlo, callbacks, strategies
+from jaxlight._state import model_spec
+from jaxlight._step import build_optimizer
 from jaxlight.nn import causal_attention
 from jaxlight.nn._context_attention import context_parallel
+from jaxlight.strategies._auto_candidates import enumerate_candidates
 from tests.strategies.context_runs import context_data, context_module
 
 STEPS = 4
@@ -169,3 +172,26 @@ def test_sequence_not_divisible_by_context_is_refused():
 def test_unknown_algorithm_is_refused():
     with pytest.raises(jl.ConfigurationError, match=r"context_attention='rign'.*'ring'"):
         strategies.Hybrid({"context": 8}, context_attention="rign")
+
+
+def test_plan_shows_the_context_collectives(ring):
+    plan = ring["fit"].plan(context_module(), next(iter(context_data(1))), verbose=False)
+    # 1 layer-scan of 2 layers × 7 hops × (K, V) forward, the same of dK, dV backward.
+    assert ("context: ring attention, each sequence split over 8 devices (1/8 of its "
+            "activations per device); attention collectives: 56 collective-permute per step"
+            ) in plan.table()
+
+
+def test_auto_considers_context_for_long_sequences():
+    module = context_module()
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
+
+    def layouts(batch, length):
+        tokens = jax.ShapeDtypeStruct((batch, length), np.int32)
+        return [c.layout for c in enumerate_candidates(
+            (), None, spec.abstract_state, spec.logical_axes, 8, {"tokens": tokens})]
+
+    assert {"context=8", "data=2,context=4", "data=4,context=2"} <= set(layouts(4, 4097))
+    assert "data=2,context=4" not in layouts(1, 4097)  # data 2 cannot split one sequence
+    assert not [lay for lay in layouts(64, 65) if "context" in lay]  # short: not a candidate
+    assert [lay for lay in layouts(2, 513) if "context" in lay]  # 256 tokens per sequence
