@@ -195,3 +195,8 @@ def test_auto_considers_context_for_long_sequences():
     assert "data=2,context=4" not in layouts(1, 4097)  # data 2 cannot split one sequence
     assert not [lay for lay in layouts(64, 65) if "context" in lay]  # short: not a candidate
     assert [lay for lay in layouts(2, 513) if "context" in lay]  # 256 tokens per sequence
+
+
+def test_pipe_and_context_together_are_refused():
+    with pytest.raises(jl.ConfigurationError, match=r"both a pipe and a context axis"):
+        strategies.Hybrid({"pipe": 2, "context": 4})
