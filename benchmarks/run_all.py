@@ -34,6 +34,7 @@ BENCHMARKS = {
     "pipeline_stages": [],
     "pipeline_interleaved": [],
     "tp_overlap": [],
+    "context": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
     "overhead_log": ["--steps", "150", "--rounds", "9", "--log"],
     "overhead_accumulate": ["--steps", "40", "--rounds", "5", "--batch", "128", "--hidden", "512",
@@ -292,6 +293,46 @@ def summarize_pipeline_interleaved(r):
                           for row in rows_v)
         rows.append((f"p=4, repeats={v}: compiled temp MB per device (activations)", temps,
                      "—", None))
+    return rows
+
+
+def summarize_context(r):
+    rows = []
+    for length, runs in r.get("memory", {}).items():
+        for algorithm in ("ring", "allgather"):
+            ratios = ", ".join(f"n={run['context']}: {run['temp_ratio_to_n1']:.3f}"
+                               for run in runs.values() if run["algorithm"] == algorithm)
+            ok = all(run["temp_ratio_to_n1"] <= 1.15 / run["context"] for run in runs.values()
+                     if run["algorithm"] == algorithm and run["context"] > 1)
+            rows.append((f"context {algorithm}, L={length}: activation (temp) bytes per device "
+                         "/ n=1", ratios, "~1/n", ok))
+            exact = all(abs(run["attention_traffic_bytes"] - run["theory_traffic_bytes"])
+                        <= 1e-6 * max(run["theory_traffic_bytes"], 1) for run in runs.values()
+                        if run["algorithm"] == algorithm)
+            rows.append((f"context {algorithm}, L={length}: attention collective bytes "
+                         "(HLO) = 4(n−1)·B·(L/n)·H·D·β per layer",
+                         "exact" if exact else "differ", "exact", exact))
+    eq = r.get("equality")
+    if eq:
+        for algorithm, run in eq["runs"].items():
+            rows.append((f"context=8 {algorithm} vs SingleDevice, L={eq['length']}, "
+                         f"{eq['steps']} steps (max abs loss diff)",
+                         f"{run['max_abs_loss_diff']:.1e}", "≤ 1e-5", run["ok"]))
+    t = r.get("time")
+    if t:
+        rows.append((f"context=8 step time at L={t['length']} (CPU): ring / allgather",
+                     f"{t['ring_step_s'] * 1e3:.0f} / {t['allgather_step_s'] * 1e3:.0f} ms",
+                     "—", None))
+    reach = r.get("reach")
+    if reach:
+        for algorithm, rows_n in reach["rows"].items():
+            growth = ", ".join(f"n={n}: {v['max_length']} (×{v['growth']:.1f})"
+                               for n, v in rows_n.items())
+            top = max(int(n) for n in rows_n)
+            ok = rows_n[str(top)]["growth"] >= 0.75 * top
+            rows.append((f"context {algorithm}: longest sequence within "
+                         f"{reach['budget_bytes'] / 2**20:.0f} MiB/device", growth, "~n×",
+                         ok if algorithm == "ring" else None))
     return rows
 
 

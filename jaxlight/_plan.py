@@ -95,6 +95,7 @@ class Plan:
                       f"stages × {pipe.get('repeats', 1)} chunks, {pipe['microbatches']} "
                       f"microbatches, {pipe['iterations']} iterations, bubble "
                       f"{pipe['bubble_fraction']:.1%}", ""]
+        lines += _context_lines(self.strategy, self.collectives)
         lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
                      f"{'per device':>11}  placed by")
         for p in self.params:
@@ -122,6 +123,23 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _context_lines(strategy: dict, found: tuple[Collective, ...]) -> list[str]:
+    """Context parallelism's line: the algorithm, the split and its attention collectives
+    (the shard_map collectives of `jaxlight.nn._context_attention`)."""
+    algorithm = strategy.get("context_attention")
+    n = strategy.get("mesh", {}).get("context", 1)
+    if not algorithm or n == 1:
+        return []
+    ops = ("ppermute", "all_gather", "reduce_scatter")
+    mine = [c for c in found if "shard_map" in c.op_name and any(o in c.op_name for o in ops)]
+    kinds = sorted({c.kind for c in mine})
+    count = sum(c.executions for c in mine)
+    traffic = sum(c.total_traffic_bytes for c in mine)
+    return [f"context: {algorithm} attention, each sequence split over {n} devices (1/{n} of "
+            f"its activations per device); attention collectives: {count} "
+            f"{'/'.join(kinds) or 'none'} per step, {_fmt_bytes(traffic)} ring traffic", ""]
 
 
 def _spec_text(strategy, sharding) -> str:

@@ -55,7 +55,8 @@ RUN_OPTIONS: tuple[_Opt, ...] = (
          "'gpipe(stages=4, microbatches=8)'", fit_kwarg=False),
     _Opt("mesh_shape", str | None, None,
          "mesh for strategies.Hybrid: '{\"data\": 2, \"fsdp\": 4}', 'data=2,fsdp=4' or the Tunix "
-         "form '[[4,2],[\"fsdp\",\"tp\"]]' (axes data, pipe, fsdp, tp; aliases model, pipeline)",
+         "form '[[4,2],[\"fsdp\",\"tp\"]]' (axes data, pipe, fsdp, context, tp; aliases "
+         "model, pipeline, sequence)",
          fit_kwarg=False),
     _Opt("devices", int | None, None,
          "simulate this many CPU devices per process (sets XLA_FLAGS before JAX starts)",

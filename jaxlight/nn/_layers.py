@@ -25,6 +25,7 @@ from flax import nnx
 from jaxlight._errors import ConfigurationError, DataError, DataTypeError
 from jaxlight._layout import constrain
 from jaxlight.nn._collective_matmul import active_collective_matmul
+from jaxlight.nn._context_attention import active_context_parallel
 
 Shape = int | Sequence[int]
 
@@ -321,6 +322,11 @@ def _dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: floa
 class MultiHeadAttention(nnx.Module):
     """Causal multi-head self-attention with rotary positions.
 
+    Under a `context` mesh axis (`Hybrid({"context": n})`) the sequence is split over devices
+    and the attention core runs as ring or all-gather attention
+    (`jaxlight.nn._context_attention`); rotary positions are applied before it, on the global
+    positions of each shard.
+
     Query, key and value come from one fused column-parallel projection
     (`("embed", None, "heads", "kv")`, the `None` axis picks q, k or v) and the output
     projection is row-parallel (`("heads", "kv", "embed")`): under tensor parallelism each device
@@ -365,9 +371,13 @@ class MultiHeadAttention(nnx.Module):
         q = constrain(apply_rope(qkv[..., 0, :, :], positions, self.rope_theta), heads)
         k = constrain(apply_rope(qkv[..., 1, :, :], positions, self.rope_theta), heads)
         v = constrain(qkv[..., 2, :, :], heads)
-        impl = attention_implementation(self.attention, jax.default_backend(), q.dtype,
-                                        self.head_dim)
-        out = constrain(causal_attention(q, k, v, impl, self.head_dim**-0.5), heads)
+        context = active_context_parallel()
+        if context is not None and q.ndim == 4:  # the sequence is split over `context`
+            out = constrain(context.attention(q, k, v, self.head_dim**-0.5), heads)
+        else:
+            impl = attention_implementation(self.attention, jax.default_backend(), q.dtype,
+                                            self.head_dim)
+            out = constrain(causal_attention(q, k, v, impl, self.head_dim**-0.5), heads)
         y = self.out(out)
         return constrain(y, _act(y, "activation_embed"))
 

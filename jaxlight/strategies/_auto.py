@@ -5,7 +5,10 @@ abstractly, no parameter materialized) and the first batch's shapes, Auto:
 
 1. enumerates the layouts of the devices: every `data × fsdp × tp × pipe` factorization of the
    device count, `tp` only when the model has parameters the rules map to `tp`, `pipe` only
-   for `jaxlight.nn.Stacked` models and stage counts that divide their layers;
+   for `jaxlight.nn.Stacked` models and stage counts that divide their layers, and
+   `data × context` (context parallelism) when the batch holds long token sequences
+   (`_auto_candidates.long_sequence`: 2048 tokens or more, or 64 or more per sequence of the
+   batch);
 2. screens each without compiling: its shardings (refused where a dimension does not divide,
    e.g. 4 heads over tp=8), its batch split, and its exact argument bytes per device
    (parameters, optimizer state and batch shards), skipping layouts whose arguments alone
@@ -169,11 +172,11 @@ class Auto(Strategy):
     @staticmethod
     def _norm_layout(text: str) -> str:
         axes = sorted(a.strip() for a in str(text).replace("×", "+").split("+") if a.strip())
-        bad = [a for a in axes if a not in ("data", "fsdp", "tp", "pipe")]
+        bad = [a for a in axes if a not in ("data", "fsdp", "tp", "pipe", "context")]
         if bad or not axes:
             raise ConfigurationError(
                 f"Auto: layouts entry {text!r} is not a '+'-joined set of mesh axes data, fsdp, "
-                "tp, pipe (for example 'fsdp+tp').")
+                "tp, pipe, context (for example 'fsdp+tp').")
         return "+".join(axes)
 
     # -- the Strategy interface: the chosen strategy's -------------------------------------------
@@ -233,10 +236,12 @@ class Auto(Strategy):
             return int(spec.memory_bytes)
         return _host_memory_per_device(devices)
 
-    def candidates(self, abstract_state, logical_axes, num_devices: int) -> list[Candidate]:
-        """Every layout of `num_devices` the model's annotations allow, least sharded first."""
+    def candidates(self, abstract_state, logical_axes, num_devices: int,
+                   abstract_batch=None) -> list[Candidate]:
+        """Every layout of `num_devices` the model's annotations allow, least sharded first
+        (with `data × context` layouts when `abstract_batch` holds long sequences)."""
         return enumerate_candidates(self.rules, self.layouts, abstract_state, logical_axes,
-                                    num_devices)
+                                    num_devices, abstract_batch)
 
     def choose(self, abstract_state, logical_axes, abstract_batch,
                make_step: Callable[[Strategy], Callable] | None, *, defer: bool = False
@@ -263,7 +268,7 @@ class Auto(Strategy):
         if len(devices) == 1:
             cands = [Candidate("single", SingleDevice(devices[0]))]
         else:
-            cands = self.candidates(abstract_state, logical_axes, len(devices))
+            cands = self.candidates(abstract_state, logical_axes, len(devices), abstract_batch)
         for c in cands:
             screen(c, devices, abstract_state, logical_axes, abstract_batch, usable)
         viable = [c for c in cands if c.status == "pending"]

@@ -1,5 +1,6 @@
 """Auto's candidate layouts: every `data × fsdp × tp × pipe` factorization of the devices the
-model allows, and the screen that refuses or sizes each one without compiling."""
+model allows (and `data × context` for long sequences), and the screen that refuses or sizes
+each one without compiling."""
 
 from __future__ import annotations
 
@@ -64,12 +65,51 @@ class Candidate:
         return out
 
 
+#: Context parallelism is a candidate from this many tokens per sequence (see `long_sequence`).
+LONG_SEQUENCE = 2048
+
+
+def long_sequence(abstract_batch) -> tuple[int, int]:
+    """`(batch, length)` of the batch's token sequences when they are long, else `(0, 0)`.
+
+    Sequences are integer leaves of shape `(batch, length)`; they are long when `length` is at
+    least `LONG_SEQUENCE`, or at least 256 with 64 or more tokens per sequence for each
+    sequence in the batch (`length >= 64 · batch`): then activations grow with the sequence,
+    not the batch (a small batch cannot spread them over the devices), and splitting the
+    sequence over a `context` axis is what shrinks them.
+    """
+    found = (0, 0)
+    for leaf in jax.tree.leaves(abstract_batch) if abstract_batch is not None else ():
+        shape, dtype = getattr(leaf, "shape", ()), getattr(leaf, "dtype", None)
+        if len(shape) == 2 and dtype is not None and jax.numpy.issubdtype(dtype,
+                                                                          jax.numpy.integer):
+            batch, length = int(shape[0]), int(shape[1])
+            if length >= LONG_SEQUENCE or (length >= 256 and length >= 64 * batch):
+                found = max(found, (batch, length), key=lambda x: x[1])
+    return found
+
+
+def context_candidates(user_rules, num_devices: int, batch: int) -> list[Candidate]:
+    """`data × context` layouts (context ≥ 2) whose data degree divides the batch."""
+    out = []
+    for context in divisors(num_devices)[1:]:
+        data = num_devices // context
+        if batch % data:
+            continue
+        mesh = {a: s for a, s in (("data", data), ("context", context)) if s > 1}
+        text = ",".join(f"{a}={s}" for a, s in mesh.items())
+        out.append(Candidate(text, Hybrid(mesh, rules=user_rules or None)))
+    return out
+
+
 def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abstract_state,
-                         logical_axes, num_devices: int) -> list[Candidate]:
+                         logical_axes, num_devices: int, abstract_batch=None
+                         ) -> list[Candidate]:
     """Every layout of `num_devices` the model's annotations allow, least sharded first.
 
     `user_rules` are Auto's own rules (before the defaults); `layouts`, when given, keeps only
-    these sorted '+'-joined mesh-axes sets (`"fsdp+tp"`).
+    these sorted '+'-joined mesh-axes sets (`"fsdp+tp"`). With long token sequences in
+    `abstract_batch` (`long_sequence`), `data × context` layouts join them.
     """
     rules = user_rules + DEFAULT_RULES
     # Logical names from annotations and from path rules (rules=strategies.rules.NNX).
@@ -94,6 +134,9 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
                 # (A jaxlight.nn.Stages model runs GPipe's schedule only: no repeats=2.)
                 out.extend(layouts_of_mesh(mesh, user_rules or None,
                                            0 if _has_stages(abstract_state.params) else layers))
+    batch, length = long_sequence(abstract_batch)
+    if length:
+        out.extend(context_candidates(user_rules, n, batch))
     if layouts is not None:
         out = [c for c in out if "+".join(sorted(axes_key(c.layout))) in layouts]
     # Least sharded first: data parallelism communicates least when it fits; then more
@@ -101,7 +144,7 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
     def rank(c: Candidate):
         mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
         return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
-                "reshard" in c.layout, "repeats" in c.layout)
+                mesh.get("context", 1), "reshard" in c.layout, "repeats" in c.layout)
     return sorted(out, key=rank)
 
 

@@ -14,12 +14,12 @@ first rule naming an axis wins, so user rules go in front of the defaults. Mesh 
 | `kv` | per-head width | None |
 | `norm` | norm scales | None |
 | `batch` | activation batch | `data`, `fsdp` |
-| `length` | activation sequence | None |
+| `length` | activation sequence | `context` (context parallelism) |
 | `activation_embed` | activation model width | None |
 | `activation_heads`, `activation_mlp`, `activation_vocab` | sharded activations | `tp` |
 | `activation_kv` | activation per-head width | None |
 
-| `data`, `pipe`, `fsdp`, `tp` | a mesh axis named directly | itself |
+| `data`, `pipe`, `fsdp`, `context`, `tp` | a mesh axis named directly | itself |
 
 Activation names are only used by `constrain` (sharding constraints inside the model); the
 parameter names decide where weights, gradients and optimizer state live. The mesh-axis rows let
@@ -75,7 +75,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("norm", None),
     # activations
     ("batch", ("data", "fsdp")),
-    ("length", None),
+    ("length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tp"),
     ("activation_kv", None),
@@ -85,6 +85,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("data", "data"),
     ("pipe", "pipe"),
     ("fsdp", "fsdp"),
+    ("context", "context"),
     ("tp", "tp"),
 )
 
@@ -229,18 +230,20 @@ def check_path_rules(rules: Sequence, who: str) -> None:
 # -- mesh shapes: the one grammar (Python, CLI flags, YAML) -----------------------------------
 
 #: Mesh axes, outermost first: data-parallel axes outside so that their collectives cross the
-#: slowest links, tensor parallelism innermost (fastest links).
-MESH_AXES = ("data", "pipe", "fsdp", "tp")
+#: slowest links, tensor parallelism innermost (fastest links); context parallelism's ring of
+#: key/value permutes next to it.
+MESH_AXES = ("data", "pipe", "fsdp", "context", "tp")
 
 #: Other names for mesh axes (the seeds' and other frameworks' spellings), accepted everywhere.
-AXIS_ALIASES = {"model": "tp", "tensor": "tp", "pipeline": "pipe", "stage": "pipe"}
+AXIS_ALIASES = {"model": "tp", "tensor": "tp", "pipeline": "pipe", "stage": "pipe",
+                "sequence": "context"}
 
 MESH_FORMS = """accepted forms of a mesh shape:
   {"data": 4, "tp": 2}          a mapping of axis name to size (also as JSON or YAML text)
   'data=4,tp=2'                 axis=size pairs
   [[4, 2], ["data", "tp"]]      the Tunix form: [sizes, axis names] (also as text)
-one size may be -1 (it fills the remaining devices); mesh axes: data, pipe, fsdp, tp
-(aliases: model -> tp, tensor -> tp, pipeline -> pipe, stage -> pipe)"""
+one size may be -1 (it fills the remaining devices); mesh axes: data, pipe, fsdp, context, tp
+(aliases: model -> tp, tensor -> tp, pipeline -> pipe, stage -> pipe, sequence -> context)"""
 
 
 def _parse_text(text: str, who: str) -> Any:

@@ -26,6 +26,11 @@ from jaxlight._microbatch import (
     traced_param_specs,
 )
 from jaxlight.nn._collective_matmul import OVERLAP_RULES, overlapped
+from jaxlight.nn._context_attention import (
+    DEFAULT_CONTEXT_ALGORITHM,
+    check_context_algorithm,
+    context_parallel,
+)
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._paths import Placement, place, warn_unused
 from jaxlight.strategies._pipelined import Pipelined
@@ -424,10 +429,19 @@ class TensorParallel(SpmdStrategy):
 
 
 class Hybrid(Pipelined, SpmdStrategy):
-    """Any product of the `data`, `fsdp` and `tp` (and `pipe`) axes under one rules table.
+    """Any product of the `data`, `fsdp`, `context` and `tp` (and `pipe`) axes under one rules
+    table.
 
     With a `pipe` axis the stacked layers of `jaxlight.nn.Stacked` are split into stages over
     it and run as the GPipe schedule (see `GPipe`); the batch is never split over `pipe`.
+
+    With a `context` axis of n devices (context parallelism) every activation's sequence
+    dimension is split over it (the rule `length -> context`): `X[B_data, L_context, E]`, so
+    activation memory per device falls ~1/n. `jaxlight.nn.MultiHeadAttention` (and so
+    `TransformerLM`) attends across the shards by `context_attention`: "ring" passes keys and
+    values around the ring (n−1 collective-permutes of `B·Lc·H·D` each per layer forward, one
+    `Lc × Lc` score block live at a time), "allgather" gathers them once per layer (scores
+    `Lc × L`). The batch is not split over `context`; parameters are replicated over it.
 
     Args:
         mesh_shape: `{"data": 2, "fsdp": 2, "tp": 2}` or the Tunix form
@@ -439,6 +453,7 @@ class Hybrid(Pipelined, SpmdStrategy):
         remat: with a `pipe` axis, recompute each stage's activations in the backward pass.
         repeats: with a `pipe` axis, v > 1 chunks of layers per stage: the interleaved
             schedule (see `GPipe`).
+        context_attention: with a `context` axis, "ring" (default) or "allgather".
         override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
 
@@ -446,15 +461,23 @@ class Hybrid(Pipelined, SpmdStrategy):
         >>> from jaxlight import strategies
         >>> strategy = strategies.Hybrid([[2, -1, 2], ["data", "fsdp", "tp"]])
         >>> pipelined = strategies.Hybrid({"data": 2, "pipe": 4}, microbatches=8)
+        >>> long_sequences = strategies.Hybrid({"data": 2, "context": 4})
     """
 
     name = "hybrid"
 
     def __init__(self, mesh_shape, *, rules=None, min_shard_size: int = 2**12,
                  microbatches: int | None = None, remat: bool = False, repeats: int = 1,
+                 context_attention: str = DEFAULT_CONTEXT_ALGORITHM,
                  override_annotations: bool = False,
                  devices: Sequence[jax.Device] | None = None):
+        self.context_attention = check_context_algorithm(context_attention, "Hybrid")
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
+        if shape.get("pipe", 1) != 1 and shape.get("context", 1) != 1:
+            raise ConfigurationError(
+                f"Hybrid: mesh_shape {shape} has both a pipe and a context axis; context "
+                "parallelism does not run inside the pipeline schedule yet. Use the context "
+                "axis with data, fsdp and tp, or the pipe axis without context.")
         user, full = with_default_rules(rules, "Hybrid")
         if "pipe" in shape:
             full = (("layers", "pipe"), *full)  # each stage holds its own layers
@@ -463,7 +486,26 @@ class Hybrid(Pipelined, SpmdStrategy):
         self.user_rules = user
         self._init_pipeline(microbatches, remat, repeats)
 
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        if self.mesh_shape.get("context", 1) != 1:
+            out["context_attention"] = self.context_attention
+        return out
+
+    def trace_context(self):
+        context = super().trace_context()
+        if self.mesh is None or self.mesh.shape.get("context", 1) == 1:
+            return context
+        return _with_context_parallel(context, self.mesh, self.context_attention)
+
     def state_shardings(self, abstract_state: Any, logical_axes: Any) -> Any:
         shardings = super().state_shardings(abstract_state, logical_axes)
         require_tp_annotations(self, abstract_state, shardings)
         return shardings
+
+
+@contextlib.contextmanager
+def _with_context_parallel(context, mesh: Mesh, algorithm: str):
+    """A strategy's trace context with context-parallel attention switched on."""
+    with context, context_parallel(mesh, algorithm):
+        yield

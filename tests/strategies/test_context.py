@@ -1,0 +1,202 @@
+"""Context parallelism: the sequence split over a `context` mesh axis (Hybrid).
+
+The attention algorithms alone match single-device causal attention (forward and gradients,
+so a wrong causal offset fails them); TinyLM (rotary positions) trains under `{"context": 8}`
+(ring), `{"fsdp": 2, "context": 4}` (all-gather) and `{"data": 2, "context": 2, "tp": 2}`
+with a remat policy to the single-device losses; a run killed by SIGKILL resumes bitwise, and its
+checkpoints load under SingleDevice and FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxlight as jl
+from jaxlight import _hlo, callbacks, strategies
+from jaxlight._state import model_spec
+from jaxlight._step import build_optimizer
+from jaxlight.nn import causal_attention
+from jaxlight.nn._context_attention import context_parallel
+from jaxlight.strategies._auto_candidates import enumerate_candidates
+from tests.strategies.context_runs import context_data, context_module
+
+STEPS = 4
+TOL = 1e-5
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_context_child.py")
+
+
+def _mesh(**shape: int) -> Mesh:
+    size = int(np.prod(list(shape.values())))
+    devices = np.asarray(jax.devices()[:size], dtype=object).reshape(tuple(shape.values()))
+    return Mesh(devices, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def test_ring_and_allgather_match_causal_attention_with_gradients():
+    """Both algorithms on data=2 × context=4: outputs and dq, dk, dv equal the unsplit
+    causal attention. Each device's queries see its own and earlier shards only, so an offset
+    off by one shard (or a mask by local index) changes every block but the first."""
+    mesh = _mesh(data=2, context=4)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32) for _ in range(3))
+    w = jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32)
+
+    def loss(q, k, v, cp):
+        out = causal_attention(q, k, v, scale=0.3) if cp is None else cp.attention(q, k, v, 0.3)
+        return jnp.sum(out * w), out
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, ref_out), ref_grads = jax.jit(lambda *a: grad(*a, None))(q, k, v)
+    sharded = [jax.device_put(x, NamedSharding(mesh, P("data", "context"))) for x in (q, k, v)]
+    for algorithm in ("ring", "allgather"):
+        with jax.set_mesh(mesh), context_parallel(mesh, algorithm) as cp:
+            (_, out), grads = jax.jit(lambda *a: grad(*a, cp))(*sharded)
+        np.testing.assert_allclose(out, ref_out, atol=1e-5, err_msg=algorithm)
+        for got, want in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5, err_msg=algorithm)
+
+
+def _fit(strategy, module=None, ckpt=None):
+    losses = []
+    log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
+        metrics["loss"]) if "loss" in metrics else None)
+    cbs = [log] + ([callbacks.ModelCheckpoint(ckpt, every_n_steps=1)] if ckpt else [])
+    fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=cbs,
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    module = module or context_module()
+    fit.fit(module, context_data(STEPS))
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+    return {"fit": fit, "losses": np.asarray(losses), "params": params}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _fit("single")
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("context") / "full")
+    return _fit(strategies.Hybrid({"context": 8}), ckpt=ckpt) | {"ckpt": ckpt}
+
+
+def _close(run, ref):
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    np.testing.assert_allclose(run["losses"], ref["losses"], atol=TOL, rtol=0)
+
+
+def test_ring_matches_single_device_and_permutes_keys_and_values(ring, reference):
+    _close(ring, reference)
+    fit = ring["fit"]
+    assert fit.strategy.describe()["context_attention"] == "ring"
+    # Keys and values travel the 8-device ring: collective-permutes over the whole mesh, none
+    # of the all-gathers the other algorithm would use.
+    found = _hlo.collectives(fit.session.compiled_train_step.as_text())
+    permutes = [c for c in found if c.kind == "collective-permute"]
+    assert permutes and not [c for c in found if c.kind == "all-gather"], found
+
+
+@pytest.mark.parametrize("mesh,kw", [
+    ({"fsdp": 2, "context": 4}, {"context_attention": "allgather"}),
+    ({"data": 2, "context": 2, "tp": 2}, {}),
+])
+def test_layouts_match_single_device(mesh, kw, reference):
+    # The tp composition also recomputes each block in the backward pass (remat="dots").
+    module = context_module()
+    if "tp" in mesh:
+        module = type(module)(heads=2, remat="dots")
+    _close(_fit(strategies.Hybrid(mesh, **kw), module), reference)
+
+
+def _kill_at(ckpt: str, step: int) -> list[int]:
+    proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
+        {"dir": ckpt, "max_steps": STEPS})], stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        for line in proc.stdout:
+            if line.strip() == f"STEP {step}" or time.monotonic() > deadline:
+                break
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
+
+
+def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
+    killed = str(tmp_path / "killed")
+    saved = _kill_at(killed, 3)
+    assert saved and saved[-1] < STEPS, saved
+    fit = jl.Fit(strategies.Hybrid({"context": 8}), max_steps=STEPS,
+                 callbacks=[callbacks.ModelCheckpoint(killed, every_n_steps=1)],
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    module = context_module()
+    fit.fit(module, context_data(STEPS), ckpt_path="last")
+    assert fit.global_step == STEPS
+    got = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ring["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    # Parameters are not split over context: the checkpoint loads under SingleDevice and FSDP.
+    for strategy in ("single", strategies.FSDP(min_shard_size=1)):
+        model = jl.load_checkpoint(os.path.join(ring["ckpt"], str(STEPS)), context_module(),
+                                   strategy=strategy)
+        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ring["params"]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_sequence_not_divisible_by_context_is_refused():
+    fit = jl.Fit(strategies.Hybrid({"context": 8}), max_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False)
+    data = [{"tokens": np.zeros((4, 13), np.int32)}]
+    with pytest.raises(jl.ShardingError, match=r"size 12 \(logical axis 'length'\) is not "
+                       r"divisible by mesh axes \('context',\) of total size 8"):
+        fit.fit(context_module(), data)
+
+
+def test_unknown_algorithm_is_refused():
+    with pytest.raises(jl.ConfigurationError, match=r"context_attention='rign'.*'ring'"):
+        strategies.Hybrid({"context": 8}, context_attention="rign")
+
+
+def test_plan_shows_the_context_collectives(ring):
+    plan = ring["fit"].plan(context_module(), next(iter(context_data(1))), verbose=False)
+    # 1 layer-scan of 2 layers × 7 hops × (K, V) forward, the same of dK, dV backward.
+    assert ("context: ring attention, each sequence split over 8 devices (1/8 of its "
+            "activations per device); attention collectives: 56 collective-permute per step"
+            ) in plan.table()
+
+
+def test_auto_considers_context_for_long_sequences():
+    module = context_module()
+    spec = model_spec(module, build_optimizer(module, [])[0], 0)
+
+    def layouts(batch, length):
+        tokens = jax.ShapeDtypeStruct((batch, length), np.int32)
+        return [c.layout for c in enumerate_candidates(
+            (), None, spec.abstract_state, spec.logical_axes, 8, {"tokens": tokens})]
+
+    assert {"context=8", "data=2,context=4", "data=4,context=2"} <= set(layouts(4, 4097))
+    assert "data=2,context=4" not in layouts(1, 4097)  # data 2 cannot split one sequence
+    assert not [lay for lay in layouts(64, 65) if "context" in lay]  # short: not a candidate
+    assert [lay for lay in layouts(2, 513) if "context" in lay]  # 256 tokens per sequence
+
+
+def test_pipe_and_context_together_are_refused():
+    with pytest.raises(jl.ConfigurationError, match=r"both a pipe and a context axis"):
+        strategies.Hybrid({"pipe": 2, "context": 4})
