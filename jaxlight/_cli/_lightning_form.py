@@ -20,16 +20,25 @@ trained.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
+import typing
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
+
+from jaxlight import Fit, callbacks
 from jaxlight._cli._config_file import load_config_file
 from jaxlight._cli._target import import_object
 from jaxlight._errors import ConfigurationError, suggest
+from jaxlight._module import TrainModule
+from jaxlight._porting import TRAINER_ARGS
+from jaxlight.data._datamodule import DataModule
+from jaxlight.optim.torch import TORCH_PATHS, TorchLRScheduler, TorchOptimizer
 
 #: Command-line tokens and config-file keys that only LightningCLI's form has.
 _FORM_FLAGS = ("--trainer", "--seed_everything", "--optimizer", "--lr_scheduler")
@@ -153,8 +162,6 @@ def uses_lightning_form(argv: Sequence[str]) -> bool:
 def has_class_parameters(cls: Any) -> bool:
     """Whether a class's `__init__` has a parameter typed as a class (only the LightningCLI
     form can set it: `--model.backbone Backbone` or `class_path`/`init_args`)."""
-    import inspect
-    import typing
 
     try:
         hints = typing.get_type_hints(cls.__init__)
@@ -183,7 +190,6 @@ class _Notes:
         self.refused: dict[str, Any] = {}
 
     def report(self) -> None:
-        from jaxlight._porting import TRAINER_ARGS
 
         if self.refused:
             items = "; ".join(f"trainer.{k}: {v!r} ({TRAINER_ARGS.get(k, 'no jaxlight form')})"
@@ -235,9 +241,7 @@ def _jaxlight_callback(path: str, init_args: Any, notes: _Notes, where: str):
     """(class path, init_args) of jaxlight's class of Lightning's name, looked up in
     `jaxlight.callbacks` when the command runs; arguments it does not take are dropped at a
     value that asks for nothing and named otherwise."""
-    import inspect
 
-    from jaxlight import callbacks
 
     name = path.rpartition(".")[2]
     cls = getattr(callbacks, name, None)
@@ -292,7 +296,6 @@ def _class_path(value: Any, modules: dict[str, Any], notes: _Notes, where: str) 
 
 
 def _torch_paths() -> dict[str, str]:
-    from jaxlight.optim.torch import TORCH_PATHS
 
     return {k: f"{v.__module__}.{v.__qualname__}" for k, v in TORCH_PATHS.items()}
 
@@ -379,7 +382,6 @@ def _adapt_argv(argv: list[str], notes: _Notes, modules: dict[str, Any]) -> list
 
 
 def _yaml_value(text: str | None) -> Any:
-    import yaml
 
     if text is None:
         return None
@@ -437,10 +439,10 @@ def _register(obj: Any) -> Any:
 def build_parser(command: str, model_cls: type, data_cls: Any | None):
     """The jsonargparse parser of `jaxlight <command> <module> --data <data>` in LightningCLI's
     form."""
+    # jsonargparse (with its type-hint machinery) loads only when the LightningCLI form runs:
+    # `jaxlight --help`, recipes and the dashed form start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from jaxlight import Fit
-    from jaxlight.optim.torch import TorchLRScheduler, TorchOptimizer
 
     parser = ArgumentParser(
         prog=f"jaxlight {command}", exit_on_error=False,
@@ -473,8 +475,6 @@ def parse(command: str, spec: str, argv: Sequence[str]):
     """Parses a LightningCLI-form command: (parser, config, extras, classes, notes)."""
     extras, rest = _extras(list(argv))
     model_cls = import_object(spec, "target")
-    from jaxlight._module import TrainModule
-    from jaxlight.data._datamodule import DataModule
 
     if not (isinstance(model_cls, type) and issubclass(model_cls, TrainModule)):
         raise ConfigurationError(

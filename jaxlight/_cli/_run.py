@@ -37,6 +37,7 @@ from jaxlight._cli._target import (
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._module import TrainModule
 from jaxlight.data._datamodule import DataModule, defines
+from jaxlight.optim.torch import configure_optimizers
 from jaxlight.recipes._base import apply_overrides
 
 
@@ -326,8 +327,6 @@ def _class_typed(spec: str, argv: Sequence[str]) -> bool:
 def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResult | None:
     """`jaxlight <command> PATH.py:Module --data PATH.py:Data` in LightningCLI's form (see
     `_lightning_form`): parsed by jsonargparse, then run as any other command."""
-    from jaxlight.optim.torch import configure_optimizers
-
     parser, cfg, extras, (model_cls, data_cls), notes = parse(command, spec, argv)
     if cfg is None:
         parser.print_help()

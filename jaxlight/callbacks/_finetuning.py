@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxlight._errors import ConfigurationError
+from jaxlight._errors import ConfigurationError, MissingMethodError
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._lr_monitor import find_schedules
 from jaxlight.callbacks._swa import constant_rate, optimizer_steps_per_epoch
@@ -159,10 +159,16 @@ class BaseFinetuning(Callback):
             optimizer.add_param_group({"params": params, "lr": params_lr / denom})
 
     def freeze_before_training(self, module) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define freeze_before_training.")
+        raise MissingMethodError(
+            f"{type(self).__name__} subclasses BaseFinetuning without freeze_before_training: "
+            "define `def freeze_before_training(self, module)` and freeze there what trains "
+            "later (e.g. self.freeze(module.model.backbone)).")
 
     def finetune_function(self, module, epoch: int, optimizer: ParamGroups) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define finetune_function.")
+        raise MissingMethodError(
+            f"{type(self).__name__} subclasses BaseFinetuning without finetune_function: define "
+            "`def finetune_function(self, module, epoch, optimizer)` and unfreeze there (e.g. "
+            "self.unfreeze_and_add_param_group(module.model.backbone, optimizer) at some epoch).")
 
     # -- the table, made at fit start --------------------------------------------------------
 

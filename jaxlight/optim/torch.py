@@ -11,14 +11,19 @@ Lightning steps them by default.
 
 from __future__ import annotations
 
-from jaxlight._errors import ConfigurationError
+import optax
+
+from jaxlight._errors import ConfigurationError, MissingMethodError
 
 
 class TorchOptimizer:
     """A torch optimizer's name and arguments; `build()` is the optax transformation."""
 
     def build(self):
-        raise NotImplementedError
+        raise MissingMethodError(
+            f"{type(self).__name__} subclasses TorchOptimizer without build(): return the optax "
+            "transformation with torch's update rule (see SGD, Adam, AdamW in "
+            "jaxlight.optim.torch).")
 
 
 class SGD(TorchOptimizer):
@@ -33,8 +38,6 @@ class SGD(TorchOptimizer):
             lr, momentum, weight_decay, nesterov)
 
     def build(self):
-        import optax
-
         tx = optax.sgd(self.lr, self.momentum or None, self.nesterov)
         if self.weight_decay:
             tx = optax.chain(optax.add_decayed_weights(self.weight_decay), tx)
@@ -52,8 +55,6 @@ class Adam(TorchOptimizer):
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
 
     def build(self):
-        import optax
-
         tx = optax.adam(self.lr, self.betas[0], self.betas[1], self.eps)
         if self.weight_decay:
             tx = optax.chain(optax.add_decayed_weights(self.weight_decay), tx)
@@ -71,8 +72,6 @@ class AdamW(TorchOptimizer):
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
 
     def build(self):
-        import optax
-
         return optax.adamw(self.lr, self.betas[0], self.betas[1], self.eps,
                            weight_decay=self.weight_decay)
 
@@ -82,7 +81,9 @@ class TorchLRScheduler:
     `lr_scheduler` dict (by epochs, as Lightning steps a scheduler by default)."""
 
     def build(self):
-        raise NotImplementedError
+        raise MissingMethodError(
+            f"{type(self).__name__} subclasses TorchLRScheduler without build(): return the "
+            "factor schedule (see StepLR, ExponentialLR in jaxlight.optim.torch).")
 
 
 class StepLR(TorchLRScheduler):
@@ -92,8 +93,6 @@ class StepLR(TorchLRScheduler):
         self.step_size, self.gamma = step_size, gamma
 
     def build(self):
-        import optax
-
         return optax.exponential_decay(1.0, self.step_size, self.gamma, staircase=True)
 
 
@@ -104,8 +103,6 @@ class ExponentialLR(TorchLRScheduler):
         self.gamma = gamma
 
     def build(self):
-        import optax
-
         return optax.exponential_decay(1.0, 1, self.gamma)
 
 
