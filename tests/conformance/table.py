@@ -32,6 +32,7 @@ GROUPS = {
     "checkpoint": "`ModelCheckpoint`",
     "resume": "`trainer.fit(..., ckpt_path=)`",
     "departures": "[Deliberate departures](#deliberate-departures)",
+    "cli": "`LightningCLI` (its `config.yaml`, `--trainer.*`, `--optimizer`, `class_path`)",
     "tuner": "`Tuner.lr_find`, `Tuner.scale_batch_size`, `LearningRateFinder`, "
              "`BatchSizeFinder`",
 }
