@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -33,22 +34,36 @@ def pipelined_run(kind: str, devices):
             jl.data.ArrayLoader(arrays, len(batches[0]["y"]), seed=1))
 
 
+def _saved_steps(ckpt: str) -> list[int]:
+    """The finalized checkpoints' steps (orbax renames a save to its step when it completes)."""
+    return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit()) if os.path.isdir(ckpt) else []
+
+
 def kill_at(kind: str, ckpt: str, max_steps: int, step: int) -> list[int]:
-    """Runs the child until it prints `STEP step`, SIGKILLs it; returns the saved steps."""
-    proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
-        {"kind": kind, "dir": ckpt, "max_steps": max_steps})], stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        for line in proc.stdout:
-            if line.strip() == f"STEP {step}" or time.monotonic() > deadline:
-                break
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
+    """Runs the child until it prints `STEP step` and a checkpoint is finalized (saves are
+    asynchronous: on a loaded machine none may have completed by then), SIGKILLs it; returns
+    the saved steps. A child that dies first fails with its stderr."""
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
+            {"kind": kind, "dir": ckpt, "max_steps": max_steps})], stdout=subprocess.PIPE,
+            stderr=err, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            for line in proc.stdout:
+                if line.strip() == f"STEP {step}" or time.monotonic() > deadline:
+                    break
+            while (not _saved_steps(ckpt) and proc.poll() is None
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        err.seek(0)
+        saved = _saved_steps(ckpt)
+        assert saved, f"the child saved no checkpoint; its stderr:\n{err.read()[-3000:]}"
+    return saved
 
 
 def logged_fit(strategy, module, loader, steps: int, cbs=(), ckpt_path=None) -> dict:
