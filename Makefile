@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## train the digits recipe under DataParallel on 8 simulated CPU devices
 	$(BIN)/jaxlight fit digits --strategy dp
 
-# The suite is XLA compiling many small programs, one core each: one pytest worker per core (at
-# most 4: each holds 8 simulated devices), a test file per worker, so module fixtures compile once.
-WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# WORKERS=2 runs the suite in two pytest-xdist workers (a test file each): 1,899-2,020 s on 2 cores
+# against ~2,300 s in one process, but in one of two clean runs three SIGKILL-resume tests failed
+# there (1-ulp differences, a checkpoint race), so one process stays the default until that is
+# understood.
+WORKERS ?= 0
 
 test: $(STAMP)  ## the whole test suite (8 simulated CPU devices)
 	$(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile --durations=25
