@@ -40,13 +40,18 @@ def _saved_steps(ckpt: str) -> list[int]:
 
 
 def kill_at(kind: str, ckpt: str, max_steps: int, step: int) -> list[int]:
-    """Runs the child until it prints `STEP step` and a checkpoint is finalized (saves are
-    asynchronous: on a loaded machine none may have completed by then), SIGKILLs it; returns
-    the saved steps. A child that dies first fails with its stderr."""
+    """`kill_child_at` for `_pipeline_child.py` training `kind`."""
+    return kill_child_at([CHILD, json.dumps({"kind": kind, "dir": ckpt, "max_steps": max_steps})],
+                         ckpt, step)
+
+
+def kill_child_at(args: list[str], ckpt: str, step: int) -> list[int]:
+    """Runs `python *args` until it prints `STEP step` and a checkpoint in `ckpt` is finalized
+    (saves are asynchronous: on a loaded machine none may have completed by then), SIGKILLs it;
+    returns the saved steps. A child that dies first fails with its stderr."""
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
-            {"kind": kind, "dir": ckpt, "max_steps": max_steps})], stdout=subprocess.PIPE,
-            stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                                stderr=err, text=True, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
             for line in proc.stdout:

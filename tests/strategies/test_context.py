@@ -9,13 +9,8 @@ checkpoints load under SingleDevice and FSDP.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +27,7 @@ from jaxlight._step import build_optimizer
 from jaxlight.nn import causal_attention
 from jaxlight.nn._context_attention import context_parallel
 from jaxlight.strategies._auto_candidates import enumerate_candidates
+from tests.pipeline_runs import kill_child_at
 from tests.strategies.context_runs import context_data, context_module
 
 STEPS = 4
@@ -122,20 +118,7 @@ def test_layouts_match_single_device(mesh, kw, reference):
 
 
 def _kill_at(ckpt: str, step: int) -> list[int]:
-    proc = subprocess.Popen([sys.executable, CHILD, json.dumps(
-        {"dir": ckpt, "max_steps": STEPS})], stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        for line in proc.stdout:
-            if line.strip() == f"STEP {step}" or time.monotonic() > deadline:
-                break
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    return sorted(int(s) for s in os.listdir(ckpt) if s.isdigit())
+    return kill_child_at([CHILD, json.dumps({"dir": ckpt, "max_steps": STEPS})], ckpt, step)
 
 
 def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
