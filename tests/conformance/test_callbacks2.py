@@ -8,7 +8,6 @@ and the final weights (Lightning copies the average into the module when trainin
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -19,12 +18,10 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
+from tests.conformance import _data2_problem as _problem
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "callbacks2.json").read_text())
-_spec = importlib.util.spec_from_file_location("_data2_problem", HERE / "_data2_problem.py")
-_problem = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_problem)
 
 #: case id -> the claim it checks, in words (for the conformance table).
 CLAIMS = {

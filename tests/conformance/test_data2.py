@@ -8,7 +8,6 @@ optimizer steps, examples trained on, the epoch-mean training loss, the final we
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -18,12 +17,10 @@ import pytest
 from flax import nnx
 
 import jaxlight as jl
+from tests.conformance import _data2_problem as _problem
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "data2.json").read_text())
-_spec = importlib.util.spec_from_file_location("_data2_problem", HERE / "_data2_problem.py")
-_problem = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_problem)
 
 #: case id -> the claim it checks, in words (for the conformance table).
 CLAIMS = {

@@ -6,7 +6,6 @@ from lightning_side/tuner.py).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -18,13 +17,11 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.callbacks._finders import LRFinder, search_batch_size
+from tests.conformance import _data2_problem as _problem
 from tests.conformance._cases import assert_sequence, claim, departure
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "tuner.json").read_text())
-_spec = importlib.util.spec_from_file_location("_data2_problem", HERE / "_data2_problem.py")
-_problem = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_problem)
 
 
 class Reg(jl.TrainModule):
