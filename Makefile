@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench conformance fixtures posttrain-oracle clean
+.PHONY: demo test lint bench conformance conformance-fixtures fixtures posttrain-oracle clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -43,9 +43,14 @@ $(CONF_STAMP): pyproject.toml
 	$(CONF_VENV)/bin/pip install -q $(CONF_REQS)
 	touch $(CONF_STAMP)
 
-conformance: $(STAMP) $(CONF_STAMP)  ## Lightning beside jaxlight: new fixtures, tests/conformance, porting.md's table
+# The oracle alone: PyTorch Lightning reruns every group and rewrites tests/conformance/fixtures
+# (13 groups in 167 s on 2 cores; CI runs it before `make test`, whose tests/conformance then
+# compares jaxlight with what Lightning just computed).
+conformance-fixtures: $(CONF_STAMP)  ## run PyTorch Lightning: regenerate tests/conformance/fixtures
 	cd tests/conformance/lightning_side && for script in [!_]*.py; do \
 		../../../$(CONF_VENV)/bin/python $$script || exit 1; done
+
+conformance: $(STAMP) conformance-fixtures  ## Lightning beside jaxlight: new fixtures, tests/conformance, porting.md's table
 	JAXLIGHT_CONFORMANCE_RESULTS=tests/conformance/results.json $(BIN)/python -m pytest \
 		tests/conformance -q -p no:warnings; status=$$?; \
 		$(BIN)/python tests/conformance/table.py; exit $$status

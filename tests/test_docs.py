@@ -22,7 +22,9 @@ import re
 import shlex
 import sys
 
+import jax
 import pytest
+from flax import nnx
 
 import jaxlight as jl
 from jaxlight import Fit
@@ -97,6 +99,8 @@ def _run_blocks(path: pathlib.Path) -> None:
 #: Every module a page trains, first successful fit per class: "page:Class" -> (module, args,
 #: kwargs).
 FITTED: dict[str, tuple] = {}
+#: The pages `test_page_runs` has run in this process (fitting a module or not).
+PAGES_RUN: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -119,26 +123,43 @@ def recording_fits(page: str):
 
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
 def test_page_runs(path):
+    PAGES_RUN.add(path.name)
     with recording_fits(path.name):
         run_page(path)
 
 
-@pytest.mark.skipif(not os.environ.get("JAXLIGHT_DOCS_DEFAULT_FIT"),
-                    reason="opt-in (JAXLIGHT_DOCS_DEFAULT_FIT=1) until it has passed a full run "
-                    "over the pages merged this round (issue 25 item 8)")
+def model_signature(module) -> tuple:
+    """A module's class name and the paths, shapes and dtypes of its state: two pages' copies of
+    one model (the quickstart's `Classifier` shown again elsewhere) have the same signature."""
+    leaves = []
+    for name, value in sorted(vars(module).items()):
+        if isinstance(value, nnx.Module):
+            for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(value)):
+                leaves.append((name, jax.tree_util.keystr(path), getattr(x, "shape", None),
+                               str(getattr(x, "dtype", ""))))
+    return type(module).__qualname__, tuple(leaves)
+
+
 def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch):
     """`Fit()` (strategy "auto") trains every module a page trains, whatever strategy the page
-    chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included."""
+    chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included. Each
+    distinct model once (class and state shapes), two steps."""
     for path in PAGES:
-        if not any(key.startswith(f"{path.name}:") for key in FITTED):
-            # This test alone: the pages run here first, each in a folder of its own.
+        if path.name not in PAGES_RUN:
+            # This test alone (`-k default_fit`): the pages run here first, each in a folder of
+            # its own.
+            PAGES_RUN.add(path.name)
             (tmp_path / path.stem).mkdir()
             monkeypatch.chdir(tmp_path / path.stem)
             with recording_fits(path.name):
                 run_page(path)
     monkeypatch.chdir(tmp_path)
-    assert len(FITTED) >= 10, sorted(FITTED)
-    for key, (module, args, kwargs) in sorted(FITTED.items()):
+    seen: dict[tuple, str] = {}
+    for key in sorted(FITTED):
+        seen.setdefault(model_signature(FITTED[key][0]), key)
+    assert len(seen) >= 20, sorted(seen.values())
+    for key in sorted(seen.values()):
+        module, args, kwargs = FITTED[key]
         data = args[0] if args else kwargs.get("train_data")
         val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
         datamodule = kwargs.get("datamodule")
@@ -149,6 +170,7 @@ def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch)
         except Exception as err:
             raise AssertionError(f"the default Fit() failed on {key}: {err!r}") from err
         assert fit.global_step == 2, key
+        assert isinstance(fit.strategy, jl.strategies.Strategy), key
 
 
 def test_the_guide_links_every_page():
