@@ -20,6 +20,7 @@ trained.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -70,6 +71,10 @@ _SHARED = {
     "gradient_clip_algorithm": (None, "norm"),
     "default_root_dir": (None, "jaxlight_logs"),
 }
+
+#: Shared arguments whose `None` Lightning keeps as a value rather than reading as its default
+#: (`check_val_every_n_epoch=None`: `val_check_interval` counts steps across epochs).
+_NONE_IS_A_VALUE = frozenset({"check_val_every_n_epoch"})
 
 #: Lightning 2.6 `Trainer` arguments without a jaxlight meaning, with Lightning's default. At
 #: the default they ask for nothing and are dropped; another value is named in a warning.
@@ -219,6 +224,8 @@ def _adapt_trainer_value(key: str, value: Any, notes: _Notes) -> tuple[bool, Any
         return False, None
     if key in _SHARED:
         lightning_default, ours = _SHARED[key]
+        if value is None and key in _NONE_IS_A_VALUE:
+            return True, None
         if value is None or (key == "max_steps" and value == -1) or (
                 key in ("strategy", "devices") and value == "auto"):
             return True, ours if value == lightning_default or value is None else value
@@ -399,7 +406,7 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
     DataModule, which LightningCLI fixes in the script), `--output FILE` (predict), `--devices
     N` (applied before JAX starts)."""
     found: dict[str, str | None] = {"data": None, "output": None, "devices": None,
-                                    "print_config": None}
+                                    "print_config": None, "preset": None}
     rest = []
     i = 0
     while i < len(argv):
@@ -409,7 +416,7 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
             found["print_config"] = inline if eq else ""
             i += 1
             continue
-        if key in ("data", "output", "devices"):
+        if key in ("data", "output", "devices", "preset"):
             if eq:
                 found[key] = inline
                 i += 1
@@ -436,9 +443,11 @@ def _register(obj: Any) -> Any:
     return module
 
 
-def build_parser(command: str, model_cls: type, data_cls: Any | None):
-    """The jsonargparse parser of `jaxlight <command> <module> --data <data>` in LightningCLI's
-    form."""
+def build_parser(command: str, model_cls: type | None, data_cls: Any | None, *,
+                 recipe: Any = None, sections: dict[str, Any] | None = None,
+                 trainer_defaults: dict[str, Any] | None = None):
+    """The jsonargparse parser of `jaxlight <command> <module> --data <data>` (or of a recipe,
+    whose config `sections` replace `model`/`data`) in LightningCLI's form."""
     # jsonargparse (with its type-hint machinery) loads only when the LightningCLI form runs:
     # `jaxlight --help`, recipes and the dashed form start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser
@@ -446,8 +455,12 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
 
     parser = ArgumentParser(
         prog=f"jaxlight {command}", exit_on_error=False,
-        description=f"LightningCLI's command line for {model_cls.__qualname__}: values come "
-                    "from the signatures' defaults, then --config files and flags in order.")
+        description=(f"LightningCLI's command line for {model_cls.__qualname__}: values come "
+                     "from the signatures' defaults, then --config files and flags in order."
+                     if recipe is None else
+                     f"{recipe.summary}\n\nLightningCLI's command line for recipe "
+                     f"{recipe.name!r}: values come from the recipe's defaults, then --preset, "
+                     "then --config files and flags in order."))
     parser.add_argument("--config", action=ActionConfigFile,
                         help="a YAML/JSON config file (LightningCLI's, as it is) or its text")
     parser.add_argument("--seed_everything", type=bool | int, default=True,
@@ -455,25 +468,115 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
                              "draws one (as Lightning) and prints it, false uses 0")
     parser.add_class_arguments(Fit, "trainer", instantiate=False, fail_untyped=False,
                                sub_configs=True, skip={"seed"})
+    if trainer_defaults:
+        parser.set_defaults({f"trainer.{k}": v for k, v in trainer_defaults.items()})
+    if recipe is not None:
+        for name, value in (sections or {}).items():
+            parser.add_class_arguments(type(value), name, instantiate=False,
+                                       fail_untyped=False)
+            parser.set_defaults({f"{name}.{f.name}": getattr(value, f.name)
+                                 for f in dataclasses.fields(value)})
+        # A recipe's runs repeat by default (seed 0, as `Fit`'s), where LightningCLI draws one.
+        parser.set_defaults(seed_everything=0)
+        _add_common_tail(parser, with_optimizer=False)
+        return parser
     parser.add_class_arguments(model_cls, "model", fail_untyped=False, sub_configs=True)
     if isinstance(data_cls, type):
         parser.add_class_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
     elif data_cls is not None:  # a function returning the DataModule: called after parsing
         parser.add_function_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
+    _add_common_tail(parser, with_optimizer=True)
+    return parser
+
+
+def _add_common_tail(parser, with_optimizer: bool) -> None:
+    """`--optimizer`/`--lr_scheduler` (a module's; a recipe has its `optim` section) and
+    `--ckpt_path`."""
+    if with_optimizer:
+        _add_optimizer(parser)
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help="checkpoint to resume from (fit) or to run (validate, test, "
+                             "predict): a path, 'last', 'best' or 'none'")
+
+
+def _add_optimizer(parser) -> None:
     parser.add_subclass_arguments(TorchOptimizer, "optimizer", required=False,
                                   help="torch.optim's SGD, Adam or AdamW (replaces the module's "
                                        "configure_optimizers, as in LightningCLI)")
     parser.add_subclass_arguments(TorchLRScheduler, "lr_scheduler", required=False,
                                   help="torch's StepLR or ExponentialLR (with --optimizer)")
-    parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help="checkpoint to resume from (fit) or to run (validate, test, "
-                             "predict): a path, 'last', 'best' or 'none'")
-    return parser
+
+
+def _recipe_sections(recipe, preset: str | None) -> dict[str, Any]:
+    """A recipe's config sections (`model`, `data`, `optim`, ...) at their defaults, the
+    preset's values applied: each becomes a section of the parser, as a module's `__init__`
+    does (`--model.width 32`, `model:` in a config file)."""
+    config = recipe.default_config(preset)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _recipe_trainer_defaults(recipe, preset: str | None) -> dict[str, Any]:
+    """`trainer.*` defaults of a recipe: its `fit_defaults`, then its preset's `fit:` values."""
+    out = dict(recipe.fit_defaults)
+    if preset is not None:
+        out.update({k.replace("-", "_"): v for k, v in recipe.preset(preset)
+                    .get("fit", {}).items()})
+    return out
+
+
+def parse_recipe(command: str, name: str, argv: Sequence[str]):
+    """Parses `jaxlight <command> <recipe>` in LightningCLI's form: (parser, config, extras,
+    recipe, notes). The recipe's config sections are the parser's sections beside `trainer`."""
+    from jaxlight import recipes
+
+    extras, rest = _extras(list(argv))
+    recipe = recipes.get(name)
+    preset = extras["preset"]
+    sections = _recipe_sections(recipe, preset)
+    notes = _Notes()
+    adapted = _adapt_argv(rest, notes, {})
+    parser = build_parser(command, None, None, recipe=recipe, sections=sections,
+                          trainer_defaults=_recipe_trainer_defaults(recipe, preset))
+    if any(t in ("-h", "--help") for t in adapted):
+        return parser, None, extras, recipe, notes
+    try:
+        cfg = parser.parse_args(adapted)
+    except argparse.ArgumentError as err:
+        raise ConfigurationError(_explain(parser, str(err), name, extras)) from None
+    _whole_batch_limits(cfg)
+    return parser, cfg, extras, recipe, notes
+
+
+def recipe_config(recipe, preset: str | None, cfg) -> Any:
+    """The recipe's config dataclass with the parsed sections' values."""
+    from jaxlight.recipes._base import apply_overrides, flatten
+
+    config = recipe.default_config(preset)
+    values = {}
+    for f in dataclasses.fields(config):
+        section = cfg.get(f.name)
+        if section is not None:
+            values.update(flatten(section.as_dict() if hasattr(section, "as_dict")
+                                  else dict(section), f"{f.name}."))
+    return apply_overrides(config, values, "command line")
+
+
+def _whole_batch_limits(cfg) -> None:
+    for key in ("limit_train_batches", "limit_val_batches"):
+        value = cfg.trainer[key]
+        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
+        # 1 as that many batches.
+        if isinstance(value, float) and value > 1 and value.is_integer():
+            cfg.trainer[key] = int(value)
 
 
 def parse(command: str, spec: str, argv: Sequence[str]):
     """Parses a LightningCLI-form command: (parser, config, extras, classes, notes)."""
     extras, rest = _extras(list(argv))
+    if extras["preset"] is not None:
+        raise ConfigurationError(
+            f"--preset {extras['preset']}: presets belong to recipes; {spec} takes its "
+            "defaults from its signatures (and --config files).")
     model_cls = import_object(spec, "target")
 
     if not (isinstance(model_cls, type) and issubclass(model_cls, TrainModule)):
@@ -509,12 +612,7 @@ def parse(command: str, spec: str, argv: Sequence[str]):
         cfg = parser.parse_args(adapted)
     except argparse.ArgumentError as err:
         raise ConfigurationError(_explain(parser, str(err), spec, extras)) from None
-    for key in ("limit_train_batches", "limit_val_batches"):
-        value = cfg.trainer[key]
-        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
-        # 1 as that many batches.
-        if isinstance(value, float) and value > 1 and value.is_integer():
-            cfg.trainer[key] = int(value)
+    _whole_batch_limits(cfg)
     return parser, cfg, extras, (model_cls, data_cls), notes
 
 

@@ -25,7 +25,13 @@ from jaxlight._cli._build import (
     size_bare_strategy,
 )
 from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
-from jaxlight._cli._lightning_form import has_class_parameters, parse, uses_lightning_form
+from jaxlight._cli._lightning_form import (
+    has_class_parameters,
+    parse,
+    parse_recipe,
+    recipe_config,
+    uses_lightning_form,
+)
 from jaxlight._cli._options import RUN_OPTIONS, fit_signature_defaults, resolve
 from jaxlight._cli._target import (
     TargetRecipe,
@@ -73,6 +79,8 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     """
     if is_target(recipe_name) and (uses_lightning_form(argv) or _class_typed(recipe_name, argv)):
         return run_lightning_form(command, recipe_name, argv)
+    if not is_target(recipe_name) and uses_lightning_form(argv):
+        return run_recipe_form(command, recipe_name, argv)
     recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
     if flags.get("help"):
         parser.print_help()
@@ -349,28 +357,10 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
     initialize_distributed()
     if extras["devices"] is not None:
         check_device_count(int(extras["devices"]))
-    ckpt_path = cfg.ckpt_path
-    untrained_on_purpose = isinstance(ckpt_path, str) and ckpt_path.lower() in ("none", "null")
-    if untrained_on_purpose:
-        ckpt_path = None
-    seed = cfg.seed_everything
-    if seed is True:
-        seed = int.from_bytes(os.urandom(4), "little") >> 1
-        print(f"seed_everything: true: seed {seed} (pass --seed_everything {seed} to repeat "
-              "this run)", flush=True)
-    elif seed is False:
-        seed = 0
+    ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
+    seed = _seed(cfg)
     init = parser.instantiate(cfg)
-    trainer = dict(vars(init.trainer))
-    if isinstance(trainer.get("strategy"), str):
-        trainer["strategy"] = build_strategy(trainer["strategy"])
-    if trainer.get("callbacks") is None:
-        trainer["callbacks"] = []
-    if command != "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None:
-        trainer["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
-    if command == "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None \
-            and not trainer["fast_dev_run"]:
-        trainer["max_epochs"] = 1000  # Lightning's length when none is given
+    trainer = _trainer_kwargs(command, init.trainer)
     module, data = init.model, init.data
     if not isinstance(data_cls, type) and not isinstance(data, DataModule):
         data = data_cls(**vars(data))  # a function returning the DataModule
@@ -388,15 +378,7 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
         raise ConfigurationError("--lr_scheduler needs --optimizer (as in LightningCLI).")
     trainer["callbacks"] = [*trainer["callbacks"], _LastValidation()]
     fit = Fit(seed=seed, **trainer)
-    if command != "fit":
-        if ckpt_path is None and not untrained_on_purpose:
-            raise ConfigurationError(
-                f"jaxlight {command} {spec} without --ckpt_path would evaluate a randomly "
-                "initialized model, not a trained one; pass --ckpt_path PATH (a checkpoint "
-                "step directory, a checkpoints directory, 'last' or 'best'), or --ckpt_path "
-                "none to evaluate the initialization on purpose.")
-        if ckpt_path in ("best", "last"):
-            ckpt_path = _find_checkpoint(fit, ckpt_path)
+    ckpt_path = _eval_ckpt_path(command, spec, fit, ckpt_path, untrained_on_purpose)
     recipe = TargetRecipe(name=spec, summary="", config=type(cfg), build=lambda *a: None)
     options = {"ckpt_path": ckpt_path, "seed": seed}
     metrics: dict[str, Any] = {}
@@ -411,3 +393,109 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
     else:
         _eval_command(command, recipe, options, fit, module, data, metrics, say)
     return RunResult(fit, module, data, cfg, options, metrics, predictions)
+
+
+def _ckpt_path(cfg) -> tuple[str | None, bool]:
+    """`--ckpt_path` and whether `none` asked for the initialization on purpose."""
+    ckpt_path = cfg.ckpt_path
+    untrained_on_purpose = isinstance(ckpt_path, str) and ckpt_path.lower() in ("none", "null")
+    return (None if untrained_on_purpose else ckpt_path), untrained_on_purpose
+
+
+def _seed(cfg) -> int:
+    """`--seed_everything`: true draws a seed (and prints it, to repeat the run), false is 0."""
+    seed = cfg.seed_everything
+    if seed is True:
+        seed = int.from_bytes(os.urandom(4), "little") >> 1
+        print(f"seed_everything: true: seed {seed} (pass --seed_everything {seed} to repeat "
+              "this run)", flush=True)
+    elif seed is False:
+        seed = 0
+    return seed
+
+
+def _trainer_kwargs(command: str, trainer_ns) -> dict[str, Any]:
+    """`Fit`'s keywords from the instantiated `trainer` section."""
+    trainer = dict(vars(trainer_ns))
+    if isinstance(trainer.get("strategy"), str):
+        trainer["strategy"] = build_strategy(trainer["strategy"])
+    if trainer.get("callbacks") is None:
+        trainer["callbacks"] = []
+    if command != "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None:
+        trainer["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
+    if command == "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None \
+            and not trainer["fast_dev_run"]:
+        trainer["max_epochs"] = 1000  # Lightning's length when none is given
+    return trainer
+
+
+def _eval_ckpt_path(command: str, spec: str, fit, ckpt_path, untrained_on_purpose: bool):
+    """The checkpoint validate/test/predict run: refused when none is given (unless `none` on
+    purpose), `best`/`last` found before the model is built."""
+    if command == "fit":
+        return ckpt_path
+    if ckpt_path is None and not untrained_on_purpose:
+        raise ConfigurationError(
+            f"jaxlight {command} {spec} without --ckpt_path would evaluate a randomly "
+            "initialized model, not a trained one; pass --ckpt_path PATH (a checkpoint "
+            "step directory, a checkpoints directory, 'last' or 'best'), or --ckpt_path "
+            "none to evaluate the initialization on purpose.")
+    if ckpt_path in ("best", "last"):
+        ckpt_path = _find_checkpoint(fit, ckpt_path)
+    return ckpt_path
+
+
+def run_recipe_form(command: str, name: str, argv: Sequence[str]) -> RunResult | None:
+    """`jaxlight <command> <recipe>` in LightningCLI's form: `--trainer.*`, the recipe's config
+    sections as `--model.*`, `--data.*`, `--optim.*` ..., `--seed_everything`, `--print_config`
+    and LightningCLI-shaped `--config` files, parsed by jsonargparse (see `_lightning_form`)."""
+    parser, cfg, extras, recipe, notes = parse_recipe(command, name, argv)
+    if cfg is None:
+        parser.print_help()
+        return None
+    notes.report()
+    if extras["print_config"] is not None:
+        print(parser.dump(cfg, skip_unset=False), end="")
+        return None
+    _predict.check_output_path(extras["output"])
+    initialize_distributed()
+    if extras["devices"] is not None:
+        check_device_count(int(extras["devices"]))
+    ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
+    seed = _seed(cfg)
+    strategy_name = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else None
+    trainer = _trainer_kwargs(command, parser.instantiate(cfg).trainer)
+    config = recipe_config(recipe, extras["preset"], cfg)
+
+    def make_fit(strategy):
+        return Fit(seed=seed, **{**trainer, "strategy": strategy,
+                                 "callbacks": [*trainer["callbacks"], _LastValidation()]})
+
+    fit = make_fit(trainer["strategy"])  # refuses bad Fit options before the recipe builds
+    ckpt_path = _eval_ckpt_path(command, name, fit, ckpt_path, untrained_on_purpose)
+    overrides = recipe.ckpt_overrides
+    if callable(overrides):
+        overrides = overrides(config)
+    if ckpt_path is not None and overrides:
+        config = apply_overrides(config, overrides, f"recipe {recipe.name}")
+    module, data = recipe.build(config, trainer["max_steps"])
+    say = _printer()
+    note = None
+    if strategy_name is not None:
+        sized, note = size_bare_strategy(strategy_name, None, module, seed)
+        if sized is not None:
+            fit = make_fit(sized)
+    say(f"{command} {recipe.name}: strategy {fit.strategy.name}, {describe_devices()}")
+    if note:
+        say(note)
+    options = {"ckpt_path": ckpt_path, "seed": seed, "preset": extras["preset"]}
+    metrics: dict[str, Any] = {}
+    predictions = None
+    if command == "fit":
+        _fit_command(recipe, config, options, fit, module, data, metrics, say)
+    elif command == "predict":
+        predictions = _predict_command(recipe, options, {"output": extras["output"]}, fit,
+                                       module, data, say)
+    else:
+        _eval_command(command, recipe, options, fit, module, data, metrics, say)
+    return RunResult(fit, module, data, config, options, metrics, predictions)
