@@ -50,9 +50,8 @@ def test_print_config_reads_back_with_the_file_s_class_paths(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--trainer.max_steps", "2", "--callbacks", "LearningRateMonitor()"],
-     "--callbacks is jaxlight's earlier option; in LightningCLI's form write "
-     "--trainer.callbacks+=Name --trainer.callbacks.ARG VALUE"),
+    (["--trainer.max_steps", "2", "--callbacks", "EarlyStoping(monitor='val_loss')"],
+     "unknown callback 'EarlyStoping'; jaxlight.callbacks has"),
     (["--trainer.callbacks+=NoSuchCallback"], "NoSuchCallback"),
     (["--trainer.max_stepz", "2"], "Did you mean '--trainer.max_steps'?"),
     (["--trainer.num_nodes", "2"], None),
