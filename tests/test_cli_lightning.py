@@ -1,5 +1,5 @@
 """LightningCLI's form of the command line (jsonargparse): what the conformance group `cli`
-does not cover. Parses only; nothing here trains."""
+does not cover. Parses only, but for one 3-step fit of a recipe in this form."""
 
 from __future__ import annotations
 

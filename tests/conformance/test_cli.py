@@ -188,3 +188,18 @@ def test_default_env(monkeypatch):
                 "max_steps": -1 if cfg.trainer.max_steps is None else cfg.trainer.max_steps,
                 "learning_rate": cfg.model.learning_rate}
     assert observed == {k: expected[k] for k in observed}
+
+
+@departure("SaveConfigCallback without a logger's run directory: Lightning writes "
+           "<default_root_dir>/config.yaml and refuses the next fit there; jaxlight saves none, "
+           "so a validate after a fit (or a second fit) in one root runs",
+           section="The command line")
+def test_save_config_without_a_logger(tmp_path):
+    expected = case(G, "save_config")
+    assert expected["no_logger_written"] == ["config.yaml"]
+    assert expected["no_logger_second_refused"] is True
+    argv = [*TARGET[1:], *SAVE_ARGS, "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(tmp_path)]
+    run("fit", TARGET[0], argv)
+    run("fit", TARGET[0], argv)  # not refused
+    assert list(tmp_path.rglob("config.yaml")) == []

@@ -192,7 +192,17 @@ def save_config() -> dict:
         fit(tmp, "--trainer.logger.version", "0", save_config_kwargs={"overwrite": True})
         saved = yaml.safe_load((pathlib.Path(tmp) / "run" / "version_0" / "config.yaml")
                                .read_text())
+    with tempfile.TemporaryDirectory() as tmp:  # no logger: default_root_dir is the log dir
+        quiet = ["--trainer.logger", "false", "--trainer.default_root_dir", tmp]
+        fit(tmp, *quiet)
+        no_logger = written(tmp)
+        try:
+            fit(tmp, *quiet)
+            no_logger_second_refused = False
+        except RuntimeError:
+            no_logger_second_refused = True
     return {"after_two_fits": after_two, "refused": refused,
+            "no_logger_written": no_logger, "no_logger_second_refused": no_logger_second_refused,
             "overwritten_sections": sorted(saved),
             "saved": {"max_steps": saved["trainer"]["max_steps"],
                       "learning_rate": saved["model"]["learning_rate"],
