@@ -13,7 +13,7 @@ import yaml
 
 from jaxlight import ConfigurationError, callbacks, strategies
 from jaxlight._cli import (
-    RUN_OPTIONS,
+    ALIASES,
     build_callbacks,
     build_loggers,
     build_strategy,
@@ -110,14 +110,15 @@ def test_launch_is_dispatched(capsys):
 
 def test_help_lists_every_option_with_its_default(capsys):
     assert main(["fit", "gpt", "--help"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for opt in RUN_OPTIONS:
-        assert f"--{opt.name.replace('_', '-')} " in out, opt.name
+    out = " ".join(capsys.readouterr().out.split())  # the help wraps lines
+    for old, new in ALIASES.items():  # the earlier options, with the key each is read as
+        assert f"--{old} = --{new}" in out, old
     for dotted in fields(gpt.Config):
         assert f"--{dotted} " in out, dotted
-    assert "--model.num_layers INT transformer blocks" in out
-    assert "(default: 4)" in out and "(default: 300)" in out  # num_layers; the recipe's steps
-    assert "--preset NAME" in out and "125m" in out
+    assert "--model.num_layers NUM_LAYERS transformer blocks" in out
+    assert "(type: int, default: 4)" in out  # num_layers
+    assert "(type: int | null, default: 300)" in out  # the recipe's steps, not Fit's None
+    assert "--preset NAME" in out
 
 
 def test_top_level_help_lists_commands_and_recipes(capsys):
@@ -135,16 +136,20 @@ def _printed(capsys, argv) -> dict:
 def test_precedence_defaults_preset_file_command_line(tmp_path, capsys):
     assert _printed(capsys, ["fit", "gpt"])["model"]["num_layers"] == 4
     preset = _printed(capsys, ["fit", "gpt", "--preset", "125m"])
-    assert preset["model"]["num_layers"] == 12 and preset["max_steps"] == 5000
-    assert preset["precision"] == "bf16-mixed"
-    path = tmp_path / "run.yaml"
+    assert preset["model"]["num_layers"] == 12 and preset["trainer"]["max_steps"] == 5000
+    assert preset["trainer"]["precision"] == "bf16-mixed"
+    path = tmp_path / "run.yaml"  # the earlier form: options at the top level
     path.write_text("preset: 125m\nmax_steps: 77\nmodel:\n  num_layers: 6\n")
     from_file = _printed(capsys, ["fit", "gpt", "--config", str(path)])
-    assert from_file["model"]["num_layers"] == 6 and from_file["max_steps"] == 77
+    assert from_file["model"]["num_layers"] == 6 and from_file["trainer"]["max_steps"] == 77
     assert from_file["model"]["embed_dim"] == 768  # still the preset's
     cli = _printed(capsys, ["fit", "gpt", "--config", str(path), "--model.num_layers", "8",
                             "--max_steps", "5"])
-    assert cli["model"]["num_layers"] == 8 and cli["max_steps"] == 5
+    assert cli["model"]["num_layers"] == 8 and cli["trainer"]["max_steps"] == 5
+    # LightningCLI's form of the same file reads the same.
+    path.write_text("trainer:\n  max_steps: 77\nmodel:\n  num_layers: 6\n")
+    lightning = _printed(capsys, ["fit", "gpt", "--preset", "125m", "--config", str(path)])
+    assert lightning == from_file
 
 
 def test_printed_config_is_a_valid_config_file(tmp_path, capsys):
@@ -226,7 +231,7 @@ def test_unknown_option_lists_valid_ones_and_suggests(capsys, bad, nearest):
 
 def test_bad_option_value_names_the_expected_type(capsys):
     assert main(["fit", "digits", "--max-steps", "many"]) == 2
-    assert "--max-steps expects int | None, got 'many'" in _err(capsys)
+    assert "--trainer.max_steps expects int | None, got 'many'" in _err(capsys)
     assert main(["fit", "gpt", "--model.dtype", "float16"]) == 2
     assert "model.dtype expects one of 'float32', 'bfloat16', got 'float16'" in _err(capsys)
 
@@ -268,11 +273,11 @@ def test_config_file_with_unknown_keys(tmp_path, capsys):
     path.write_text("max_steps: 10\nmodel:\n  hiden: 64\n")
     assert main(["fit", "digits", "--config", str(path)]) == 2
     err = _err(capsys)
-    assert f"config file {path}, line 3: unknown field 'model.hiden'" in err
+    assert f"config file {path}: unknown key 'model.hiden'" in err
     assert "Did you mean 'model.hidden'?" in err
     path.write_text("max_step: 10\n")
     assert main(["fit", "digits", "--config", str(path)]) == 2
-    assert "line 1: unknown key 'max_step'. Did you mean 'max_steps'?" in _err(capsys)
+    assert "unknown key 'max_step'. Did you mean 'max_steps'?" in _err(capsys)
     path.write_text("- 1\n- 2\n")
     assert main(["fit", "digits", "--config", str(path)]) == 2
     assert "the top level is a list; it must be a mapping" in _err(capsys)
@@ -284,7 +289,7 @@ def test_config_file_with_unknown_keys(tmp_path, capsys):
 def test_mesh_shape_that_does_not_parse_shows_accepted_forms(capsys, text):
     assert main(["fit", "digits", "--mesh-shape", text]) == 2
     err = _err(capsys)
-    assert "jaxlight: error: --mesh-shape: " in err  # the one mesh grammar's message, then:
+    assert "jaxlight: error: mesh_shape: " in err  # the one mesh grammar's message, then:
     assert "accepted forms of a mesh shape:" in err
     assert '[[4, 2], ["data", "tp"]]      the Tunix form' in err
 

@@ -1,5 +1,5 @@
 """LightningCLI's form of the command line (jsonargparse): what the conformance group `cli`
-does not cover. Parses only; nothing here trains."""
+does not cover. Parses only, but for one 3-step fit of a recipe in this form."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pathlib
 import pytest
 import yaml
 
-from jaxlight._cli import main
+from jaxlight import strategies
+from jaxlight._cli import main, run
 
 PORT = pathlib.Path(__file__).resolve().parent / "conformance" / "_cli_port.py"
 TARGET = [f"{PORT}:LitClassifier", "--data", f"{PORT}:MyDataModule"]
@@ -49,9 +50,8 @@ def test_print_config_reads_back_with_the_file_s_class_paths(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--trainer.max_steps", "2", "--callbacks", "LearningRateMonitor()"],
-     "--callbacks is jaxlight's earlier option; in LightningCLI's form write "
-     "--trainer.callbacks+=Name --trainer.callbacks.ARG VALUE"),
+    (["--trainer.max_steps", "2", "--callbacks", "EarlyStoping(monitor='val_loss')"],
+     "unknown callback 'EarlyStoping'; jaxlight.callbacks has"),
     (["--trainer.callbacks+=NoSuchCallback"], "NoSuchCallback"),
     (["--trainer.max_stepz", "2"], "Did you mean '--trainer.max_steps'?"),
     (["--trainer.num_nodes", "2"], None),
@@ -78,10 +78,13 @@ def test_lightning_callback_paths_map_by_name_and_unknown_ones_are_refused(capsy
 
 
 def test_a_config_given_as_text(capsys):
-    assert main(["fit", *TARGET, "--config", "{trainer: {max_steps: -1, max_epochs: 3}}",
+    assert main(["fit", *TARGET, "--config", "{trainer: {max_steps: -1, max_epochs: 3, "
+                 "check_val_every_n_epoch: null}}",
                  "--config={model: {learning_rate: 0.5}}", "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["max_steps"] is None and printed["trainer"]["max_epochs"] == 3
+    # Lightning keeps this None (val_check_interval then counts steps across epochs).
+    assert printed["trainer"]["check_val_every_n_epoch"] is None
     assert printed["model"]["learning_rate"] == 0.5
 
 
@@ -90,11 +93,39 @@ def test_evaluating_without_a_checkpoint_is_refused(capsys):
     assert "without --ckpt_path would evaluate a randomly initialized model" in _err(capsys)
 
 
-def test_recipes_take_lightning_spellings(capsys):
+def test_recipes_take_lightning_spellings(capsys, tmp_path):
+    """A recipe in LightningCLI's form: its config sections beside `trainer`, the recipe's Fit
+    defaults and a preset's as `trainer` defaults, and a printed config that reads back."""
     assert main(["fit", "digits", "--trainer.max_steps", "7", "--seed_everything", "3",
-                 "--print-config"]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["max_steps"] == 7 and printed["seed"] == 3
+                 "--model.width", "24", "--print-config"]) == 0
+    first = capsys.readouterr().out
+    printed = yaml.safe_load(first)
+    assert printed["trainer"]["max_steps"] == 7 and printed["seed_everything"] == 3
+    assert printed["trainer"]["log_every_n_steps"] == 20  # the recipe's, not Fit's 50
+    assert printed["model"]["width"] == 24 and printed["optim"]["lr"] == 0.002
+    path = tmp_path / "config.yaml"
+    path.write_text(first)
+    assert main(["fit", "digits", "--config", str(path), "--print_config"]) == 0
+    assert capsys.readouterr().out == first
+    assert main(["fit", "gpt", "--preset", "125m", "--trainer.max_steps", "5",
+                 "--print_config"]) == 0
+    preset = yaml.safe_load(capsys.readouterr().out)
+    assert preset["model"]["num_layers"] == 12 and preset["trainer"]["max_steps"] == 5
+    assert preset["trainer"]["precision"] == "bf16-mixed"  # the preset's fit: values
+    assert main(["fit", "digits", "--trainer.max_steps", "2", "--model.widht", "3"]) == 2
+    assert "Did you mean '--model.width'?" in _err(capsys)
+
+
+def test_a_recipe_trains_in_lightning_s_form():
+    result = run("fit", "digits", [
+        "--trainer.max_steps", "3", "--trainer.strategy", "dp", "--model.width", "16",
+        "--model.hidden", "16", "--optim.lr", "0.01", "--trainer.logger", "false",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.val_check_interval", "3"])
+    assert isinstance(result.fit.strategy, strategies.DataParallel)
+    assert result.fit.global_step == 3 and result.fit.seed == 0
+    assert result.module.width == 16 and result.module.lr == 0.01
+    assert result.config.model.hidden == 16 and "val_accuracy" in result.metrics
 
 
 def test_data_from_a_function_takes_its_arguments(capsys, tmp_path, monkeypatch):

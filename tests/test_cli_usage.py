@@ -71,7 +71,7 @@ def test_fit_refuses_batch_limits_that_select_nothing(kw):
 def test_checkpoint_every_zero_steps_is_refused(capsys):
     assert main(["fit", "digits", "--max-steps", "2", "--checkpoint-every-n-steps", "0",
                  *QUIET]) == 2
-    assert "--checkpoint-every-n-steps 0 would save no checkpoint" in capsys.readouterr().err
+    assert "--checkpoint_every_n_steps 0 would save no checkpoint" in capsys.readouterr().err
     with pytest.raises(jl.ConfigurationError, match=r"every_n_steps=0"):
         jl.callbacks.ModelCheckpoint("ckpt", every_n_steps=0)
 
@@ -83,13 +83,13 @@ def test_checkpoint_every_zero_steps_is_refused(capsys):
 def test_evaluating_without_a_checkpoint_is_refused(command, capsys):
     assert main([command, "digits", *QUIET]) == 2
     err = capsys.readouterr().err
-    assert f"jaxlight {command} digits without --ckpt-path would evaluate a randomly " \
+    assert f"jaxlight {command} digits without --ckpt_path would evaluate a randomly " \
            "initialized model" in err
-    assert "--checkpoint-every-n-steps N" in err and "--ckpt-path none" in err
+    assert "--checkpoint_every_n_steps N" in err and "--ckpt_path none" in err
     # With checkpoints under the default root, the message names the flag that finds them.
     os.makedirs("jaxlight_logs/checkpoints")
     assert main([command, "digits", *QUIET]) == 2
-    assert "pass --ckpt-path last (the newest checkpoint under jaxlight_logs/checkpoints)" \
+    assert "pass --ckpt_path last (the newest checkpoint under jaxlight_logs/checkpoints)" \
         in capsys.readouterr().err
 
 
@@ -97,7 +97,7 @@ def test_evaluating_the_initialization_on_purpose(capsys):
     result = run("validate", "digits", ["--ckpt-path", "none", "--model.width", "16",
                                         "--model.hidden", "16", *QUIET])
     assert "val_loss" in result.metrics
-    assert "warning: --ckpt-path none: validate evaluates the model as configure_model " \
+    assert "warning: --ckpt_path none: validate evaluates the model as configure_model " \
            "initializes it" in capsys.readouterr().out
 
 

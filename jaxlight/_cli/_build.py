@@ -44,7 +44,7 @@ def _parse_call(text: str, what: str) -> tuple[str, list, dict]:
     )
 
 
-def _split_calls(text: str) -> list[str]:
+def split_calls(text: str) -> list[str]:
     """Splits `"a(x=1, y=2), b"` at top-level commas."""
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
@@ -175,12 +175,20 @@ _LOGGERS = {"csv": "CSVLogger", "wandb": "WandbLogger", "tensorboard": "TensorBo
             "tb": "TensorBoardLogger"}
 
 
-def build_loggers(text: str | None) -> list | None:
-    """Logger callbacks from `csv,wandb,...`; None when no logger is wanted."""
-    if text is None or text.strip().lower() in ("", "none", "false", "off"):
-        return None
+def _bind(cls, args, kwargs, what: str) -> dict:
+    """The keyword arguments of a call, positional ones named (checked against the signature)."""
+    try:
+        bound = inspect.signature(cls).bind(*args, **kwargs)
+    except TypeError as err:
+        raise ConfigurationError(
+            f"{what}: {err}; the signature is {inspect.signature(cls)}.") from None
+    return dict(bound.arguments)
+
+
+def logger_calls(text: str) -> list[tuple[type, dict]]:
+    """The logger classes and keyword arguments of `csv,wandb(project='x'),...`."""
     out = []
-    for part in _split_calls(text):
+    for part in split_calls(text):
         name, args, kwargs = _parse_call(part, "--logger")
         cls_name = _LOGGERS.get(name.lower(), name)
         cls = getattr(callbacks, cls_name, None)
@@ -190,8 +198,16 @@ def build_loggers(text: str | None) -> list | None:
                 f"unknown logger {name!r}; available loggers are {available} (or 'none')."
                 f"{suggest(name.lower(), _LOGGERS)}"
             )
-        out.append(_call(cls, args, kwargs, f"--logger {part}"))
+        out.append((cls, _bind(cls, args, kwargs, f"--logger {part}")))
     return out
+
+
+def build_loggers(text: str | None) -> list | None:
+    """Logger callbacks from `csv,wandb,...`; None when no logger is wanted."""
+    if text is None or text.strip().lower() in ("", "none", "false", "off"):
+        return None
+    return [_call(cls, [], kwargs, f"--logger {cls.__name__}")
+            for cls, kwargs in logger_calls(text)]
 
 
 def build_callbacks(text: str | None) -> list:
@@ -203,25 +219,29 @@ def build_callbacks(text: str | None) -> list:
     """
     if not text:
         return []
+    return [_call(cls, [], kwargs, f"--callbacks {part}")
+            for part in split_calls(text) for cls, kwargs in [callback_call(part)]]
+
+
+def callback_call(part: str) -> tuple[type, dict]:
+    """The class and keyword arguments of one callback in call form (`EarlyStopping(...)`,
+    `PATH.py:Name(...)`)."""
     valid = [n for n in getattr(callbacks, "__all__", ()) if n not in ("Callback",)]
-    out = []
-    for part in _split_calls(text):
-        head, paren, rest = part.partition("(")
-        if ":" in head:  # PATH.py:Name(...) or package.module:Name(...)
-            cls = import_object(head.strip(), "--callbacks")
-            _, args, kwargs = _parse_call("cls" + paren + rest, f"--callbacks {part!r}:")
-            if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
-                raise ConfigurationError(
-                    f"--callbacks {head.strip()!r} is {type(cls).__name__} {cls!r}, not a "
-                    "subclass of jaxlight.callbacks.Callback."
-                )
-        else:
-            name, args, kwargs = _parse_call(part, "--callbacks")
-            cls = getattr(callbacks, name, None)
-            if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
-                raise ConfigurationError(
-                    f"unknown callback {name!r}; jaxlight.callbacks has {valid}."
-                    f"{suggest(name, valid)} Your own callback class: PATH.py:Name(...)."
-                )
-        out.append(_call(cls, args, kwargs, f"--callbacks {part}"))
-    return out
+    head, paren, rest = part.partition("(")
+    if ":" in head:  # PATH.py:Name(...) or package.module:Name(...)
+        cls = import_object(head.strip(), "--callbacks")
+        _, args, kwargs = _parse_call("cls" + paren + rest, f"--callbacks {part!r}:")
+        if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+            raise ConfigurationError(
+                f"--callbacks {head.strip()!r} is {type(cls).__name__} {cls!r}, not a "
+                "subclass of jaxlight.callbacks.Callback."
+            )
+    else:
+        name, args, kwargs = _parse_call(part, "--callbacks")
+        cls = getattr(callbacks, name, None)
+        if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+            raise ConfigurationError(
+                f"unknown callback {name!r}; jaxlight.callbacks has {valid}."
+                f"{suggest(name, valid)} Your own callback class: PATH.py:Name(...)."
+            )
+    return cls, _bind(cls, args, kwargs, f"--callbacks {part}")

@@ -20,9 +20,11 @@ trained.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
+import re
 import sys
 import typing
 import warnings
@@ -32,17 +34,15 @@ from typing import Any
 import yaml
 
 from jaxlight import Fit, callbacks
+from jaxlight._cli._aliases import ALIASES, translate_argv, translate_file
 from jaxlight._cli._config_file import load_config_file
-from jaxlight._cli._target import import_object
+from jaxlight._cli._target import import_object, same_target
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight._module import TrainModule
 from jaxlight._porting import TRAINER_ARGS
 from jaxlight.data._datamodule import DataModule
 from jaxlight.optim.torch import TORCH_PATHS, TorchLRScheduler, TorchOptimizer
-
-#: Command-line tokens and config-file keys that only LightningCLI's form has.
-_FORM_FLAGS = ("--trainer", "--seed_everything", "--optimizer", "--lr_scheduler")
-_FORM_KEYS = ("trainer", "seed_everything", "optimizer", "lr_scheduler")
+from jaxlight.recipes._base import type_name
 
 #: Lightning 2.6 `Trainer` arguments that `Fit` takes under the same name, with Lightning's
 #: default and the `Fit` value that means the same (`None` in Lightning often means "the
@@ -70,6 +70,10 @@ _SHARED = {
     "gradient_clip_algorithm": (None, "norm"),
     "default_root_dir": (None, "jaxlight_logs"),
 }
+
+#: Shared arguments whose `None` Lightning keeps as a value rather than reading as its default
+#: (`check_val_every_n_epoch=None`: `val_check_interval` counts steps across epochs).
+_NONE_IS_A_VALUE = frozenset({"check_val_every_n_epoch"})
 
 #: Lightning 2.6 `Trainer` arguments without a jaxlight meaning, with Lightning's default. At
 #: the default they ask for nothing and are dropped; another value is named in a warning.
@@ -103,80 +107,8 @@ _REFUSED = {
 #: Lightning's length when neither max_epochs nor max_steps is given.
 _LIGHTNING_DEFAULT_EPOCHS = 1000
 
-#: Today's dashed options and their LightningCLI form (`None`: no one-to-one form; the message
-#: names what to write instead).
-_DASHED = {
-    "--max-steps": "--trainer.max_steps", "--max-epochs": "--trainer.max_epochs",
-    "--precision": "--trainer.precision", "--strategy": "--trainer.strategy",
-    "--accumulate-grad-batches": "--trainer.accumulate_grad_batches",
-    "--gradient-clip-val": "--trainer.gradient_clip_val",
-    "--gradient-clip-algorithm": "--trainer.gradient_clip_algorithm",
-    "--val-check-interval": "--trainer.val_check_interval",
-    "--check-val-every-n-epoch": "--trainer.check_val_every_n_epoch",
-    "--limit-train-batches": "--trainer.limit_train_batches",
-    "--limit-val-batches": "--trainer.limit_val_batches",
-    "--num-sanity-val-steps": "--trainer.num_sanity_val_steps",
-    "--log-every-n-steps": "--trainer.log_every_n_steps",
-    "--enable-progress-bar": "--trainer.enable_progress_bar",
-    "--enable-model-summary": "--trainer.enable_model_summary",
-    "--default-root-dir": "--trainer.default_root_dir",
-    "--fast-dev-run": "--trainer.fast_dev_run",
-    "--compilation-cache": "--trainer.compilation_cache",
-    "--seed": "--seed_everything", "--ckpt-path": "--ckpt_path",
-    "--print-config": "--print_config",
-    "--logger": "--trainer.logger CSVLogger (or WandbLogger, TensorBoardLogger, false)",
-    "--callbacks": "--trainer.callbacks+=Name --trainer.callbacks.ARG VALUE",
-    "--checkpoint-every-n-steps": "--trainer.callbacks+=ModelCheckpoint "
-                                  "--trainer.callbacks.dirpath DIR "
-                                  "--trainer.callbacks.every_n_steps N",
-    "--checkpoint-monitor": "--trainer.callbacks+=ModelCheckpoint "
-                            "--trainer.callbacks.dirpath DIR --trainer.callbacks.monitor NAME",
-    "--checkpoint-mode": "--trainer.callbacks.mode min|max (after "
-                         "--trainer.callbacks+=ModelCheckpoint)",
-    "--mesh-shape": "--trainer.strategy \"hybrid(mesh_shape={'data': 2, 'fsdp': 4})\"",
-}
-
-
 def _flag_name(token: str) -> str:
     return token.split("=", 1)[0]
-
-
-def uses_lightning_form(argv: Sequence[str]) -> bool:
-    """Whether a command is written in LightningCLI's form: a `--trainer.*`,
-    `--seed_everything`, `--optimizer` or `--lr_scheduler` flag, a nested `--model.a.b` /
-    `--data.a.b`, or a `--config` file with LightningCLI's keys (`trainer:`,
-    `seed_everything:`, ...) or `init_args`."""
-    for i, token in enumerate(argv):
-        name = _flag_name(token)
-        if name.startswith(_FORM_FLAGS) or name.endswith("+"):
-            return True
-        if name.startswith(("--model.", "--data.")) and name.count(".") > 1:
-            return True
-        if name == "--config" and i + 1 < len(argv) and os.path.isfile(argv[i + 1]):
-            data = load_config_file(argv[i + 1])
-            if any(k in data for k in _FORM_KEYS) or "init_args" in json.dumps(data, default=str):
-                return True
-    return False
-
-
-def has_class_parameters(cls: Any) -> bool:
-    """Whether a class's `__init__` has a parameter typed as a class (only the LightningCLI
-    form can set it: `--model.backbone Backbone` or `class_path`/`init_args`)."""
-
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation: not a class we can build
-        return False
-    for name, kind in hints.items():
-        if name == "return":
-            continue
-        for arg in (kind, *typing.get_args(kind)):
-            # A path or a container is a value, not a class to choose.
-            if inspect.isclass(arg) and typing.get_origin(arg) is None and getattr(
-                    arg, "__module__", "") not in ("builtins", "os", "pathlib", "typing",
-                                                   "collections.abc", "numpy"):
-                return True
-    return False
 
 
 # -- reading Lightning's keys ---------------------------------------------------------------------
@@ -219,6 +151,8 @@ def _adapt_trainer_value(key: str, value: Any, notes: _Notes) -> tuple[bool, Any
         return False, None
     if key in _SHARED:
         lightning_default, ours = _SHARED[key]
+        if value is None and key in _NONE_IS_A_VALUE:
+            return True, None
         if value is None or (key == "max_steps" and value == -1) or (
                 key in ("strategy", "devices") and value == "auto"):
             return True, ours if value == lightning_default or value is None else value
@@ -319,29 +253,15 @@ def adapt_config(data: dict[str, Any], notes: _Notes, modules: dict[str, Any]) -
 
 def _adapt_argv(argv: list[str], notes: _Notes, modules: dict[str, Any]) -> list[str]:
     """The command line with config files adapted (passed on as their content) and Lightning's
-    trainer flags in their jaxlight meaning; today's dashed options get their new form or a
-    message naming it."""
+    trainer flags in their jaxlight meaning."""
     out: list[str] = []
     i = 0
     while i < len(argv):
         token = argv[i]
         name, eq, inline = token.partition("=")
-        if name in _DASHED:
-            new = _DASHED[name]
-            if " " in new:
-                raise ConfigurationError(
-                    f"{name} is jaxlight's earlier option; in LightningCLI's form write {new}.")
-            out.append(new + (eq + inline if eq else ""))
-            i += 1
-            continue
         if name == "--config" and (eq or i + 1 < len(argv)):
-            path = inline if eq else argv[i + 1]
-            # A file, or the config's text itself (as jsonargparse takes it).
-            text = None if os.path.isfile(path) else _yaml_value(path)
-            if text is not None and not isinstance(text, dict):
-                load_config_file(path)  # neither a file nor a mapping: says no such file
-            data = adapt_config(text if text is not None else load_config_file(path), notes,
-                                modules)
+            # The config's text, as `_read_configs` passed it on.
+            data = adapt_config(_yaml_value(inline if eq else argv[i + 1]), notes, modules)
             out += ["--config", json.dumps(data)]
             i += 1 if eq else 2
             continue
@@ -381,6 +301,34 @@ def _adapt_argv(argv: list[str], notes: _Notes, modules: dict[str, Any]) -> list
     return out
 
 
+def _read_configs(argv: list[str], extras: dict[str, Any]) -> list[str]:
+    """Reads each `--config` file (or config text) once, with its earlier-form keys as the
+    parser's (`_aliases.translate_file`), and passes it on as JSON; its jaxlight settings
+    (`preset`, `devices`, an earlier `model:`/`data:` `class_path`) fill what the command line
+    left open."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if name != "--config" or not (eq or i + 1 < len(argv)):
+            out.append(argv[i])
+            i += 1
+            continue
+        path = inline if eq else argv[i + 1]
+        i += 1 if eq else 2
+        # A file, or the config's text itself (as jsonargparse takes it).
+        text = None if os.path.isfile(path) else _yaml_value(path)
+        if not isinstance(text, dict):
+            text = load_config_file(path)  # neither a file nor a mapping: says no such file
+        tree, found = translate_file(text)
+        for key, value in found.items():
+            if extras.get(key) is None:
+                extras[key] = value
+        out += ["--config", json.dumps(tree, default=str)]
+        extras.setdefault("configs", []).append(path if os.path.isfile(path) else "(text)")
+    return out
+
+
 def _yaml_value(text: str | None) -> Any:
 
     if text is None:
@@ -399,7 +347,8 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
     DataModule, which LightningCLI fixes in the script), `--output FILE` (predict), `--devices
     N` (applied before JAX starts)."""
     found: dict[str, str | None] = {"data": None, "output": None, "devices": None,
-                                    "print_config": None}
+                                    "print_config": None, "preset": None, "target": None,
+                                    "save_config_kwargs": None, "save_config_callback": None}
     rest = []
     i = 0
     while i < len(argv):
@@ -409,7 +358,8 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
             found["print_config"] = inline if eq else ""
             i += 1
             continue
-        if key in ("data", "output", "devices"):
+        if key in ("data", "output", "devices", "preset", "save_config_kwargs",
+                   "save_config_callback"):
             if eq:
                 found[key] = inline
                 i += 1
@@ -424,7 +374,7 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
     return found, rest
 
 
-def _register(obj: Any) -> Any:
+def register(obj: Any) -> Any:
     """Makes a class loaded from a user's file importable under its file's name too, so that
     jsonargparse's `class_path` (`model.Backbone`) finds the same classes."""
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
@@ -436,18 +386,29 @@ def _register(obj: Any) -> Any:
     return module
 
 
-def build_parser(command: str, model_cls: type, data_cls: Any | None):
-    """The jsonargparse parser of `jaxlight <command> <module> --data <data>` in LightningCLI's
-    form."""
+def build_parser(command: str, model_cls: type | None, data_cls: Any | None, *,
+                 recipe: Any = None, sections: dict[str, Any] | None = None,
+                 trainer_defaults: dict[str, Any] | None = None):
+    """The jsonargparse parser of `jaxlight <command> <module> --data <data>` (or of a recipe,
+    whose config `sections` replace `model`/`data`) in LightningCLI's form."""
     # jsonargparse (with its type-hint machinery) loads only when the LightningCLI form runs:
     # `jaxlight --help`, recipes and the dashed form start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser
 
 
     parser = ArgumentParser(
-        prog=f"jaxlight {command}", exit_on_error=False,
-        description=f"LightningCLI's command line for {model_cls.__qualname__}: values come "
-                    "from the signatures' defaults, then --config files and flags in order.")
+        # LightningCLI's environment variables (PL_FIT__TRAINER__MAX_EPOCHS), read when
+        # JSONARGPARSE_DEFAULT_ENV=true, as for a LightningCLI script.
+        prog=f"jaxlight {command}", exit_on_error=False, epilog=_aliases_help(),
+        env_prefix=f"PL_{command.upper()}_",
+        formatter_class=_formatter(),
+        description=(f"{(inspect.getdoc(model_cls) or '').strip()}\n\n"
+                     f"LightningCLI's command line for {model_cls.__qualname__}: values come "
+                     "from the signatures'\ndefaults, then --config files and flags in order."
+                     if recipe is None else
+                     f"{recipe.summary}\n\nLightningCLI's command line for recipe "
+                     f"{recipe.name!r}: values come from the recipe's defaults, then\n"
+                     "--preset, then --config files and flags in order."))
     parser.add_argument("--config", action=ActionConfigFile,
                         help="a YAML/JSON config file (LightningCLI's, as it is) or its text")
     parser.add_argument("--seed_everything", type=bool | int, default=True,
@@ -455,31 +416,161 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
                              "draws one (as Lightning) and prints it, false uses 0")
     parser.add_class_arguments(Fit, "trainer", instantiate=False, fail_untyped=False,
                                sub_configs=True, skip={"seed"})
+    if trainer_defaults:
+        _set_defaults(parser, {f"trainer.{k}": v for k, v in trainer_defaults.items()})
+    if recipe is not None:
+        for name, value in (sections or {}).items():
+            parser.add_class_arguments(type(value), name, instantiate=False,
+                                       fail_untyped=False)
+            _set_defaults(parser, {f"{name}.{f.name}": getattr(value, f.name)
+                                   for f in dataclasses.fields(value)},
+                          {f"{name}.{f.name}": f.metadata.get("help")
+                           for f in dataclasses.fields(value)})
+        # A recipe's runs repeat by default (seed 0, as `Fit`'s), where LightningCLI draws one.
+        parser.set_defaults(seed_everything=0)
+        _add_common_tail(parser, with_optimizer=False)
+        return parser
     parser.add_class_arguments(model_cls, "model", fail_untyped=False, sub_configs=True)
     if isinstance(data_cls, type):
         parser.add_class_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
     elif data_cls is not None:  # a function returning the DataModule: called after parsing
         parser.add_function_arguments(data_cls, "data", fail_untyped=False, sub_configs=True)
+    _add_common_tail(parser, with_optimizer=True)
+    return parser
+
+
+def _set_defaults(parser, values: dict[str, Any], helps: dict[str, Any] | None = None) -> None:
+    """Defaults that `--help` shows too (a recipe's, its preset's), with a recipe field's help."""
+    parser.set_defaults(values)
+    for action in parser._actions:
+        if action.dest in values:
+            action.default = values[action.dest]
+            if helps and helps.get(action.dest):
+                action.help = helps[action.dest]
+
+
+def _add_common_tail(parser, with_optimizer: bool) -> None:
+    """`--optimizer`/`--lr_scheduler` (a module's; a recipe has its `optim` section),
+    `--ckpt_path`, and jaxlight's own keys: `--mesh_shape`, `--checkpoint_*`."""
+    if with_optimizer:
+        _add_optimizer(parser)
+    parser.add_argument("--mesh_shape", type=Any, default=None,
+                        help="jaxlight: the mesh of strategies.Hybrid: '{\"data\": 2, \"fsdp\": "
+                             "4}', 'data=2,fsdp=4' or the Tunix form '[[4,2],[\"fsdp\",\"tp\"]]' "
+                             "(axes data, pipe, fsdp, context, tp)")
+    parser.add_argument("--checkpoint_every_n_steps", type=int | None, default=None,
+                        help="jaxlight: save a checkpoint every N steps under "
+                             "<default_root_dir>/checkpoints (callbacks.ModelCheckpoint)")
+    parser.add_argument("--checkpoint_monitor", type=str | None, default=None,
+                        help="jaxlight: rank checkpoints by this metric (e.g. val_loss), so that "
+                             "--ckpt_path best finds the best; saves at every epoch's end "
+                             "without --checkpoint_every_n_steps")
+    parser.add_argument("--checkpoint_mode", type=str, default="min",
+                        help="jaxlight: 'min' or 'max': which --checkpoint_monitor values are "
+                             "better")
+    parser.add_argument("--ckpt_path", type=str | None, default=None,
+                        help="checkpoint to resume from (fit) or to run (validate, test, "
+                             "predict): a path, 'last', 'best' or 'none'")
+
+
+def _add_optimizer(parser) -> None:
     parser.add_subclass_arguments(TorchOptimizer, "optimizer", required=False,
                                   help="torch.optim's SGD, Adam or AdamW (replaces the module's "
                                        "configure_optimizers, as in LightningCLI)")
     parser.add_subclass_arguments(TorchLRScheduler, "lr_scheduler", required=False,
                                   help="torch's StepLR or ExponentialLR (with --optimizer)")
-    parser.add_argument("--ckpt_path", type=str | None, default=None,
-                        help="checkpoint to resume from (fit) or to run (validate, test, "
-                             "predict): a path, 'last', 'best' or 'none'")
-    return parser
+
+
+def _recipe_sections(recipe, preset: str | None) -> dict[str, Any]:
+    """A recipe's config sections (`model`, `data`, `optim`, ...) at their defaults, the
+    preset's values applied: each becomes a section of the parser, as a module's `__init__`
+    does (`--model.width 32`, `model:` in a config file)."""
+    config = recipe.default_config(preset)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _recipe_trainer_defaults(recipe, preset: str | None) -> dict[str, Any]:
+    """`trainer.*` defaults of a recipe: its `fit_defaults`, then its preset's `fit:` values."""
+    out = dict(recipe.fit_defaults)
+    if preset is not None:
+        out.update({k.replace("-", "_"): v for k, v in recipe.preset(preset)
+                    .get("fit", {}).items()})
+    return out
+
+
+def parse_recipe(command: str, name: str, argv: Sequence[str]):
+    """Parses `jaxlight <command> <recipe>` in LightningCLI's form: (parser, config, extras,
+    recipe, notes). The recipe's config sections are the parser's sections beside `trainer`."""
+    from jaxlight import recipes
+
+    extras, rest = _extras(list(argv))
+    recipe = recipes.get(name)
+    rest = _read_configs(translate_argv(rest), extras)
+    preset = extras["preset"]
+    sections = _recipe_sections(recipe, preset)
+    notes = _Notes()
+    adapted = _adapt_argv(rest, notes, {})
+    parser = build_parser(command, None, None, recipe=recipe, sections=sections,
+                          trainer_defaults=_recipe_trainer_defaults(recipe, preset))
+    if any(t in ("-h", "--help") for t in adapted):
+        return parser, None, extras, recipe, notes
+    try:
+        cfg = parser.parse_args(adapted)
+    except argparse.ArgumentError as err:
+        raise ConfigurationError(_explain(parser, str(err), name, extras)) from None
+    _whole_batch_limits(cfg)
+    return parser, cfg, extras, recipe, notes
+
+
+def recipe_config(recipe, preset: str | None, cfg) -> Any:
+    """The recipe's config dataclass with the parsed sections' values."""
+    from jaxlight.recipes._base import apply_overrides, flatten
+
+    config = recipe.default_config(preset)
+    values = {}
+    for f in dataclasses.fields(config):
+        section = cfg.get(f.name)
+        if section is not None:
+            values.update(flatten(section.as_dict() if hasattr(section, "as_dict")
+                                  else dict(section), f"{f.name}."))
+    return apply_overrides(config, values, "command line")
+
+
+def _whole_batch_limits(cfg) -> None:
+    for key in ("limit_train_batches", "limit_val_batches"):
+        value = cfg.trainer[key]
+        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
+        # 1 as that many batches.
+        if isinstance(value, float) and value > 1 and value.is_integer():
+            cfg.trainer[key] = int(value)
+
+
+def _describe(obj: Any) -> str:
+    if inspect.isclass(obj):
+        return f"a class deriving from {', '.join(b.__name__ for b in obj.__bases__)}"
+    if callable(obj):
+        return f"a {type(obj).__name__}"
+    return f"a {type(obj).__name__} ({obj!r:.60})"
 
 
 def parse(command: str, spec: str, argv: Sequence[str]):
     """Parses a LightningCLI-form command: (parser, config, extras, classes, notes)."""
     extras, rest = _extras(list(argv))
+    rest = _read_configs(translate_argv(rest), extras)
+    if extras["preset"] is not None:
+        raise ConfigurationError(
+            f"--preset {extras['preset']}: presets belong to recipes; {spec} takes its "
+            "defaults from its signatures (and --config files).")
+    if extras["target"] is not None and not same_target(extras["target"], spec):
+        raise ConfigurationError(
+            f"config file: model.class_path is {extras['target']!r}, but the command line "
+            f"names {spec!r}; drop one of them, or make them agree.")
     model_cls = import_object(spec, "target")
 
     if not (isinstance(model_cls, type) and issubclass(model_cls, TrainModule)):
         raise ConfigurationError(
-            f"target {spec!r} is not a jaxlight.TrainModule subclass; name a class deriving "
-            "from jl.TrainModule (a DataModule goes after --data).")
+            f"target {spec!r} is {_describe(model_cls)}, not a jaxlight.TrainModule subclass; "
+            "name a class deriving from jl.TrainModule (a DataModule goes after --data).")
     data_cls = None
     if extras["data"] is not None:
         where, _, attr = extras["data"].rpartition(":")
@@ -490,13 +581,13 @@ def parse(command: str, spec: str, argv: Sequence[str]):
         data_cls = getattr(home, attr) if same_file and hasattr(home, attr) else \
             import_object(extras["data"], "--data")
         if not (isinstance(data_cls, type) and issubclass(data_cls, DataModule)) and not \
-                callable(data_cls):
+                inspect.isfunction(data_cls):
             raise ConfigurationError(
-                f"--data {extras['data']!r} is not a jaxlight.DataModule subclass (or a "
-                "function returning one).")
+                f"--data {extras['data']!r} is {_describe(data_cls)}, not a jaxlight.DataModule "
+                "subclass (or a function returning a DataModule).")
     modules = {}
     for obj in (model_cls, data_cls):
-        module = _register(obj) if obj is not None else None
+        module = register(obj) if obj is not None else None
         if module is not None:
             modules[module.__name__] = module
             modules[module.__name__.removeprefix("_jaxlight_target_")] = module
@@ -509,25 +600,96 @@ def parse(command: str, spec: str, argv: Sequence[str]):
         cfg = parser.parse_args(adapted)
     except argparse.ArgumentError as err:
         raise ConfigurationError(_explain(parser, str(err), spec, extras)) from None
-    for key in ("limit_train_batches", "limit_val_batches"):
-        value = cfg.trainer[key]
-        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
-        # 1 as that many batches.
-        if isinstance(value, float) and value > 1 and value.is_integer():
-            cfg.trainer[key] = int(value)
+    _whole_batch_limits(cfg)
     return parser, cfg, extras, (model_cls, data_cls), notes
 
 
+def printed_config(parser, cfg) -> str:
+    """What `--print_config` prints: the parsed config in LightningCLI's shape, a user file's
+    classes under the file's name (`model.Backbone`), ready for `--config`."""
+    text = parser.dump(cfg, skip_unset=False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("_jaxlight_target_") and sys.modules.get(
+                name.removeprefix("_jaxlight_target_")) is module:
+            text = text.replace(f"class_path: {name}.",
+                                f"class_path: {name.removeprefix('_jaxlight_target_')}.")
+    return text
+
+
+def _aliases_help() -> str:
+    pairs = "\n".join(f"  --{old} = --{new}" for old, new in ALIASES.items())
+    return ("jaxlight's own options:\n"
+            "  --data PATH.py:NAME      your module's data (a DataModule, or a function "
+            "returning one)\n"
+            "  --devices N              simulate N CPU devices (set before JAX starts)\n"
+            "  --preset NAME            a recipe's named defaults\n"
+            "  --output FILE.npz        predict: save the predictions\n"
+            "  --save_config_kwargs M   LightningCLI's save_config_kwargs, e.g. "
+            "'{\"overwrite\": true}'\n"
+            "  --save_config_callback null   save no config.yaml (LightningCLI's "
+            "save_config_callback=None)\n\n"
+            f"jaxlight's earlier options, read as these keys:\n{pairs}\n"
+            "--logger takes csv,wandb,tensorboard or none (call form for arguments, e.g. "
+            "\"wandb(project='demo')\");\n--callbacks \"EarlyStopping(monitor='val_loss'), "
+            "file.py:Mine(n=2)\" appends to --trainer.callbacks.\n")
+
+
+def _formatter():
+    from jsonargparse import DefaultHelpFormatter
+
+    class Formatter(DefaultHelpFormatter):
+        """Keeps the description's and the epilog's lines as written."""
+
+        def _fill_text(self, text, width, indent):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    return Formatter
+
+
 def _explain(parser, message: str, spec: str, extras) -> str:
-    options = sorted({s for a in parser._actions for s in a.option_strings if s.startswith("--")})
+    """jsonargparse's error in jaxlight's words: the option or key, what it expects, the
+    nearest valid name."""
+    options = sorted({s for a in parser._actions for s in a.option_strings if s.startswith("--")}
+                     | {f"--{old}" for old in ALIASES})
+    message = message.strip()
     hint = ""
-    if "unrecognized arguments" in message:
-        bad = message.split(":", 1)[1].split()[0] if ":" in message else ""
-        hint = suggest(_flag_name(bad), options)
+    bad = re.match(r"unrecognized arguments: (\S+)", message)
+    key = re.search(r"Group '([^']+)' does not accept option '([^']+)'", message)
+    top = re.search(r"Option '([^']+)' is not accepted", message)
+    typed = re.match(r'Parser key "([^"]+)"', message)
+    given = re.search(r"(?:Given value|Got value): (.*?)(?:\.?$|\n)", message, re.M)
+    typed = typed if given else None  # else jsonargparse's own words (a class not found, ...)
+    if bad:
+        name = _flag_name(bad.group(1))
+        message = f"unknown option {name!r}"
+        if name.startswith("-"):
+            hint = f"{suggest(name, options)} Valid options: {', '.join(options)}."
+        else:
+            message = f"unexpected argument {name!r}; options take the form --name value"
+    elif key or top:
+        name = f"{key.group(1)}.{key.group(2)}" if key else top.group(1)
+        files = ", ".join(extras.get("configs") or ["(none)"])
+        message = f"config file {files}: unknown key {name!r}"
+        keys = sorted({o[2:] for o in options if "-" not in o[2:]}
+                      | {old.replace("-", "_") for old in ALIASES})
+        hint = suggest(name, keys)
+    elif typed:
+        dest = typed.group(1)
+        action = next((a for a in parser._actions if a.dest == dest), None)
+        kind = getattr(action, "_typehint", None)
+        value = given.group(1).strip()
+        if value.endswith(".") and not value[:-1].replace(".", "").isdigit():
+            value = value[:-1]
+        message = f"--{dest} expects {type_name(kind) if kind is not None else 'another value'}" \
+                  f", got {value!r}"
+        if typing.get_origin(kind) is typing.Literal:
+            hint = suggest(value, [str(v) for v in typing.get_args(kind)])
     if "are required" in message:
-        hint = (" An argument typed as a class takes the class's name and its arguments "
+        hint = (" Give each on the command line (--model.NAME VALUE) or in a --config file's "
+                "section. An argument typed as a class takes the class's name and its arguments "
                 "(--model.backbone Backbone --model.backbone.hidden_dim 64), or class_path and "
                 "init_args in a --config file.")
     data = f" --data {extras['data']}" if extras["data"] else ""
-    return (f"jaxlight {parser.prog.split()[-1]} {spec}{data}: {message.strip()}.{hint} See "
-            f"jaxlight {parser.prog.split()[-1]} {spec}{data} --help.")
+    command = parser.prog.split()[-1]
+    return (f"jaxlight {command} {spec}{data}: {message}.{hint} See jaxlight {command} "
+            f"{spec}{data} --help.")

@@ -1,11 +1,11 @@
 """Running a command (`fit`, `validate`, `test`, `predict`) on a recipe or the user's own
-module, in this process."""
+module, in this process: the one parser (`_lightning_form`, jsonargparse) reads the command
+line, then `Fit` runs it."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -18,27 +18,17 @@ from jaxlight import Fit
 from jaxlight import callbacks as cbs
 from jaxlight._ckpt_paths import resolve_checkpoint
 from jaxlight._cli import _predict
-from jaxlight._cli._build import (
-    build_callbacks,
-    build_loggers,
-    build_strategy,
-    size_bare_strategy,
-)
+from jaxlight._cli._build import build_strategy, parse_mesh_shape, size_bare_strategy
 from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
-from jaxlight._cli._lightning_form import has_class_parameters, parse, uses_lightning_form
-from jaxlight._cli._options import RUN_OPTIONS, fit_signature_defaults, resolve
-from jaxlight._cli._target import (
-    TargetRecipe,
-    import_object,
-    is_target,
-    missing_required,
-    printable,
-)
+from jaxlight._cli._lightning_form import parse, parse_recipe, printed_config, recipe_config
+from jaxlight._cli._save_config import SaveConfigCallback
+from jaxlight._cli._target import is_target
 from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight._fit._hooks import loggers_into_callbacks
 from jaxlight._module import TrainModule
 from jaxlight.data._datamodule import DataModule, defines
 from jaxlight.optim.torch import configure_optimizers
-from jaxlight.recipes._base import apply_overrides
+from jaxlight.recipes._base import Recipe, apply_overrides
 
 
 @dataclasses.dataclass
@@ -55,96 +45,168 @@ class RunResult:
     predictions: list[Any] | None = None
 
 
-
-def _fit_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    fit_params = fit_signature_defaults()
-    return {o.name: options[o.name] for o in RUN_OPTIONS
-            if o.fit_kwarg and o.name in fit_params}
-
-
 def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult | None:
     """Runs `jaxlight <command> <recipe> [argv]` in this process and returns what it built.
 
-    `run("fit", "digits", ["--max-steps", "20"])` is `jaxlight fit digits --max-steps 20`, and
-    `run("fit", "model.py:Net", ["--data", "model.py:Data"])` runs the user's own module; the
-    result holds the `Fit`, the trained module, the data (a `RecipeData` or the DataModule),
-    the resolved config and options, and every reported metric. Returns None for `--help` and
-    `--print-config`.
+    `run("fit", "digits", ["--trainer.max_steps", "20"])` is `jaxlight fit digits
+    --trainer.max_steps 20` (`--max-steps 20` is the same), and `run("fit", "model.py:Net",
+    ["--data", "model.py:Data"])` runs the user's own module; the result holds the `Fit`, the
+    trained module, the data (a `RecipeData` or the DataModule), the resolved config and
+    options, and every reported metric. Returns None for `--help` and `--print_config`.
     """
-    if is_target(recipe_name) and (uses_lightning_form(argv) or _class_typed(recipe_name, argv)):
-        return run_lightning_form(command, recipe_name, argv)
-    recipe, config, options, parser, flags = resolve(command, recipe_name, argv)
-    if flags.get("help"):
+    if is_target(recipe_name):
+        parser, cfg, extras, (model_cls, data_cls), notes = parse(command, recipe_name, argv)
+        recipe = None
+    else:
+        parser, cfg, extras, recipe, notes = parse_recipe(command, recipe_name, argv)
+    from_recipe = recipe is not None
+    if cfg is None:
         parser.print_help()
         return None
-    if isinstance(recipe, TargetRecipe):
-        missing_required(recipe, config)
-    if flags.get("print_config"):
-        print(yaml.safe_dump(printable(recipe, options, config), sort_keys=False), end="")
+    notes.report()
+    if extras["print_config"] is not None:
+        print(printed_config(parser, cfg), end="")
         return None
-    if isinstance(recipe, TargetRecipe) and "data" not in recipe.class_paths:
+    if not from_recipe and data_cls is None:
         raise ConfigurationError(
-            f"jaxlight {command} {recipe.name} needs its data: add --data PATH.py:NAME naming a "
-            "jaxlight.DataModule subclass (or a function returning one), or give "
-            "`data: {class_path: PATH.py:NAME}` in the --config file."
-        )
-    _check_options(command, recipe.name, options, flags)
-    _predict.check_output_path(flags.get("output"))
+            f"jaxlight {command} {recipe_name} needs its data: add --data PATH.py:NAME naming a "
+            "jaxlight.DataModule subclass (or a function returning one).")
+    if command != "predict" and extras["output"] is not None:
+        raise ConfigurationError(
+            f"jaxlight {command} {recipe_name}: unknown option '--output'; only jaxlight "
+            "predict saves its outputs (--output FILE.npz).")
+    _check_options(command, recipe_name, cfg)
+    _predict.check_output_path(extras["output"])
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
     initialize_distributed()
-    if options["devices"] is not None:
-        check_device_count(options["devices"])
-
-    strategy = build_strategy(options["strategy"], options["mesh_shape"])
-    callbacks = build_callbacks(options["callbacks"])
-    loggers = build_loggers(options["logger"]) if not options["fast_dev_run"] else None
-    if options["checkpoint_every_n_steps"] is not None or options["checkpoint_monitor"]:
-        callbacks.append(cbs.ModelCheckpoint(
-            os.path.join(os.path.abspath(options["default_root_dir"]), "checkpoints"),
-            every_n_steps=options["checkpoint_every_n_steps"],
-            monitor=options["checkpoint_monitor"], mode=options["checkpoint_mode"]))
-    kwargs = _fit_kwargs(options)
-    kwargs["fast_dev_run"] = options["fast_dev_run"] or False
-    if command != "fit" and kwargs["max_steps"] is None and kwargs["max_epochs"] is None:
-        kwargs["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
+    if extras["devices"] is not None:
+        check_device_count(int(extras["devices"]))
+    ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
+    seed = _seed(cfg)
+    strategy_name = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else None
+    init = parser.instantiate(cfg)
+    trainer = _trainer_kwargs(command, init.trainer, cfg.mesh_shape)
+    # The loggers join the callbacks before SaveConfigCallback, which writes into the first
+    # one's run directory once that is chosen.
+    callbacks, trainer["logger"] = loggers_into_callbacks(trainer.pop("logger"),
+                                                          trainer.pop("callbacks"))
+    callbacks += [*_checkpoint_callbacks(cfg),
+                  *_save_config(parser, cfg, extras, trainer, resuming=(
+                      command == "fit" and ckpt_path is not None))]
+    if not from_recipe:
+        config = cfg
+        module, data = init.model, init.get("data")
+        if not isinstance(data_cls, type) and not isinstance(data, DataModule):
+            # A function returning the DataModule (one without arguments has no section).
+            data = data_cls(**(vars(data) if data is not None else {}))
+        if not isinstance(data, DataModule):
+            raise ConfigurationError(
+                f"--data {extras['data']!r} returned a {type(data).__name__}, not a "
+                "jaxlight.DataModule.")
+        _replace_optimizers(cfg, init, module)
+        recipe = Recipe(name=recipe_name, summary="", config=type(cfg), build=lambda *a: None)
+    else:
+        config = recipe_config(recipe, extras["preset"], cfg)
 
     def make_fit(strategy):
-        return Fit(strategy, callbacks=[*callbacks, *(loggers or []), _LastValidation()],
-                   logger=loggers is not None, **kwargs)
+        return Fit(seed=seed, **{**trainer, "strategy": strategy,
+                                 "callbacks": [*callbacks, _LastValidation()]})
 
-    fit = make_fit(strategy)  # refuses bad Fit options before the recipe builds anything
-    if command != "fit" and options["ckpt_path"] in ("best", "last"):
-        options["ckpt_path"] = _find_checkpoint(fit, options["ckpt_path"])
-    overrides = recipe.ckpt_overrides
-    if callable(overrides):
-        overrides = overrides(config)
-    if options["ckpt_path"] is not None and overrides:
-        config = apply_overrides(config, overrides, f"recipe {recipe.name}")
-    module, data = recipe.build(config, kwargs.get("max_steps"))
-    metrics: dict[str, Any] = {}
-    predictions = None
+    fit = make_fit(trainer.pop("strategy"))  # refuses bad Fit options before anything builds
+    ckpt_path = _eval_ckpt_path(command, recipe_name, fit, ckpt_path, untrained_on_purpose)
     say = _printer()
-    sized, note = size_bare_strategy(options["strategy"], options["mesh_shape"], module,
-                                     fit.seed)
-    if sized is not None:
-        strategy = sized
-        fit = make_fit(strategy)
-    say(f"{command} {recipe.name}: strategy {strategy.name}, {describe_devices()}")
+    note = None
+    if from_recipe:
+        overrides = recipe.ckpt_overrides
+        if callable(overrides):
+            overrides = overrides(config)
+        if ckpt_path is not None and overrides:
+            config = apply_overrides(config, overrides, f"recipe {recipe.name}")
+        module, data = recipe.build(config, trainer["max_steps"])
+        if strategy_name is not None:
+            sized, note = size_bare_strategy(strategy_name, cfg.mesh_shape, module, seed)
+            if sized is not None:
+                fit = make_fit(sized)
+    say(f"{command} {recipe.name}: strategy {fit.strategy.name}, {describe_devices()}")
     if note:
         say(note)
+    options = {"ckpt_path": ckpt_path, "seed": seed, "preset": extras["preset"]}
+    metrics: dict[str, Any] = {}
+    predictions = None
     try:
         if command == "fit":
             _fit_command(recipe, config, options, fit, module, data, metrics, say)
         elif command == "predict":
-            predictions = _predict_command(recipe, options, flags, fit, module, data, say)
+            predictions = _predict_command(recipe, options, {"output": extras["output"]}, fit,
+                                           module, data, say)
         else:
             _eval_command(command, recipe, options, fit, module, data, metrics, say)
     finally:
-        for logger in loggers or []:  # one run per command: complete on disk when it returns
+        for logger in fit.callbacks:  # one run per command: complete on disk when it returns
             finish = getattr(logger, "finish", None)
-            if callable(finish):
+            if getattr(logger, "is_logger", False) and callable(finish):
                 finish()
     return RunResult(fit, module, data, config, options, metrics, predictions)
+
+
+def _replace_optimizers(cfg, init, module) -> None:
+    """`--optimizer`/`--lr_scheduler` replace the module's `configure_optimizers`, as in
+    LightningCLI."""
+    if cfg.optimizer is not None:
+        tx = configure_optimizers(init.optimizer, init.lr_scheduler)
+        if type(module).configure_optimizers is not TrainModule.configure_optimizers:
+            warnings.warn(f"{type(module).__name__}.configure_optimizers is replaced by "
+                          "--optimizer, as LightningCLI does.", UserWarning, stacklevel=3)
+        module.configure_optimizers = lambda: tx
+    elif cfg.lr_scheduler is not None:
+        raise ConfigurationError("--lr_scheduler needs --optimizer (as in LightningCLI).")
+
+
+def _save_config(parser, cfg, extras, trainer, resuming: bool) -> list:
+    """LightningCLI's `SaveConfigCallback` (not under `fast_dev_run`, as in Lightning):
+    `--save_config_kwargs '{"overwrite": true, "config_filename": "x.yaml"}'`, or
+    `--save_config_callback null` for none."""
+    which = extras["save_config_callback"]
+    if trainer.get("fast_dev_run") or (
+            which is not None and str(which).lower() in ("null", "none", "false")):
+        return []
+    if which is not None and which not in ("SaveConfigCallback",):
+        raise ConfigurationError(
+            f"--save_config_callback {which}: give null (save no config.yaml) or "
+            "SaveConfigCallback (the default).")
+    kwargs = yaml.safe_load(extras["save_config_kwargs"] or "{}") or {}
+    allowed = {"overwrite", "config_filename"}
+    if not isinstance(kwargs, dict) or set(kwargs) - allowed:
+        raise ConfigurationError(
+            f"--save_config_kwargs {extras['save_config_kwargs']}: give a mapping of "
+            f"{sorted(allowed)}, e.g. '{{\"overwrite\": true}}'.")
+    return [SaveConfigCallback(printed_config(parser, cfg), resuming=resuming, **kwargs)]
+
+
+def _checkpoint_callbacks(cfg) -> list:
+    """The `ModelCheckpoint` that `--checkpoint_every_n_steps` / `--checkpoint_monitor` ask
+    for, under `<default_root_dir>/checkpoints`."""
+    every, monitor = cfg.checkpoint_every_n_steps, cfg.checkpoint_monitor
+    if every is None and not monitor:
+        return []
+    root = os.path.abspath(cfg.trainer.default_root_dir or "jaxlight_logs")
+    return [cbs.ModelCheckpoint(os.path.join(root, "checkpoints"), every_n_steps=every,
+                                monitor=monitor, mode=cfg.checkpoint_mode)]
+
+
+def _check_options(command: str, name: str, cfg) -> None:
+    """Refuses option values that would run but do nothing useful, before anything starts."""
+    every = cfg.checkpoint_every_n_steps
+    if every is not None and every < 1:
+        raise ConfigurationError(
+            f"--checkpoint_every_n_steps {every} would save no checkpoint: give a positive "
+            "number of steps, or leave the option out for no periodic checkpoints."
+        )
+    if cfg.checkpoint_mode not in ("min", "max"):
+        raise ConfigurationError(
+            f"--checkpoint_mode {cfg.checkpoint_mode!r}: give 'min' (lower "
+            "--checkpoint_monitor values are better, as for a loss) or 'max' (an accuracy)."
+        )
 
 
 def _find_checkpoint(fit, which: str) -> str:
@@ -156,18 +218,18 @@ def _find_checkpoint(fit, which: str) -> str:
             found = resolve_checkpoint(fit, which)
     except CheckpointError as err:
         raise CheckpointError(
-            f"--ckpt-path {which}: {err} On the command line: fit with --checkpoint-monitor "
-            "val_loss (--checkpoint-mode max for a metric where higher is better)."
+            f"--ckpt_path {which}: {err} On the command line: fit with --checkpoint_monitor "
+            "val_loss (--checkpoint_mode max for a metric where higher is better)."
         ) from None
     if found is None:
         looked = ", ".join(loc.dirpath for loc in fit.checkpoint_locations)
         raise CheckpointError(
-            f"--ckpt-path last: no complete checkpoint in {looked}; fit with "
-            "--checkpoint-every-n-steps N (or --checkpoint-monitor) first, with the same "
-            "--default-root-dir, or pass the path of a checkpoint."
+            f"--ckpt_path last: no complete checkpoint in {looked}; fit with "
+            "--checkpoint_every_n_steps N (or --checkpoint_monitor) first, with the same "
+            "--trainer.default_root_dir, or pass the path of a checkpoint."
         )
     if jax.process_index() == 0:
-        print(f"--ckpt-path {which}: {found}", flush=True)
+        print(f"--ckpt_path {which}: {found}", flush=True)
     return found
 
 
@@ -232,7 +294,7 @@ def _fit_command(recipe, config, options, fit, module, data, metrics, say) -> No
 
 def _eval_command(command, recipe, options, fit, module, data, metrics, say) -> None:
     if options["ckpt_path"] is None:
-        say(f"warning: --ckpt-path none: {command} evaluates the model as configure_model "
+        say(f"warning: --ckpt_path none: {command} evaluates the model as configure_model "
             "initializes it, not a trained one")
     method = fit.validate if command == "validate" else fit.test
     result = method(module, ckpt_path=options["ckpt_path"], **_stage_data(command, recipe, data))
@@ -242,7 +304,7 @@ def _eval_command(command, recipe, options, fit, module, data, metrics, say) -> 
 
 def _predict_command(recipe, options, flags, fit, module, data, say) -> list[Any]:
     if options["ckpt_path"] is None:
-        say("warning: --ckpt-path none: predict runs the model as configure_model initializes "
+        say("warning: --ckpt_path none: predict runs the model as configure_model initializes "
             "it, not a trained one")
     outputs = fit.predict(module, ckpt_path=options["ckpt_path"],
                           **_stage_data("predict", recipe, data))
@@ -253,44 +315,6 @@ def _predict_command(recipe, options, flags, fit, module, data, say) -> list[Any
         _predict.save(flags["output"], arrays)
         say(f"saved {len(arrays)} arrays to {flags['output']}")
     return outputs
-
-
-def _check_options(command: str, recipe_name: str, options: dict[str, Any],
-                   flags: dict[str, Any]) -> None:
-    """Refuses option values that would run but do nothing useful, before anything starts."""
-    every = options["checkpoint_every_n_steps"]
-    if every is not None and every < 1:
-        raise ConfigurationError(
-            f"--checkpoint-every-n-steps {every} would save no checkpoint: give a positive "
-            "number of steps, or leave the option out for no periodic checkpoints."
-        )
-    # `--ckpt-path none` asks for the initialization on purpose (a baseline, or sft's base).
-    raw = flags.get("ckpt_path")
-    untrained_on_purpose = isinstance(raw, str) and raw.lower() in ("none", "null")
-    if command == "fit" and options["max_steps"] is None and options["max_epochs"] is None \
-            and not options["fast_dev_run"]:
-        raise ConfigurationError(
-            f"jaxlight fit {recipe_name} needs to know how long to train: give --max-steps N or "
-            "--max-epochs N (or max_steps / max_epochs in the --config file)."
-        )
-    if options["checkpoint_mode"] not in ("min", "max"):
-        raise ConfigurationError(
-            f"--checkpoint-mode {options['checkpoint_mode']!r}: give 'min' (lower "
-            "--checkpoint-monitor values are better, as for a loss) or 'max' (an accuracy)."
-        )
-    if command != "fit" and options["ckpt_path"] is None and not untrained_on_purpose:
-        root = options["default_root_dir"]
-        run_recipe = recipe_name if ":" not in recipe_name else f"{recipe_name} --data ..."
-        found = os.path.isdir(os.path.join(root, "checkpoints"))
-        hint = (f"--ckpt-path last (the newest checkpoint under {root}/checkpoints)" if found
-                else f"--ckpt-path PATH, a checkpoint step directory (such as "
-                f"{root}/checkpoints/100), a checkpoints directory, 'last' or 'best', as "
-                f"written by `jaxlight fit {run_recipe} --checkpoint-every-n-steps N`")
-        raise ConfigurationError(
-            f"jaxlight {command} {recipe_name} without --ckpt-path would evaluate a randomly "
-            f"initialized model, not a trained one; pass {hint}. (To evaluate the "
-            "initialization on purpose, pass --ckpt-path none.)"
-        )
 
 
 def _printer():
@@ -316,43 +340,15 @@ def _report(title: str, metrics: dict[str, Any], say) -> None:
         say(f"  {key:<{width}}  {shown}")
 
 
-def _class_typed(spec: str, argv: Sequence[str]) -> bool:
-    """Whether the module or its data takes a class-typed argument (an injected backbone):
-    such a module is configured in LightningCLI's form."""
-    data = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--data"), None)
-    return any(has_class_parameters(import_object(s, what))
-               for s, what in ((spec, "target"), (data, "--data")) if s is not None)
-
-
-def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResult | None:
-    """`jaxlight <command> PATH.py:Module --data PATH.py:Data` in LightningCLI's form (see
-    `_lightning_form`): parsed by jsonargparse, then run as any other command."""
-    parser, cfg, extras, (model_cls, data_cls), notes = parse(command, spec, argv)
-    if cfg is None:
-        parser.print_help()
-        return None
-    notes.report()
-    if extras["print_config"] is not None:
-        text = parser.dump(cfg, skip_unset=False)
-        for name, module in list(sys.modules.items()):
-            if name.startswith("_jaxlight_target_") and sys.modules.get(
-                    name.removeprefix("_jaxlight_target_")) is module:
-                text = text.replace(f"class_path: {name}.",
-                                    f"class_path: {name.removeprefix('_jaxlight_target_')}.")
-        print(text, end="")
-        return None
-    if data_cls is None:
-        raise ConfigurationError(
-            f"jaxlight {command} {spec} needs its data: add --data PATH.py:NAME naming a "
-            "jaxlight.DataModule subclass (or a function returning one).")
-    _predict.check_output_path(extras["output"])
-    initialize_distributed()
-    if extras["devices"] is not None:
-        check_device_count(int(extras["devices"]))
+def _ckpt_path(cfg) -> tuple[str | None, bool]:
+    """`--ckpt_path` and whether `none` asked for the initialization on purpose."""
     ckpt_path = cfg.ckpt_path
     untrained_on_purpose = isinstance(ckpt_path, str) and ckpt_path.lower() in ("none", "null")
-    if untrained_on_purpose:
-        ckpt_path = None
+    return (None if untrained_on_purpose else ckpt_path), untrained_on_purpose
+
+
+def _seed(cfg) -> int:
+    """`--seed_everything`: true draws a seed (and prints it, to repeat the run), false is 0."""
     seed = cfg.seed_everything
     if seed is True:
         seed = int.from_bytes(os.urandom(4), "little") >> 1
@@ -360,10 +356,21 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
               "this run)", flush=True)
     elif seed is False:
         seed = 0
-    init = parser.instantiate(cfg)
-    trainer = dict(vars(init.trainer))
+    return seed
+
+
+def _trainer_kwargs(command: str, trainer_ns, mesh_shape) -> dict[str, Any]:
+    """`Fit`'s keywords from the instantiated `trainer` section (`--mesh_shape` builds
+    `strategies.Hybrid`)."""
+    trainer = dict(vars(trainer_ns))
     if isinstance(trainer.get("strategy"), str):
-        trainer["strategy"] = build_strategy(trainer["strategy"])
+        if mesh_shape is not None:  # named as the parser's key, given on the line or in a file
+            mesh_shape = parse_mesh_shape(mesh_shape, "mesh_shape")
+        trainer["strategy"] = build_strategy(trainer["strategy"], mesh_shape)
+    elif mesh_shape is not None:
+        raise ConfigurationError(
+            f"--mesh_shape builds strategies.Hybrid, but --trainer.strategy is "
+            f"{type(trainer['strategy']).__name__}; drop one of them.")
     if trainer.get("callbacks") is None:
         trainer["callbacks"] = []
     if command != "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None:
@@ -371,43 +378,26 @@ def run_lightning_form(command: str, spec: str, argv: Sequence[str]) -> RunResul
     if command == "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None \
             and not trainer["fast_dev_run"]:
         trainer["max_epochs"] = 1000  # Lightning's length when none is given
-    module, data = init.model, init.data
-    if not isinstance(data_cls, type) and not isinstance(data, DataModule):
-        data = data_cls(**vars(data))  # a function returning the DataModule
-    if not isinstance(data, DataModule):
-        raise ConfigurationError(
-            f"--data {extras['data']!r} returned a {type(data).__name__}, not a "
-            "jaxlight.DataModule.")
-    if cfg.optimizer is not None:
-        tx = configure_optimizers(init.optimizer, init.lr_scheduler)
-        if type(module).configure_optimizers is not TrainModule.configure_optimizers:
-            warnings.warn(f"{type(module).__name__}.configure_optimizers is replaced by "
-                          "--optimizer, as LightningCLI does.", UserWarning, stacklevel=2)
-        module.configure_optimizers = lambda: tx
-    elif cfg.lr_scheduler is not None:
-        raise ConfigurationError("--lr_scheduler needs --optimizer (as in LightningCLI).")
-    trainer["callbacks"] = [*trainer["callbacks"], _LastValidation()]
-    fit = Fit(seed=seed, **trainer)
-    if command != "fit":
-        if ckpt_path is None and not untrained_on_purpose:
-            raise ConfigurationError(
-                f"jaxlight {command} {spec} without --ckpt_path would evaluate a randomly "
-                "initialized model, not a trained one; pass --ckpt_path PATH (a checkpoint "
-                "step directory, a checkpoints directory, 'last' or 'best'), or --ckpt_path "
-                "none to evaluate the initialization on purpose.")
-        if ckpt_path in ("best", "last"):
-            ckpt_path = _find_checkpoint(fit, ckpt_path)
-    recipe = TargetRecipe(name=spec, summary="", config=type(cfg), build=lambda *a: None)
-    options = {"ckpt_path": ckpt_path, "seed": seed}
-    metrics: dict[str, Any] = {}
-    predictions = None
-    say = _printer()
-    say(f"{command} {spec}: strategy {fit.strategy.name}, {describe_devices()}")
+    return trainer
+
+
+def _eval_ckpt_path(command: str, spec: str, fit, ckpt_path, untrained_on_purpose: bool):
+    """The checkpoint validate/test/predict run: refused when none is given (unless `none` on
+    purpose), `best`/`last` found before the model is built."""
     if command == "fit":
-        _fit_command(recipe, cfg, options, fit, module, data, metrics, say)
-    elif command == "predict":
-        predictions = _predict_command(recipe, options, {"output": extras["output"]}, fit,
-                                       module, data, say)
-    else:
-        _eval_command(command, recipe, options, fit, module, data, metrics, say)
-    return RunResult(fit, module, data, cfg, options, metrics, predictions)
+        return ckpt_path
+    if ckpt_path is None and not untrained_on_purpose:
+        root = fit.default_root_dir
+        data = "" if ":" not in spec else " --data ..."
+        found = os.path.isdir(os.path.join(root, "checkpoints"))
+        hint = (f"--ckpt_path last (the newest checkpoint under {root}/checkpoints)" if found
+                else f"--ckpt_path PATH, a checkpoint step directory (such as "
+                f"{root}/checkpoints/100), a checkpoints directory, 'last' or 'best', as "
+                f"written by `jaxlight fit {spec}{data} --checkpoint_every_n_steps N`")
+        raise ConfigurationError(
+            f"jaxlight {command} {spec} without --ckpt_path would evaluate a randomly "
+            f"initialized model, not a trained one; pass {hint}. (To evaluate the "
+            "initialization on purpose, pass --ckpt_path none.)")
+    if ckpt_path in ("best", "last"):
+        ckpt_path = _find_checkpoint(fit, ckpt_path)
+    return ckpt_path

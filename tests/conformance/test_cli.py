@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+import yaml
 
 from jaxlight._cli._lightning_form import parse
 from jaxlight._cli._run import run
@@ -134,3 +135,71 @@ def test_docs_show_lightnings_own_config():
     page = (HERE.parent.parent / "docs" / "cli.md").read_text()
     block = page.split("<!-- file: config.yaml -->\n```yaml\n", 1)[1].split("```", 1)[0]
     assert block == case(G, "print_config_reads_back")["config_yaml"]
+
+
+SAVE_ARGS = ["--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false",
+             "--trainer.enable_model_summary", "false", "--trainer.num_sanity_val_steps", "0",
+             "--trainer.logger", "CSVLogger", "--trainer.logger.name", "run",
+             "--model.learning_rate", "0.02", "--seed_everything", "1234",
+             "--model.backbone", "Backbone", "--model.backbone.hidden_dim", "16"]
+
+
+@claim("SaveConfigCallback: fit writes the parsed config as config.yaml into the logger's run "
+       "directory (a new version each fit), refuses a run directory that holds one unless "
+       "save_config_kwargs overwrite is given, and the file holds the run's values")
+def test_save_config(tmp_path):
+    expected = case(G, "save_config")
+
+    def fit(*extra):
+        return run("fit", TARGET[0], [*TARGET[1:], *SAVE_ARGS, "--trainer.logger.save_dir",
+                                      str(tmp_path), *extra])
+
+    fit()
+    fit()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("config.yaml")) == \
+        expected["after_two_fits"]
+    with pytest.raises(ConfigurationError) as refused:
+        fit("--trainer.logger.version", "0")
+    # Lightning's words, then what to do in jaxlight's.
+    assert str(refused.value).startswith(
+        expected["refused"].replace("<save_dir>", str(tmp_path)).rstrip(".") + ":")
+    fit("--trainer.logger.version", "0", "--save_config_kwargs", '{"overwrite": true}')
+    saved = yaml.safe_load((tmp_path / "run" / "version_0" / "config.yaml").read_text())
+    # Lightning's sections (less `weights_only`, torch.load's switch for --ckpt_path), and
+    # jaxlight's own keys beside them.
+    lightning = set(expected["overwritten_sections"]) - {"weights_only"}
+    assert lightning <= set(saved)
+    assert set(saved) - lightning == {"mesh_shape", "checkpoint_every_n_steps",
+                                      "checkpoint_monitor", "checkpoint_mode"}
+    assert {"max_steps": saved["trainer"]["max_steps"],
+            "learning_rate": saved["model"]["learning_rate"],
+            "seed_everything": saved["seed_everything"]} == expected["saved"]
+
+
+@claim("LightningCLI's environment variables (JSONARGPARSE_DEFAULT_ENV=true, then "
+       "PL_FIT__TRAINER__MAX_EPOCHS, PL_FIT__MODEL__LEARNING_RATE) set jaxlight fit's values "
+       "as they set a LightningCLI script's fit; PL_TRAINER__MAX_STEPS is read by neither")
+def test_default_env(monkeypatch):
+    expected = case(G, "default_env")
+    for key, value in expected["env"].items():
+        monkeypatch.setenv(key, value)
+    _, cfg, _, _, _ = parse("fit", TARGET[0], TARGET[1:])
+    observed = {"max_epochs": cfg.trainer.max_epochs,
+                "max_steps": -1 if cfg.trainer.max_steps is None else cfg.trainer.max_steps,
+                "learning_rate": cfg.model.learning_rate}
+    assert observed == {k: expected[k] for k in observed}
+
+
+@departure("SaveConfigCallback without a logger's run directory: Lightning writes "
+           "<default_root_dir>/config.yaml and refuses the next fit there; jaxlight saves none, "
+           "so a validate after a fit (or a second fit) in one root runs",
+           section="The command line")
+def test_save_config_without_a_logger(tmp_path):
+    expected = case(G, "save_config")
+    assert expected["no_logger_written"] == ["config.yaml"]
+    assert expected["no_logger_second_refused"] is True
+    argv = [*TARGET[1:], *SAVE_ARGS, "--trainer.logger", "false",
+            "--trainer.default_root_dir", str(tmp_path)]
+    run("fit", TARGET[0], argv)
+    run("fit", TARGET[0], argv)  # not refused
+    assert list(tmp_path.rglob("config.yaml")) == []

@@ -8,7 +8,9 @@ digits bundled with jaxlight, initial weights from NumPy. Writes `fixtures/cli.j
   the backbone, a callback added with `+=`, a seed), and what LightningCLI parses from it;
 - what LightningCLI parses from the same values given as flags;
 - the final weights and validation loss of a fit driven by that config file, and of one that
-  adds `--optimizer Adam --lr_scheduler StepLR` (LightningCLI's generated configure_optimizers).
+  adds `--optimizer Adam --lr_scheduler StepLR` (LightningCLI's generated configure_optimizers);
+- where SaveConfigCallback writes `config.yaml`, that it refuses to overwrite one, and what the
+  file holds.
 
 Run under the reference environment (torch CPU + lightning + jsonargparse), never in the regular
 suite: `python tests/conformance/lightning_side/cli.py`.
@@ -27,6 +29,7 @@ import warnings
 import lightning
 import lightning.pytorch as L
 import torch
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.nn import functional as F
@@ -157,6 +160,83 @@ def train(args) -> dict:
     }
 
 
+#: The save_config case: one step, a CSV logger under a fixed run directory name.
+SAVE_ARGS = ["--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false",
+             "--trainer.enable_model_summary", "false", "--trainer.num_sanity_val_steps", "0",
+             "--trainer.enable_checkpointing", "false", "--trainer.logger", "CSVLogger",
+             "--trainer.logger.name", "run", "--model.learning_rate", "0.02"]
+
+
+def save_config() -> dict:
+    """LightningCLI's SaveConfigCallback on `fit`: the files it writes (relative to the
+    logger's save_dir), that a fit into the same run directory is refused unless
+    `save_config_kwargs={"overwrite": True}`, and what the saved file holds."""
+
+    def fit(save_dir, *extra, **kwargs):
+        LightningCLI(LitClassifier, MyDataModule, seed_everything_default=1234,
+                     args=["fit", *SAVE_ARGS, "--trainer.logger.save_dir", save_dir, *extra],
+                     **kwargs)
+
+    def written(root):
+        return sorted(str(p.relative_to(root)) for p in pathlib.Path(root).rglob("config.yaml"))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        fit(tmp)
+        fit(tmp)  # a new version: a new run directory
+        after_two = written(tmp)
+        try:
+            fit(tmp, "--trainer.logger.version", "0")
+            refused = None
+        except RuntimeError as err:
+            refused = str(err).split(" Aborting")[0].replace(tmp, "<save_dir>")
+        fit(tmp, "--trainer.logger.version", "0", save_config_kwargs={"overwrite": True})
+        saved = yaml.safe_load((pathlib.Path(tmp) / "run" / "version_0" / "config.yaml")
+                               .read_text())
+    with tempfile.TemporaryDirectory() as tmp:  # no logger: default_root_dir is the log dir
+        quiet = ["--trainer.logger", "false", "--trainer.default_root_dir", tmp]
+        fit(tmp, *quiet)
+        no_logger = written(tmp)
+        try:
+            fit(tmp, *quiet)
+            no_logger_second_refused = False
+        except RuntimeError:
+            no_logger_second_refused = True
+    return {"after_two_fits": after_two, "refused": refused,
+            "no_logger_written": no_logger, "no_logger_second_refused": no_logger_second_refused,
+            "overwritten_sections": sorted(saved),
+            "saved": {"max_steps": saved["trainer"]["max_steps"],
+                      "learning_rate": saved["model"]["learning_rate"],
+                      "seed_everything": saved["seed_everything"]}}
+
+
+#: LightningCLI's environment variables, enabled without touching the script.
+ENV = {"JSONARGPARSE_DEFAULT_ENV": "true", "PL_FIT__TRAINER__MAX_EPOCHS": "7",
+       "PL_FIT__MODEL__LEARNING_RATE": "0.5", "PL_TRAINER__MAX_STEPS": "5"}
+
+
+def default_env() -> dict:
+    """`jaxlight fit`'s environment: which of ENV a LightningCLI script's `fit` reads."""
+    import os
+
+    old = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            LightningCLI(LitClassifier, MyDataModule, seed_everything_default=1234,
+                         args=["fit", "--print_config"], save_config_callback=None)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+    printed = yaml.safe_load(out.getvalue())
+    return {"env": ENV, "max_epochs": printed["trainer"]["max_epochs"],
+            "max_steps": printed["trainer"]["max_steps"],
+            "learning_rate": printed["model"]["learning_rate"]}
+
+
 def main() -> None:
     cases = {}
     text = print_config(FLAGS)
@@ -169,6 +249,8 @@ def main() -> None:
         cases["config_trains"] = train(["--config", str(path), *QUIET])
         cases["optimizer_flags_train"] = train(["--config", str(path), *QUIET,
                                                 *OPTIMIZER_FLAGS])
+    cases["save_config"] = save_config()
+    cases["default_env"] = default_env()
     FIXTURES.mkdir(exist_ok=True)
     out = {"torch": torch.__version__, "lightning": lightning.__version__,
            "script": "tests/conformance/lightning_side/cli.py", "cases": cases}

@@ -1,0 +1,142 @@
+"""jaxlight's earlier dashed options and config-file keys, read as keys of the one parser.
+
+`jaxlight fit digits --max-steps 20 --strategy dp` is `--trainer.max_steps 20
+--trainer.strategy dp`: one table maps each earlier name to its key. Two take a value in call
+form that becomes LightningCLI's: `--logger csv,wandb(project='x')` is `--trainer.logger` with
+those logger classes, and `--callbacks "EarlyStopping(monitor='val_loss')"` appends to
+`--trainer.callbacks`, each as `class_path`/`init_args`. A config file in the earlier form
+(`max_steps: 100` at the top level, `model: {class_path: model.py:Net, hidden: 64}`) is read the
+same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxlight._cli._build import callback_call, logger_calls
+from jaxlight._errors import ConfigurationError
+
+#: Every earlier option (dashes, as it was spelled) and its key in the one parser.
+ALIASES: dict[str, str] = {
+    **{name: f"trainer.{name.replace('-', '_')}" for name in (
+        "strategy", "precision", "accumulate-grad-batches", "gradient-clip-val",
+        "gradient-clip-algorithm", "max-steps", "max-epochs", "val-check-interval",
+        "check-val-every-n-epoch", "limit-train-batches", "limit-val-batches",
+        "num-sanity-val-steps", "log-every-n-steps", "enable-progress-bar",
+        "enable-model-summary", "default-root-dir", "compilation-cache", "fast-dev-run",
+        "logger", "callbacks")},
+    "seed": "seed_everything",
+    "ckpt-path": "ckpt_path",
+    "print-config": "print_config",
+    "mesh-shape": "mesh_shape",
+    "checkpoint-every-n-steps": "checkpoint_every_n_steps",
+    "checkpoint-monitor": "checkpoint_monitor",
+    "checkpoint-mode": "checkpoint_mode",
+}
+
+#: Earlier config-file keys that named jaxlight's own command-line settings, not parser keys.
+_FILE_EXTRAS = ("preset", "devices")
+
+
+def new_key(name: str) -> str | None:
+    """The parser key of an earlier option name (`max-steps`, `max_steps`), or None."""
+    return ALIASES.get(name.replace("_", "-"))
+
+
+def _logger_value(text: str) -> Any:
+    """`--logger csv,wandb(project='x')` as `--trainer.logger`'s value."""
+    if text.strip().lower() in ("", "none", "false", "off"):
+        return False
+    return [_as_class(cls, kwargs) for cls, kwargs in logger_calls(text)]
+
+
+def _as_class(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    from jaxlight import callbacks
+    from jaxlight._cli._lightning_form import register
+
+    if getattr(callbacks, cls.__name__, None) is cls:
+        path = f"jaxlight.callbacks.{cls.__name__}"
+    else:  # the user's class: importable under its file's name (`sampler.ImageSampler`)
+        path = f"{register(cls).__name__}.{cls.__qualname__}"
+    out: dict[str, Any] = {"class_path": path}
+    if kwargs:
+        out["init_args"] = dict(kwargs)
+    return out
+
+
+def _callback_values(text: str) -> list[dict[str, Any]]:
+    """`--callbacks "EarlyStopping(monitor='val_loss'), x.py:Mine(n=2)"` as `class_path`s."""
+    from jaxlight._cli._build import split_calls
+
+    return [_as_class(*callback_call(part)) for part in split_calls(text)]
+
+
+def translate_argv(argv: Sequence[str]) -> list[str]:
+    """The command line with each earlier option in its parser key (and value); dotted options
+    get underscores (`--model.num-layers` is `--model.num_layers`)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--") or token == "--":
+            out.append(token)
+            i += 1
+            continue
+        name, eq, inline = token[2:].partition("=")
+        key = new_key(name) if "." not in name else None
+        if key is None:
+            if "." in name and not name.endswith("+"):
+                section, _, field = name.rpartition(".")
+                name = f"{section}.{field.replace('-', '_')}"
+            out.append(f"--{name}{eq}{inline}")
+            i += 1
+            continue
+        if key == "print_config":
+            out.append(f"--{key}{eq}{inline}")
+            i += 1
+            continue
+        if eq:
+            value, i = inline, i + 1
+        elif i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        else:
+            raise ConfigurationError(f"--{name} needs a value.")
+        if key == "trainer.logger":
+            out += [f"--{key}", json.dumps(_logger_value(value))]
+        elif key == "trainer.callbacks":
+            out += [f"--trainer.callbacks+={json.dumps(v)}" for v in _callback_values(value)]
+        else:
+            out += [f"--{key}", value]
+    return out
+
+
+def translate_file(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A config file with its earlier-form keys as the parser's (a LightningCLI-shaped file
+    passes unchanged), and jaxlight's own settings: `preset`, `devices`, and the earlier
+    `model:`/`data:` `class_path` (beside the arguments, no `init_args`) as `target`/`data`."""
+    tree: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key)
+        if name in _FILE_EXTRAS:
+            extras[name] = value
+            continue
+        target = new_key(name)
+        if target is None:  # a section (model:, data:, optim:, ...), or a key the parser names
+            if name in ("model", "data") and isinstance(value, Mapping) and "class_path" in value \
+                    and "init_args" not in value:
+                value = dict(value)
+                extras["target" if name == "model" else "data"] = str(value.pop("class_path"))
+            tree[name] = value
+            continue
+        if target == "trainer.logger" and isinstance(value, str):
+            value = _logger_value(value)
+        elif target == "trainer.callbacks" and isinstance(value, str):
+            value = _callback_values(value)
+        if target.startswith("trainer."):
+            tree.setdefault("trainer", {})[target[len("trainer."):]] = value
+        else:
+            tree[target] = value
+    return tree, extras

@@ -1,0 +1,81 @@
+"""LightningCLI's `SaveConfigCallback`: the parsed config, as `--print_config` prints it, written
+as `config.yaml` into the run's log directory when a stage starts (process 0 only)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jaxlight import callbacks as cbs
+from jaxlight._errors import ConfigurationError
+from jaxlight.callbacks._base import Logger
+
+
+class SaveConfigCallback(cbs.Callback):
+    """Writes `text` to `<log dir>/<config_filename>` once, when the first stage starts.
+
+    The log directory is Lightning's `trainer.log_dir` for its CSV and TensorBoard loggers: the
+    first logger's run directory (`<save_dir>/<name>/version_N`). A run without such a logger
+    saves none (Lightning writes into `default_root_dir` or the logger's `save_dir`).
+    An existing file is refused on every process, unless `overwrite`, as Lightning does (a
+    second run in the same place would replace the record of the first).
+    """
+
+    def __init__(self, text: str, config_filename: str = "config.yaml", overwrite: bool = False,
+                 resuming: bool = False):
+        self.text = text
+        self.config_filename = config_filename
+        self.overwrite = overwrite
+        #: A fit resumed from a checkpoint continues its run directory (TensorBoardLogger's):
+        #: the config there is replaced by the resumed run's.
+        self.resuming = resuming
+        self.already_saved = False
+        #: Where the file was written (process 0; None before a stage started).
+        self.path: str | None = None
+
+    def _save(self, fit) -> None:
+        if self.already_saved:
+            return
+        loggers = [cb for cb in fit.callbacks if isinstance(cb, Logger)]
+        log_dir = getattr(loggers[0], "log_dir", None) if loggers else None
+        if log_dir is None:
+            # A departure: without a logger's run directory Lightning writes into
+            # default_root_dir (or the logger's save_dir), so that the next command there (a
+            # validate after a fit, a second fit) is refused.
+            self.already_saved = True
+            return
+        path = os.path.join(log_dir, self.config_filename)
+        exists = jax.process_index() == 0 and os.path.isfile(path)
+        if jax.process_count() > 1:  # every process refuses, or none
+            from jax.experimental import multihost_utils
+
+            exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
+        if exists and not (self.overwrite or self.resuming):
+            raise ConfigurationError(
+                f"SaveConfigCallback expected {path} to NOT exist: a run wrote it before, and "
+                "writing this run's config there would replace that record. Delete it, give "
+                "another --trainer.default_root_dir, or pass --save_config_kwargs "
+                "'{\"overwrite\": true}' to overwrite it (--save_config_callback null: save "
+                "none), as LightningCLI's save_config_kwargs / save_config_callback do.")
+        if jax.process_index() == 0:
+            os.makedirs(log_dir, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(self.text)
+            self.path = path
+        self.already_saved = True
+
+    # Lightning saves in `setup`; a logger's run directory is chosen when its stage starts, so
+    # the file is written then (after the loggers, which come before it among the callbacks).
+    def on_fit_start(self, fit, module) -> None:
+        self._save(fit)
+
+    def on_validation_start(self, fit, module) -> None:
+        self._save(fit)
+
+    def on_test_start(self, fit, module) -> None:
+        self._save(fit)
+
+    def on_predict_start(self, fit, module) -> None:
+        self._save(fit)
