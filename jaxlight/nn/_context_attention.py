@@ -64,8 +64,8 @@ from jaxlight._errors import ConfigurationError, ShardingError
 
 #: What `Hybrid(context_attention=...)` accepts.
 CONTEXT_ALGORITHMS = {
-    "ring": "keys and values travel around the context ring (n−1 collective-permutes), one "
-            "Lc × Lc block of scores at a time: the least memory",
+    "ring": "keys and values travel around the context ring (n−1 collective-permutes), "
+            "Lc × Lc blocks of scores one hop at a time, flash-style backward: the least memory",
     "allgather": "keys and values are all-gathered once per layer; scores Lc × L: fewer, "
                  "larger collectives, n× the score memory",
 }
