@@ -119,6 +119,8 @@ def attention_collectives(p, n: int, algorithm: str) -> dict:
     for c in p.collectives:
         if c.group_size != n or c.result_bytes <= 8:  # scalars: the ring's hop counter
             continue
+        if not all(dtype.startswith(("f", "bf")) for dtype, _ in c.shapes):
+            continue  # int32 tokens shifted by one across shard boundaries, not attention
         if c.kind not in (("collective-permute",) if algorithm == "ring"
                           else ("all-gather", "reduce-scatter")):
             continue
@@ -135,8 +137,9 @@ def memory_section(lengths, degrees) -> dict:
         for algorithm in ALGORITHMS:
             base = None
             for n in degrees:
-                if n == 1 and algorithm != ALGORITHMS[0]:
-                    rows[f"{algorithm} n=1"] = rows[f"{ALGORITHMS[0]} n=1"]
+                if n == 1 and algorithm != ALGORITHMS[0]:  # one device: no algorithm
+                    rows[f"{algorithm} n=1"] = dict(rows[f"{ALGORITHMS[0]} n=1"],
+                                                    algorithm=algorithm)
                     base = rows[f"{algorithm} n=1"]["temp_bytes"]
                     continue
                 p = plan(n, algorithm, length)

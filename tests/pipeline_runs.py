@@ -17,6 +17,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
+from tests.nn.staged_lm import StagedLM, lm_data
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.strategies.interleaved_net import Regression, regression_data
 
@@ -28,6 +29,9 @@ def pipelined_run(kind: str, devices):
     if kind == "stages":
         return (strategies.GPipe(3, 4, devices=devices[:6]), StageMLP(),
                 jl.data.ArrayLoader(stage_data(192), 24, seed=1))
+    if kind == "staged_lm":  # data 2 × pipe 4: embedding, block, block, head
+        return (strategies.GPipe(4, 4, devices=devices[:8]), StagedLM(),
+                jl.data.ArrayLoader(lm_data(160, 9), 16, seed=1))
     batches = regression_data(12)
     arrays = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     return (strategies.GPipe(4, 4, repeats=2, devices=devices[:4]), Regression(),

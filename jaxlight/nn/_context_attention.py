@@ -14,23 +14,36 @@ the attention core needs the other shards' keys and values. Two algorithms, each
         backward: 2 reduce-scatters of dK, dV (f32)
         bytes per device and layer: 2·(n−1)/n · B·L·H·D·β forward, the same backward
 
-    ring ("ring", flash-style online softmax):
+    ring ("ring", flash-style online softmax and backward):
         carry (K_j, V_j) = (K_d, V_d)
         for hop in 0..n-1:   O, m, l = online_softmax(O, m, l, Q_d K_j^T, V_j)
                              (K_j, V_j) = ppermute((K_j, V_j), d -> d+1)   (n−1 hops)
-        backward: the transposed ring (dK, dV travel back) plus the forward ring again
-        bytes per device and layer: 2·(n−1)/n · B·L·H·D·β forward; the backward moves K, V
-        (recomputed hops) and dK, dV: 2× the forward
+        backward: the transposed ring: for hop in n−1..0 the block's probabilities are
+                  recomputed from the saved log-sum-exp, dQ accumulates locally and the dK, dV
+                  accumulators travel back, d -> d−1 (n−1 hops)
+        bytes per device and layer: 2·(n−1)/n · B·L·H·D·β forward, the same backward (dK, dV
+        travel in float32: for bfloat16 activations twice the forward's)
 
 Causal masking uses global token indices: query `i` of device d is `d·Lc + i`, key `j` of the
 block that arrived after `hop` hops is `((d − hop) mod n)·Lc + j`; the mask is `q ≥ k`, so the
 blocks from later shards are entirely masked (the contiguous split leaves device n−1 the most
-work, n−1 blocks of n; zig-zag balancing is not done). Every block is computed inside
-`jax.checkpoint`: the backward pass stores only queries, keys, values and the softmax
-statistics, not the `Lc × L` probabilities, and recomputes each block's scores. The ring's
-largest temporary is one `Lc × Lc` block of scores per head, the all-gather's `Lc × L`
-(n× larger), at the price of n−1 dependent permutes instead of one all-gather
-(`benchmarks/context.py` measures both; docs/strategies.md has the figures).
+work, n−1 blocks of n; zig-zag balancing is not done).
+
+Memory. The ring is a `jax.custom_vjp` (`_ring`): the backward pass keeps per layer only the
+queries, keys and values, the float32 output, one log-sum-exp per query row and the key/value
+blocks that arrived at hops 1..n−1 (that is every shard's K and V: O(B·L·H·D), linear in the
+sequence), never a block of scores. Its largest temporaries are two `Lc × Lc` float32 blocks
+per head, live one hop at a time (XLA's compiled `memory_analysis()`: the single-device path
+keeps four `L × L` ones), so the longest sequence within a fixed memory grows faster than n
+(`benchmarks/context.py`'s reach section). Getting there needs care with XLA's CPU compiler,
+which removes optimization barriers before it schedules: a hop's scores are made to depend on
+the previous hop's result (`_after`), or XLA computes several hops' blocks at once (with n = 2
+it inlines the one-hop loop), or the backward pass's first block during the forward pass; the
+backward works on the transposed block (keys × queries), which XLA cannot merge with the
+forward's scores; masks are scalars or iota comparisons, never block-sized arrays that XLA
+would hoist out of the loop. The all-gather's temporaries are `Lc × L` (n× the ring's block),
+each block recomputed in the backward (`jax.checkpoint`). `benchmarks/context.py` measures
+both; docs/strategies.md has the figures.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,8 +64,8 @@ from jaxlight._errors import ConfigurationError, ShardingError
 
 #: What `Hybrid(context_attention=...)` accepts.
 CONTEXT_ALGORITHMS = {
-    "ring": "keys and values travel around the context ring (n−1 collective-permutes), one "
-            "Lc × Lc block of scores at a time: the least memory",
+    "ring": "keys and values travel around the context ring (n−1 collective-permutes), "
+            "Lc × Lc blocks of scores one hop at a time, flash-style backward: the least memory",
     "allgather": "keys and values are all-gathered once per layer; scores Lc × L: fewer, "
                  "larger collectives, n× the score memory",
 }
@@ -96,40 +110,142 @@ def allgather_attention(q, k, v, *, axis_name: str, axis_size: int, scale: float
     return block(q, k_all, v_all, start)
 
 
-def ring_attention(q, k, v, *, axis_name: str, axis_size: int, scale: float) -> jax.Array:
-    """This device's attention output, keys and values passed around the ring (online softmax).
+def _ring_scores(a, b, scale: float, visible) -> jax.Array:
+    """Masked float32 scores `(B·H, La, Lb)` of `a` against `b` (both `(B·H, L, D)`).
 
-    Hop 0 is the device's own block, which holds the diagonal, so every query row has a finite
-    running maximum from the start and fully masked later blocks add exactly zero.
+    `visible` is None for the diagonal block (the device's own keys: position `i` of `a`
+    sees position `j` of `b` iff `i ≥ j`, or `i ≤ j` where `a` holds the keys and the result
+    is transposed) or a scalar: a block from an earlier shard is entirely visible, one from a
+    later shard entirely masked, so no block-sized mask is ever built.
     """
-    n, lc = axis_size, q.shape[1]
+    s = jnp.einsum("zid,zjd->zij", a, b).astype(jnp.float32) * scale
+    if isinstance(visible, str):
+        i, j = jnp.arange(a.shape[1])[:, None], jnp.arange(b.shape[1])[None, :]
+        return jnp.where(i >= j if visible == "queries" else i <= j, s, _MASKED)
+    # A scalar bias, not `where(visible, s, MASKED)`: that broadcasts the constant to a
+    # block, which XLA hoists out of the ring's loop and keeps. MASKED + s rounds to MASKED.
+    return s + jnp.where(visible, 0.0, _MASKED)
+
+
+def _ring_block(q, k, v, scale: float, visible, carry):
+    """Online-softmax update of (output, running max, denominator) by one key block."""
+    out, m, denom = carry
+    s = _ring_scores(q, k, scale, visible)                        # (B·H, Lq, Lk)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    correction = jnp.exp(m - m_new)
+    denom = denom * correction + p.sum(axis=-1)
+    pv = jnp.einsum("zqk,zkd->zqd", p.astype(v.dtype), v).astype(jnp.float32)
+    return out * correction[..., None] + pv, m_new, denom
+
+
+def _ring_block_grads(q, k, v, do, lse, delta, scale: float, visible):
+    """dq, dk, dv (float32) of one key block, its probabilities recomputed from `lse`.
+
+    Computed transposed (keys × queries): every product but dq's is then a plain matrix
+    product of the block, and the recomputed scores differ from the forward pass's, so XLA
+    cannot merge the two and keep the forward's block alive until the backward.
+    """
+    st = _ring_scores(k, q, scale, "keys" if visible == "queries" else visible)
+    pt = jnp.exp(st - lse[:, None, :])                            # (B·H, Lk, Lq)
+    dv = jnp.einsum("zkq,zqd->zkd", pt, do)
+    # dP only once P exists (and the scores it came from are freed): two blocks live, not 3.
+    dpt = jnp.einsum("zkd,zqd->zkq", v.astype(jnp.float32), _after(do, pt))
+    dst = pt * (dpt - delta[:, None, :]) * scale
+    dk = jnp.einsum("zkq,zqd->zkd", dst, q.astype(jnp.float32))
+    dq = jnp.einsum("zkq,zkd->zqd", dst, k.astype(jnp.float32))
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q, k, v, axis_name: str, n: int, scale: float) -> jax.Array:
+    return _ring_fwd(q, k, v, axis_name, n, scale)[0]
+
+
+def _ring_fwd(q, k, v, axis_name: str, n: int, scale: float):
+    """Forward ring over `(B·H, Lc, D)` blocks: the output, and as residuals q, k, v, the
+    float32 output, the log-sum-exp of every query row and the key/value blocks that arrived
+    at hops 1..n−1 (so the backward pass moves only dK, dV and keeps no block of scores)."""
     me = lax.axis_index(axis_name)
     send = [(i, (i + 1) % n) for i in range(n)]
-
-    @jax.checkpoint
-    def update(carry, q, k, v, k_start):
-        out, m, denom = carry
-        s = _block_scores(q, k, scale, me * lc, k_start)          # (B, H, Lq, Lk)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        correction = jnp.exp(m - m_new)
-        denom = denom * correction + p.sum(axis=-1)
-        pv = jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(jnp.float32)
-        out = out * jnp.swapaxes(correction, 1, 2)[..., None] + pv
-        return out, m_new, denom
+    z, lc, _ = q.shape
+    carry = (jnp.zeros((z, lc, v.shape[-1]), jnp.float32),
+             jnp.full((z, lc), _MASKED, jnp.float32), jnp.zeros((z, lc), jnp.float32))
+    carry = _ring_block(q, k, v, scale, "queries", carry)  # hop 0: the own, diagonal block
 
     def hop(state, step):
         carry, k, v = state
         k, v = lax.ppermute(k, axis_name, send), lax.ppermute(v, axis_name, send)
-        return (update(carry, q, k, v, ((me - step) % n) * lc), k, v), None
+        # After `step` hops the block comes from shard me − step: earlier (visible) iff
+        # step ≤ me. Its scores only after the previous block's update (n = 2 inlines the
+        # loop, and XLA would compute both blocks' scores first).
+        carry = _ring_block(_after(q, carry[1]), k, v, scale, step <= me, carry)
+        return (carry, k, v), (k, v)
 
-    b, _, h, _ = q.shape
-    carry = (jnp.zeros((b, lc, h, v.shape[-1]), jnp.float32),
-             jnp.full((b, h, lc), _MASKED, jnp.float32), jnp.zeros((b, h, lc), jnp.float32))
-    carry = update(carry, q, k, v, me * lc)  # hop 0: the device's own block
     # A scan, not an unrolled loop: one compiled hop whatever n (compile time stays flat).
-    (out, _, denom), _, _ = lax.scan(hop, (carry, k, v), jnp.arange(1, n))[0]
-    return (out / jnp.swapaxes(denom, 1, 2)[..., None]).astype(q.dtype)
+    ((out, m, denom), _, _), blocks = lax.scan(hop, (carry, k, v), jnp.arange(1, n))
+    out = out / denom[..., None]
+    return out.astype(q.dtype), (q, k, v, out, m + jnp.log(denom), blocks)
+
+
+def _ring_bwd(axis_name: str, n: int, scale: float, residuals, g):
+    """The transposed ring: hops n−1..1 in reverse, each adding this device's dK, dV of the
+    block it held to the accumulator that then travels back one device (n−1 permutes of dK
+    and of dV), so that after hop 1 every device holds its own block's gradient."""
+    q, k, v, out, lse, (ks, vs) = residuals
+    me = lax.axis_index(axis_name)
+    back = [(i, (i - 1) % n) for i in range(n)]
+    do = g.astype(jnp.float32)
+    delta = jnp.sum(do * out, axis=-1)                            # (B·H, Lq)
+    # No block of the backward pass before the output's gradient exists (with n = 2 XLA
+    # inlines the one-hop loop and would recompute its scores during the forward pass).
+    q = _after(q, do)
+
+    def hop(state, xs):
+        dq, dk_acc, dv_acc = state
+        k_j, v_j, step = xs
+        dq_j, dk_j, dv_j = _ring_block_grads(q, k_j, v_j, do, lse, delta, scale, step <= me)
+        dk_acc = lax.ppermute(dk_acc + dk_j, axis_name, back)
+        dv_acc = lax.ppermute(dv_acc + dv_j, axis_name, back)
+        return (dq + dq_j, dk_acc, dv_acc), None
+
+    zeros = tuple(lax.pcast(jnp.zeros(x.shape, jnp.float32), (axis_name,), to="varying")
+                  for x in (q, k, v))
+    (dq, dk, dv), _ = lax.scan(hop, zeros, (ks, vs, jnp.arange(1, n)), reverse=True)
+    # The own block after the ring, not beside it (two blocks' temporaries live at once):
+    # both its products, scores and dP, take an input that depends on the ring's result (and
+    # so does its delta, which XLA would otherwise share with the loop's as one broadcast,
+    # block-sized buffer).
+    dq_own, dk_own, dv_own = _ring_block_grads(_after(q, dq), k, v, _after(do, dq), lse,
+                                               _after(delta, dq), scale, "queries")
+    return ((dq + dq_own).astype(q.dtype), (dk + dk_own).astype(k.dtype),
+            (dv + dv_own).astype(v.dtype))
+
+
+def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """`x`, computed only once `dep` is. XLA's CPU scheduler starts an operation as soon as
+    its inputs exist and ignores optimization barriers (they are removed before scheduling);
+    adding 0·dep[0] makes the order a data dependency (0·y is not simplified for floats)."""
+    return x + (0.0 * dep[(0,) * dep.ndim]).astype(x.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q, k, v, *, axis_name: str, axis_size: int, scale: float) -> jax.Array:
+    """This device's attention output, keys and values passed around the ring (online softmax).
+
+    Hop 0 is the device's own block, which holds the diagonal, so every query row has a finite
+    running maximum from the start and fully masked later blocks add exactly zero. The
+    backward pass is flash-style (`_ring_bwd`): each block's probabilities are recomputed from
+    the saved log-sum-exp, one block at a time.
+    """
+    b, lc, h, d = q.shape
+    # (B·H, Lc, D): one batch dimension, so that XLA reshapes nothing block-sized (a block
+    # reshaped inside a fusion cannot take its operand's buffer).
+    heads_first = [jnp.swapaxes(x, 1, 2).reshape(b * h, lc, x.shape[-1]) for x in (q, k, v)]
+    out = _ring(*heads_first, axis_name, axis_size, scale).reshape(b, h, lc, d)
+    return jnp.swapaxes(out, 1, 2)
 
 
 _BODIES = {"ring": ring_attention, "allgather": allgather_attention}

@@ -14,14 +14,14 @@ import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.staged_lm import CONFIG, StagedLM, lm_data
-from tests.pipeline_runs import logged_fit
+from tests.pipeline_runs import kill_at, logged_fit
 
-STEPS, BATCH, LENGTH = 10, 16, 8
+STEPS, BATCH, LENGTH = 10, 16, 8  # the same run as pipelined_run("staged_lm")
 
 
-def _fit(strategy, cbs=()):
+def _fit(strategy, cbs=(), ckpt_path=None):
     loader = jl.data.ArrayLoader(lm_data(10 * BATCH, LENGTH + 1), BATCH, seed=1)
-    return logged_fit(strategy, StagedLM(), loader, STEPS, cbs)
+    return logged_fit(strategy, StagedLM(), loader, STEPS, cbs, ckpt_path=ckpt_path)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,22 @@ def test_checkpoints_move_between_pipeline_and_other_layouts(runs):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(runs["gpipe"]["params"]),
                         strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
+    # A child process trains the same run under GPipe(4, 4), saving every step, and is killed
+    # by SIGKILL after step 6; resumed from its last checkpoint, the run ends on the
+    # uninterrupted run's parameters bit for bit.
+    ckpt = str(tmp_path / "ckpt")
+    saved = kill_at("staged_lm", ckpt, STEPS, 6)
+    assert saved and saved[-1] < STEPS, saved
+    resumed = _fit(strategies.GPipe(4, 4), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+                   ckpt_path="last")
+    assert resumed["fit"].global_step == STEPS
+    assert len(resumed["losses"]) == STEPS - saved[-1]  # it did resume, not start over
+    for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs["gpipe"]["params"]),
+                    strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_same_function_as_transformer_lm():
