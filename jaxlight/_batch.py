@@ -33,6 +33,16 @@ def _dtype(x: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+def matches(batch: Any, reference: BatchSignature) -> bool:
+    """Whether `batch` has exactly `reference`'s structure, shapes and dtypes: the per-batch
+    check of the training loop, without building a signature (no leaf paths) when it does."""
+    leaves, treedef = jax.tree.flatten(batch)
+    if treedef != reference.treedef:
+        return False
+    return all(tuple(np.shape(x)) == shape and _dtype(x) == dtype
+               for x, (_, shape, dtype) in zip(leaves, reference.leaves, strict=True))
+
+
 def batch_signature(batch: Any, origin: str) -> BatchSignature:
     """The signature of `batch`; `origin` says where it came from ('batch 0 of epoch 0')."""
     leaves = tuple((jax.tree_util.keystr(p) or "batch", tuple(np.shape(x)), _dtype(x))

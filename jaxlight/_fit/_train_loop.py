@@ -144,6 +144,8 @@ class TrainLoop:
 
     def _check_batch(self, batch: Any, reference: _batch.BatchSignature, index: int,
                      partial: PartialStep | None = None) -> None:
+        if _batch.matches(batch, reference):
+            return
         where = f"training batch {index} of epoch {self.position.epoch}"
         if partial is not None and partial.accepts(batch, where):
             return
@@ -156,10 +158,10 @@ class TrainLoop:
         """The k loader batches of one accumulated step (stacked into one input): a last
         partial batch cannot join them."""
         k = self.batches_per_step
-        for j, batch in enumerate(group):
-            index = start + j
-            rows = _batch.partial_rows(batch, reference)
-            if rows is not None:
+        for index, batch in enumerate(group, start):
+            if _batch.matches(batch, reference):
+                continue
+            if (rows := _batch.partial_rows(batch, reference)) is not None:
                 full = jax.tree.leaves(group[0])[0].shape[0]
                 raise DataError(
                     f"training batch {index} of epoch {self.position.epoch} is a partial batch "
