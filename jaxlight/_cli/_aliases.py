@@ -15,7 +15,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxlight._cli._build import callback_call, logger_calls
+from jaxlight import callbacks
+from jaxlight._cli._build import callback_call, logger_calls, split_calls
+from jaxlight._cli._target import register
 from jaxlight._errors import ConfigurationError
 
 #: Every earlier option (dashes, as it was spelled) and its key in the one parser.
@@ -53,9 +55,6 @@ def _logger_value(text: str) -> Any:
 
 
 def _as_class(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    from jaxlight import callbacks
-    from jaxlight._cli._lightning_form import register
-
     if getattr(callbacks, cls.__name__, None) is cls:
         path = f"jaxlight.callbacks.{cls.__name__}"
     else:  # the user's class: importable under its file's name (`sampler.ImageSampler`)
@@ -68,8 +67,6 @@ def _as_class(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _callback_values(text: str) -> list[dict[str, Any]]:
     """`--callbacks "EarlyStopping(monitor='val_loss'), x.py:Mine(n=2)"` as `class_path`s."""
-    from jaxlight._cli._build import split_calls
-
     return [_as_class(*callback_call(part)) for part in split_calls(text)]
 
 

@@ -33,16 +33,16 @@ from typing import Any
 
 import yaml
 
-from jaxlight import Fit, callbacks
+from jaxlight import Fit, callbacks, recipes
 from jaxlight._cli._aliases import ALIASES, translate_argv, translate_file
 from jaxlight._cli._config_file import load_config_file
-from jaxlight._cli._target import import_object, same_target
+from jaxlight._cli._target import import_object, register, same_target
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight._module import TrainModule
 from jaxlight._porting import TRAINER_ARGS
 from jaxlight.data._datamodule import DataModule
 from jaxlight.optim.torch import TORCH_PATHS, TorchLRScheduler, TorchOptimizer
-from jaxlight.recipes._base import type_name
+from jaxlight.recipes._base import apply_overrides, flatten, type_name
 
 #: Lightning 2.6 `Trainer` arguments that `Fit` takes under the same name, with Lightning's
 #: default and the `Fit` value that means the same (`None` in Lightning often means "the
@@ -374,18 +374,6 @@ def _extras(argv: list[str]) -> tuple[dict[str, str | None], list[str]]:
     return found, rest
 
 
-def register(obj: Any) -> Any:
-    """Makes a class loaded from a user's file importable under its file's name too, so that
-    jsonargparse's `class_path` (`model.Backbone`) finds the same classes."""
-    module = sys.modules.get(getattr(obj, "__module__", ""), None)
-    if module is not None and module.__name__.startswith("_jaxlight_target_"):
-        stem = module.__name__[len("_jaxlight_target_"):]
-        known = sys.modules.get(stem)
-        if known is None or getattr(known, "__name__", "").startswith("_jaxlight_target_"):
-            sys.modules[stem] = module  # (a file loaded earlier under that name: the newest)
-    return module
-
-
 def build_parser(command: str, model_cls: type | None, data_cls: Any | None, *,
                  recipe: Any = None, sections: dict[str, Any] | None = None,
                  trainer_defaults: dict[str, Any] | None = None):
@@ -501,8 +489,6 @@ def _recipe_trainer_defaults(recipe, preset: str | None) -> dict[str, Any]:
 def parse_recipe(command: str, name: str, argv: Sequence[str]):
     """Parses `jaxlight <command> <recipe>` in LightningCLI's form: (parser, config, extras,
     recipe, notes). The recipe's config sections are the parser's sections beside `trainer`."""
-    from jaxlight import recipes
-
     extras, rest = _extras(list(argv))
     recipe = recipes.get(name)
     rest = _read_configs(translate_argv(rest), extras)
@@ -524,8 +510,6 @@ def parse_recipe(command: str, name: str, argv: Sequence[str]):
 
 def recipe_config(recipe, preset: str | None, cfg) -> Any:
     """The recipe's config dataclass with the parsed sections' values."""
-    from jaxlight.recipes._base import apply_overrides, flatten
-
     config = recipe.default_config(preset)
     values = {}
     for f in dataclasses.fields(config):
@@ -635,6 +619,7 @@ def _aliases_help() -> str:
 
 
 def _formatter():
+    # jsonargparse loads only when a parser is built (see build_parser).
     from jsonargparse import DefaultHelpFormatter
 
     class Formatter(DefaultHelpFormatter):

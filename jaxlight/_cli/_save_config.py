@@ -49,6 +49,7 @@ class SaveConfigCallback(cbs.Callback):
         path = os.path.join(log_dir, self.config_filename)
         exists = jax.process_index() == 0 and os.path.isfile(path)
         if jax.process_count() > 1:  # every process refuses, or none
+            # jax.experimental's multihost helpers load only where there are several processes.
             from jax.experimental import multihost_utils
 
             exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))

@@ -92,3 +92,15 @@ def same_target(a: str, b: str) -> bool:
         return f"{where}:{attr}"
 
     return norm(a) == norm(b)
+
+
+def register(obj: Any) -> Any:
+    """Makes a class loaded from a user's file importable under its file's name too, so that
+    jsonargparse's `class_path` (`model.Backbone`) finds the same classes."""
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    if module is not None and module.__name__.startswith("_jaxlight_target_"):
+        stem = module.__name__[len("_jaxlight_target_"):]
+        known = sys.modules.get(stem)
+        if known is None or getattr(known, "__name__", "").startswith("_jaxlight_target_"):
+            sys.modules[stem] = module  # (a file loaded earlier under that name: the newest)
+    return module
