@@ -1,4 +1,5 @@
-"""LightningCLI's command line, built with jsonargparse from type hints, for the user's own module.
+"""LightningCLI's command line, built with jsonargparse from type hints: the one parser of every
+run command, for the user's own module and for the recipes (their config sections).
 
     jaxlight fit model.py:LitClassifier --data model.py:MyDataModule --config config.yaml \\
         --trainer.max_epochs 3 --seed_everything 42 \\
@@ -379,8 +380,8 @@ def build_parser(command: str, model_cls: type | None, data_cls: Any | None, *,
                  trainer_defaults: dict[str, Any] | None = None):
     """The jsonargparse parser of `jaxlight <command> <module> --data <data>` (or of a recipe,
     whose config `sections` replace `model`/`data`) in LightningCLI's form."""
-    # jsonargparse (with its type-hint machinery) loads only when the LightningCLI form runs:
-    # `jaxlight --help`, recipes and the dashed form start without it.
+    # jsonargparse (with its type-hint machinery) loads only when a run command is parsed:
+    # `jaxlight --help`, `devices` and `generate` start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser
 
 

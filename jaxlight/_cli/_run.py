@@ -75,7 +75,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         raise ConfigurationError(
             f"jaxlight {command} {recipe_name}: unknown option '--output'; only jaxlight "
             "predict saves its outputs (--output FILE.npz).")
-    _check_options(command, recipe_name, cfg)
+    _check_options(cfg)
     _predict.check_output_path(extras["output"])
     # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
     initialize_distributed()
@@ -194,7 +194,7 @@ def _checkpoint_callbacks(cfg) -> list:
                                 monitor=monitor, mode=cfg.checkpoint_mode)]
 
 
-def _check_options(command: str, name: str, cfg) -> None:
+def _check_options(cfg) -> None:
     """Refuses option values that would run but do nothing useful, before anything starts."""
     every = cfg.checkpoint_every_n_steps
     if every is not None and every < 1:

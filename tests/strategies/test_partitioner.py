@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
-from tests.optim.modules import StackNet, regression_batches
+from tests.optim.modules import PartitionedRegression, regression_batches
 
 XLA_BUG = pytest.mark.xfail(
     jax.default_backend() == "cpu", strict=True,
@@ -29,15 +29,11 @@ XLA_BUG = pytest.mark.xfail(
            "batch on (data, fsdp); see the module docstring")
 
 
-class Regression(jl.TrainModule):
-    def configure_model(self, rngs):
-        return StackNet(rngs)
+class Regression(PartitionedRegression):
+    """The optimizer tests' regression on the stacked, annotated net, with plain SGD."""
 
     def configure_optimizers(self):
         return optax.sgd(0.05)
-
-    def training_step(self, model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
 def _train(strategy):
