@@ -81,7 +81,7 @@ def run_one(args) -> dict:
 
     rng = np.random.default_rng(0)
     k = args.accumulate
-    n = args.batch * 8 * k
+    n = args.batch * args.epoch_steps * k  # epoch_steps optimizer steps per epoch
     data = {"x": rng.normal(size=(n, args.din)).astype(np.float32),
             "y": rng.integers(0, 10, n).astype(np.int32)}
 
@@ -113,7 +113,9 @@ def run_one(args) -> dict:
         return stamps, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), fit
 
     # -- hand-written ----------------------------------------------------------------------
-    def hand_round(fit):
+    def hand_loop(fit):
+        """The hand-written loop, compiled for `fit`'s mesh and shardings: `(run, result)`,
+        `run(n, stamps)` trains n more steps (a timestamp each), `result()` its parameters."""
         module = Module()
         model = module.configure_model(nnx.Rngs(0))
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -212,8 +214,8 @@ def run_one(args) -> dict:
                        donate_argnums=(0, 1, 2))
         loader = jl.data.ArrayLoader(data, args.batch, seed=0)
         it = iter(loader)
-        batches = []
-        stamps, prev = [], None
+        carry = [params, opt_state, ema]
+
         def next_batch():
             nonlocal it
             try:
@@ -222,22 +224,66 @@ def run_one(args) -> dict:
                 it = iter(loader)
                 return next(it)
 
-        for i in range(args.steps):
-            batch = next_batch()
-            if k > 1:
-                group = [batch] + [next_batch() for _ in range(k - 1)]
-                batch = jax.tree.map(
-                    lambda *xs: np.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *group)
-            params, opt_state, ema, loss = step(params, opt_state, ema,
-                                                jax.device_put(batch, batch_sh))
-            if prev is not None:
-                prev.block_until_ready()
-            prev = loss
-            stamps.append((time.perf_counter(), time.process_time()))
-            if i == 0:
-                batches.append(None)
-        prev.block_until_ready()
-        return stamps, jax.device_get(params if ema is None else ema[0])
+        def run(n, stamps):
+            params, opt_state, ema = carry
+            prev = None
+            for _ in range(n):
+                batch = next_batch()
+                if k > 1:
+                    group = [batch] + [next_batch() for _ in range(k - 1)]
+                    batch = jax.tree.map(
+                        lambda *xs: np.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]), *group)
+                params, opt_state, ema, loss = step(params, opt_state, ema,
+                                                    jax.device_put(batch, batch_sh))
+                if prev is not None:
+                    prev.block_until_ready()
+                prev = loss
+                stamps.append((time.perf_counter(), time.process_time()))
+            prev.block_until_ready()
+            carry[:] = [params, opt_state, ema]
+
+        def result():
+            params, _, ema = carry
+            return jax.device_get(params if ema is None else ema[0])
+
+        return run, result
+
+    def hand_round(fit):
+        run, result = hand_loop(fit)
+        stamps = []
+        run(args.steps, stamps)
+        return stamps, result()
+
+    # -- interleaved: one Fit paused every `chunk` steps for as many hand-written steps -------
+    def interleaved_round():
+        """Fit and the hand-written loop take turns every `args.interleave` steps in one
+        process (a callback drains Fit's step and runs the hand-written chunk), so that both
+        see the same machine within a fraction of a second: `(fit_chunks, hand_chunks, fit,
+        fit_params, hand_params)`, each chunk its list of timestamps."""
+        chunk = args.interleave
+        fit_chunks, hand_chunks, current, hand = [], [], [], []
+
+        def at_end(f, module, outputs, batch, batch_idx):
+            current.append((time.perf_counter(), time.process_time()))
+            if f.global_step % chunk:
+                return
+            jax.block_until_ready(outputs.metrics)  # Fit's steps are done: the devices are idle
+            if not hand:
+                hand.extend(hand_loop(f))
+            fit_chunks.append(list(current))
+            current.clear()
+            stamps = []
+            hand[0](chunk, stamps)
+            hand_chunks.append(stamps)
+
+        module = Module(log=args.log)
+        fit = jl.Fit(make_strategy(), max_steps=args.steps * args.rounds,
+                     callbacks=[callbacks.LambdaCallback(on_train_batch_end=at_end)],
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     log_every_n_steps=args.log_every, accumulate_grad_batches=k)
+        fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
+        return (fit_chunks, hand_chunks, fit,
+                jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), hand[1]())
 
     def median_step(stamps):
         d = np.diff([wall for wall, _ in stamps[args.warmup:]])
@@ -252,7 +298,22 @@ def run_one(args) -> dict:
 
     rounds = []
     fit_params = hand_params = None
-    for _ in range(args.rounds):
+    if args.interleave:
+        if args.ema is not None or args.swa is not None:
+            raise SystemExit("--interleave measures the plain and --accumulate loops only")
+        fit_chunks, hand_chunks, fit, fit_params, hand_params = interleaved_round()
+        # The first chunk pair compiles the hand-written step: dropped as warm-up. In every
+        # chunk the first step starts with nothing in flight: its interval is dropped too.
+        for f_stamps, h_stamps in list(zip(fit_chunks, hand_chunks, strict=True))[1:]:
+            rounds.append({"fit_ms": float(np.median(np.diff([w for w, _ in f_stamps[1:]])))
+                           * 1e3,
+                           "hand_ms": float(np.median(np.diff([w for w, _ in h_stamps[1:]])))
+                           * 1e3,
+                           "fit_cpu_ms": (f_stamps[-1][1] - f_stamps[1][1])
+                           / (len(f_stamps) - 2) * 1e3,
+                           "hand_cpu_ms": (h_stamps[-1][1] - h_stamps[1][1])
+                           / (len(h_stamps) - 2) * 1e3})
+    for _ in range(0 if args.interleave else args.rounds):
         f_stamps, fit_params, fit = fit_round()
         h_stamps, hand_params = hand_round(fit)
         rounds.append({"fit_ms": median_step(f_stamps) * 1e3,
@@ -275,6 +336,8 @@ def run_one(args) -> dict:
         "hidden": args.hidden,
         "self_log": args.log,
         "accumulate_grad_batches": k,
+        "interleave": args.interleave,
+        "epoch_steps": args.epoch_steps,
         "ema_decay": args.ema,
         "swa_lrs": args.swa,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
@@ -313,6 +376,13 @@ def main(argv=None):
     p.add_argument("--swa", type=float, default=None,
                    help="Fit runs callbacks.StochasticWeightAveraging(swa_lrs, 1, 2); the hand "
                         "loop the same SWA")
+    p.add_argument("--epoch-steps", type=int, default=8,
+                   help="optimizer steps per epoch (the dataset's size); Fit's epoch ends wait "
+                        "for the last step, the hand-written loop has no epochs")
+    p.add_argument("--interleave", type=int, default=0,
+                   help="one Fit of steps x rounds steps, paused every N steps for N "
+                        "hand-written steps (the figure per chunk pair); 0: alternate whole "
+                        "rounds, each with its own Fit")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     if args.devices is not None:
@@ -323,9 +393,10 @@ def main(argv=None):
         cmd = [sys.executable, os.path.abspath(__file__), "--devices", str(devices),
                "--strategy", strategy, "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--batch", str(args.batch), "--din", str(args.din), "--hidden", str(args.hidden),
-               "--warmup", str(args.warmup), "--log-every", str(args.log_every)]
+               "--warmup", str(args.warmup), "--log-every", str(args.log_every),
+               "--epoch-steps", str(args.epoch_steps)]
         cmd += ["--log"] if args.log else []
-        cmd += ["--accumulate", str(args.accumulate)]
+        cmd += ["--accumulate", str(args.accumulate), "--interleave", str(args.interleave)]
         cmd += ["--ema", str(args.ema)] if args.ema is not None else []
         cmd += ["--swa", str(args.swa)] if args.swa is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True)

@@ -33,13 +33,23 @@ def _dtype(x: Any) -> np.dtype:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+def len_or_none(data: Any) -> int | None:
+    """`len(data)`, or None for data without a length (a generator, an iterable dataset)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
 def matches(batch: Any, reference: BatchSignature) -> bool:
     """Whether `batch` has exactly `reference`'s structure, shapes and dtypes: the per-batch
     check of the training loop, without building a signature (no leaf paths) when it does."""
     leaves, treedef = jax.tree.flatten(batch)
     if treedef != reference.treedef:
         return False
-    return all(tuple(np.shape(x)) == shape and _dtype(x) == dtype
+    # A leaf's own dtype equal to the canonical one needs no canonicalizing (the common case).
+    return all(tuple(np.shape(x)) == shape
+               and (getattr(x, "dtype", None) == dtype or _dtype(x) == dtype)
                for x, (_, shape, dtype) in zip(leaves, reference.leaves, strict=True))
 
 

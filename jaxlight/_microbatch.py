@@ -118,19 +118,56 @@ class Accumulated:
     weight: Any
 
 
-def stack_batches(batches: Sequence[Any], k: int) -> Accumulated:
-    """`Accumulated` of up to k host batches (NumPy pytrees of equal shapes), padded to k with
-    zero-weight copies of the last one."""
-    real = len(batches)
-    padded = list(batches) + [batches[-1]] * (k - real)
+def stack_rows(batches: Sequence[Any], k: int) -> Any:
+    """Up to k host batches (NumPy pytrees of equal shapes) as one batch of k times the rows,
+    padded to k with copies of the last one: row j of batch i at row j·k + i."""
+    padded = list(batches) + [batches[-1]] * (k - len(batches))
 
     def interleave(*xs):
         stacked = np.stack([np.asarray(x) for x in xs], axis=1)  # (n, k, ...)
         return stacked.reshape(stacked.shape[0] * k, *stacked.shape[2:])
 
+    return jax.tree.map(interleave, *padded)
+
+
+def group_weight(real: int, k: int, rows: int) -> np.ndarray:
+    """The per-row weights of `stack_rows` for `real` batches of `rows` rows: 1 for a real
+    batch's rows, 0 for a padding copy's."""
+    return np.tile((np.arange(k) < real).astype(np.float32), rows)
+
+
+def stack_batches(batches: Sequence[Any], k: int) -> Accumulated:
+    """`Accumulated` of up to k host batches (NumPy pytrees of equal shapes), padded to k with
+    zero-weight copies of the last one."""
     rows = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
-    weight = np.tile((np.arange(k) < real).astype(np.float32), rows)
-    return Accumulated(jax.tree.map(interleave, *padded), weight)
+    return Accumulated(stack_rows(batches, k), group_weight(len(batches), k, rows))
+
+
+class GroupTransfer:
+    """Puts groups of k loader batches on the devices as `Accumulated` step inputs.
+
+    The weights of a full group are all ones, the same every step: they are transferred once and
+    the device array is reused (step inputs other than the state are not donated), so a step
+    transfers only its stacked batch, as a hand-written loop does.
+
+    Args:
+        put: `(host tree, shardings) -> device tree` (the strategy's `put_batch`).
+    """
+
+    def __init__(self, put: Callable[[Any, Any], Any]):
+        self._put = put
+        self._ones: dict = {}
+
+    def __call__(self, batches: Sequence[Any], k: int, shardings: Accumulated) -> Accumulated:
+        rows = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
+        if len(batches) < k:  # an epoch's last, short group
+            weight = self._put(group_weight(len(batches), k, rows), shardings.weight)
+        else:
+            key = (k, rows, shardings.weight)
+            weight = self._ones.get(key)
+            if weight is None:
+                weight = self._ones[key] = self._put(group_weight(k, k, rows), shardings.weight)
+        return Accumulated(self._put(stack_rows(batches, k), shardings.batch), weight)
 
 
 def split_microbatches(batch: Any, k: int) -> Any:

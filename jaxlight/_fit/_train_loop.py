@@ -35,7 +35,7 @@ from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._partial import PartialStep
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._metrics import EpochAccumulator
-from jaxlight._microbatch import stack_batches
+from jaxlight._microbatch import GroupTransfer, stack_batches
 from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
@@ -58,13 +58,6 @@ def _grouped(pairs: Iterator, k: int) -> Iterator[tuple[list, Any]]:
             group = []
     if group:
         yield group, position
-
-
-def _len_or_none(data: Any) -> int | None:
-    try:
-        return len(data)
-    except TypeError:
-        return None
 
 
 class _Pending:
@@ -116,9 +109,7 @@ class TrainLoop:
                 and self.position.global_step >= self.config.max_steps)
 
     def epoch_exhausted(self, data, limit) -> bool:
-        try:
-            n = len(data)
-        except TypeError:
+        if (n := _batch.len_or_none(data)) is None:
             return False
         n = min(n, limit) if limit else n
         return self.position.batch_idx >= n
@@ -234,10 +225,10 @@ class TrainLoop:
                 "is a one-shot iterator). Pass a non-empty iterable of batches."
             ) from None
         # Every process must feed an equal share, or they compile different steps and hang.
-        k = self.batches_per_step
         # With GradientAccumulation(k) the step takes k loader batches stacked as one input.
+        k = self.batches_per_step
         one = first if k == 1 else first[0]
-        _batch.check_batch_agreement(one, "training batch", _len_or_none(train_data))
+        _batch.check_batch_agreement(one, "training batch", _batch.len_or_none(train_data))
         first_name = f"training batch {pos.batch_idx} of epoch {pos.epoch}"
         check_dtypes(one, first_name)  # later batches: the signature check below
         reference = _batch.batch_signature(one, first_name)
@@ -268,11 +259,13 @@ class TrainLoop:
             leaves = jax.tree.leaves(batch)
             return partial.rows is not None and bool(leaves) and leaves[0].shape[0] != full_rows
 
+        put_group = GroupTransfer(session.strategy.put_batch)  # k > 1: k batches as one input
+
         def put(batch):
-            k, batch_sh = self.batches_per_step, self._step_for(self.batches_per_step, one,
-                                                                 first_name)[1]
+            k = self.batches_per_step
+            batch_sh = self._step_for(k, one, first_name)[1]
             if k > 1:
-                return session.strategy.put_batch(stack_batches(batch, k), batch_sh)
+                return put_group(batch, k, batch_sh)
             return session.strategy.put_batch(
                 batch, partial.shardings if is_partial(batch) else batch_sh)
 

@@ -40,7 +40,7 @@ def _torch_to_numpy(t: Any) -> np.ndarray:
 
 
 def _needs_conversion(batch: Any) -> bool:
-    return any(_is_torch(x) for x in jax.tree.leaves(batch))
+    return any(not isinstance(x, np.ndarray) and _is_torch(x) for x in jax.tree.leaves(batch))
 
 
 def to_numpy(batch: Any) -> Any:

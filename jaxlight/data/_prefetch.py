@@ -1,11 +1,13 @@
 """Prefetcher: reads the next batches and puts them on the devices while the current step runs.
 
-A background thread pulls `(batch, position)` pairs from the epoch's iterator, checks each batch,
-and transfers it to the devices already in the step's input sharding; the loop takes
-`(batch, device_batch, position)` triples from a queue holding at most `depth` transferred
-batches. The host's work per batch (a loader's Python, decoding, augmentation, the transfer)
-then overlaps both the device step and the loop's own host work (dispatch, hooks, waiting on the
-step before): a step costs max(load, compute) instead of their sum.
+The first batch is read in the loop's thread (at an epoch's start the devices wait for it, and a
+thread would add its start and a hand-over); then a background thread pulls the next
+`(batch, position)` pairs from the epoch's iterator, checks each batch, and transfers it to the
+devices already in the step's input sharding; the loop takes `(batch, device_batch, position)`
+triples from a queue holding at most `depth` transferred batches. The host's work per batch (a
+loader's Python, decoding, augmentation, the transfer) then overlaps both the device step and the
+loop's own host work (dispatch, hooks, waiting on the step before): a step costs max(load,
+compute) instead of their sum.
 
 Nothing here waits on the device: `device_put` is asynchronous, and the loop's bound of two steps
 in flight is its own. Depth 0 reads and transfers in the loop's thread, as a loop without
@@ -54,11 +56,11 @@ class Prefetcher:
         self._stop = threading.Event()
         self._done = False
         self._thread: threading.Thread | None = None
-        if self._depth > 0:
-            self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
-            self._thread = threading.Thread(target=self._run, name="jaxlight-prefetch",
-                                            daemon=True)
-            self._thread.start()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(self._depth, 1))
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jaxlight-prefetch", daemon=True)
+        self._thread.start()
 
     def _prepare(self, batch: Any, position: Any) -> tuple[Any, Any, Any]:
         if self._check is not None:
@@ -92,12 +94,18 @@ class Prefetcher:
         if self._done:
             raise StopIteration
         if self._thread is None:
+            # The first batch is read here, and reading ahead starts after it: the loop waits
+            # for one batch, not also for a thread to start and hand it over (at every epoch's
+            # start the devices are idle until the first step is dispatched).
             try:
                 batch, position = next(self._pairs)
             except StopIteration:
                 self._done = True
                 raise
-            return self._prepare(batch, position)
+            item = self._prepare(batch, position)
+            if self._depth > 0:
+                self._start()
+            return item
         item = self._queue.get()
         if item is _END:
             self._done = True
