@@ -39,6 +39,11 @@ BENCHMARKS = {
     "overhead_log": ["--steps", "150", "--rounds", "9", "--log"],
     "overhead_accumulate": ["--steps", "150", "--rounds", "7", "--batch", "128", "--hidden", "512",
                             "--accumulate", "4"],
+    # The same, Fit and the hand-written loop taking turns every 25 steps in one process.
+    "overhead_accumulate_interleaved": [
+        "--steps", "150", "--rounds", "7", "--batch", "128", "--hidden", "512", "--accumulate",
+        "4", "--interleave", "25", "--out",
+        os.path.join(RESULTS, "overhead_accumulate_interleaved.json")],
     "gan_step": [],
     "overhead_ema": ["--steps", "100", "--rounds", "5", "--ema", "0.999"],
     "overhead_swa": ["--steps", "100", "--rounds", "3", "--swa", "1e-4"],
@@ -59,6 +64,7 @@ BENCHMARKS = {
 
 #: Entries that run another entry's script with other flags.
 SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
+           "overhead_accumulate_interleaved": "overhead",
            "overhead_ema": "overhead", "overhead_swa": "overhead", "pretrained_load": "pretrained",
            "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
@@ -96,6 +102,14 @@ def summarize_overhead_accumulate(r):
     return [(what.replace("Fit / hand-written", f"Fit(accumulate_grad_batches={k}) / hand-written")
              .replace("final params Fit", f"final params Fit(accumulate_grad_batches={k})"),
              measured, target, met) for what, measured, target, met in summarize_overhead(r)]
+def summarize_overhead_accumulate_interleaved(r):
+    """The same, one Fit paused every N steps for N hand-written steps (the median of the chunk
+    pairs' ratios), so that a drift of the shared machine hits both alike."""
+    n = next((res.get("interleave") for res in r.get("results", []) if "interleave" in res), "N")
+    return [(what.replace("median step time", f"median step time, turns of {n} steps"), measured,
+             target, met) for what, measured, target, met in summarize_overhead_accumulate(r)]
+
+
 def summarize_overhead_ema(r):
     """The same, with callbacks.EMAWeightAveraging(0.999) against a hand-written EMA."""
     return [(what.replace("Fit / hand-written", "Fit with EMAWeightAveraging / hand-written EMA")
