@@ -108,7 +108,8 @@ def run_one(args) -> dict:
                 args.swa, swa_epoch_start=1, annealing_epochs=SWA_ANNEAL))
         fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec, *extra],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
-                     log_every_n_steps=args.log_every, accumulate_grad_batches=k)
+                     log_every_n_steps=args.log_every, accumulate_grad_batches=k,
+                     prefetch_batches=args.prefetch_batches)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
         return stamps, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), fit
 
@@ -280,7 +281,8 @@ def run_one(args) -> dict:
         fit = jl.Fit(make_strategy(), max_steps=args.steps * args.rounds,
                      callbacks=[callbacks.LambdaCallback(on_train_batch_end=at_end)],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
-                     log_every_n_steps=args.log_every, accumulate_grad_batches=k)
+                     log_every_n_steps=args.log_every, accumulate_grad_batches=k,
+                     prefetch_batches=args.prefetch_batches)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
         return (fit_chunks, hand_chunks, fit,
                 jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), hand[1]())
@@ -338,6 +340,7 @@ def run_one(args) -> dict:
         "accumulate_grad_batches": k,
         "interleave": args.interleave,
         "epoch_steps": args.epoch_steps,
+        "prefetch_batches": args.prefetch_batches,
         "ema_decay": args.ema,
         "swa_lrs": args.swa,
         "median_fit_ms": float(np.median([r["fit_ms"] for r in rounds])),
@@ -376,6 +379,9 @@ def main(argv=None):
     p.add_argument("--swa", type=float, default=None,
                    help="Fit runs callbacks.StochasticWeightAveraging(swa_lrs, 1, 2); the hand "
                         "loop the same SWA")
+    p.add_argument("--prefetch-batches", type=int, default=2,
+                   help="Fit's prefetch_batches (its default 2: a reading thread; 0 reads in the "
+                        "loop's thread, as the hand-written loop does)")
     p.add_argument("--epoch-steps", type=int, default=8,
                    help="optimizer steps per epoch (the dataset's size); Fit's epoch ends wait "
                         "for the last step, the hand-written loop has no epochs")
@@ -394,7 +400,8 @@ def main(argv=None):
                "--strategy", strategy, "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--batch", str(args.batch), "--din", str(args.din), "--hidden", str(args.hidden),
                "--warmup", str(args.warmup), "--log-every", str(args.log_every),
-               "--epoch-steps", str(args.epoch_steps)]
+               "--epoch-steps", str(args.epoch_steps),
+               "--prefetch-batches", str(args.prefetch_batches)]
         cmd += ["--log"] if args.log else []
         cmd += ["--accumulate", str(args.accumulate), "--interleave", str(args.interleave)]
         cmd += ["--ema", str(args.ema)] if args.ema is not None else []
