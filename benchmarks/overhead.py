@@ -96,22 +96,28 @@ def run_one(args) -> dict:
         return strategies.DataParallel()
 
     # -- Fit ---------------------------------------------------------------------------------
-    def fit_round():
-        stamps = []
-        rec = callbacks.LambdaCallback(
-            on_train_batch_end=lambda f, m, o, b, i: stamps.append(
-                (time.perf_counter(), time.process_time())))
+    def train_with_fit(max_steps, at_end, extra=()):
+        """A fresh Fit of `max_steps` steps, `at_end` its on_train_batch_end: (fit, final
+        parameters of the model, as trained or averaged)."""
         module = Module(log=args.log)
-        extra = [] if args.ema is None else [callbacks.EMAWeightAveraging(decay=args.ema)]
-        if args.swa is not None:
-            extra.append(callbacks.StochasticWeightAveraging(
-                args.swa, swa_epoch_start=1, annealing_epochs=SWA_ANNEAL))
-        fit = jl.Fit(make_strategy(), max_steps=args.steps, callbacks=[rec, *extra],
+        fit = jl.Fit(make_strategy(), max_steps=max_steps,
+                     callbacks=[callbacks.LambdaCallback(on_train_batch_end=at_end), *extra],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
                      log_every_n_steps=args.log_every, accumulate_grad_batches=k,
                      prefetch_batches=args.prefetch_batches)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
-        return stamps, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), fit
+        return fit, jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+
+    def fit_round():
+        stamps = []
+        extra = [] if args.ema is None else [callbacks.EMAWeightAveraging(decay=args.ema)]
+        if args.swa is not None:
+            extra.append(callbacks.StochasticWeightAveraging(
+                args.swa, swa_epoch_start=1, annealing_epochs=SWA_ANNEAL))
+        fit, params = train_with_fit(
+            args.steps, lambda f, m, o, b, i: stamps.append(
+                (time.perf_counter(), time.process_time())), extra)
+        return stamps, params, fit
 
     # -- hand-written ----------------------------------------------------------------------
     def hand_loop(fit):
@@ -277,25 +283,18 @@ def run_one(args) -> dict:
             hand[0](chunk, stamps)
             hand_chunks.append(stamps)
 
-        module = Module(log=args.log)
-        fit = jl.Fit(make_strategy(), max_steps=args.steps * args.rounds,
-                     callbacks=[callbacks.LambdaCallback(on_train_batch_end=at_end)],
-                     enable_progress_bar=False, enable_model_summary=False, logger=False,
-                     log_every_n_steps=args.log_every, accumulate_grad_batches=k,
-                     prefetch_batches=args.prefetch_batches)
-        fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))
-        return (fit_chunks, hand_chunks, fit,
-                jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param))), hand[1]())
+        fit, params = train_with_fit(args.steps * args.rounds, at_end)
+        return fit_chunks, hand_chunks, fit, params, hand[1]()
 
-    def median_step(stamps):
-        d = np.diff([wall for wall, _ in stamps[args.warmup:]])
+    def median_step(stamps, skip=args.warmup):
+        d = np.diff([wall for wall, _ in stamps[skip:]])
         return float(np.median(d))
 
-    def cpu_per_step(stamps):
+    def cpu_per_step(stamps, skip=args.warmup):
         # CPU seconds of the whole process (every thread: the loop, XLA's, the prefetcher's)
         # per step in the steady state: what the loop costs, unlike wall time not inflated by
         # waiting for a core another program holds.
-        cpu = [c for _, c in stamps[args.warmup:]]
+        cpu = [c for _, c in stamps[skip:]]
         return (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
     rounds = []
@@ -307,14 +306,10 @@ def run_one(args) -> dict:
         # The first chunk pair compiles the hand-written step: dropped as warm-up. In every
         # chunk the first step starts with nothing in flight: its interval is dropped too.
         for f_stamps, h_stamps in list(zip(fit_chunks, hand_chunks, strict=True))[1:]:
-            rounds.append({"fit_ms": float(np.median(np.diff([w for w, _ in f_stamps[1:]])))
-                           * 1e3,
-                           "hand_ms": float(np.median(np.diff([w for w, _ in h_stamps[1:]])))
-                           * 1e3,
-                           "fit_cpu_ms": (f_stamps[-1][1] - f_stamps[1][1])
-                           / (len(f_stamps) - 2) * 1e3,
-                           "hand_cpu_ms": (h_stamps[-1][1] - h_stamps[1][1])
-                           / (len(h_stamps) - 2) * 1e3})
+            rounds.append({"fit_ms": median_step(f_stamps, 1) * 1e3,
+                           "hand_ms": median_step(h_stamps, 1) * 1e3,
+                           "fit_cpu_ms": cpu_per_step(f_stamps, 1) * 1e3,
+                           "hand_cpu_ms": cpu_per_step(h_stamps, 1) * 1e3})
     for _ in range(0 if args.interleave else args.rounds):
         f_stamps, fit_params, fit = fit_round()
         h_stamps, hand_params = hand_round(fit)

@@ -102,6 +102,8 @@ def summarize_overhead_accumulate(r):
     return [(what.replace("Fit / hand-written", f"Fit(accumulate_grad_batches={k}) / hand-written")
              .replace("final params Fit", f"final params Fit(accumulate_grad_batches={k})"),
              measured, target, met) for what, measured, target, met in summarize_overhead(r)]
+
+
 def summarize_overhead_accumulate_interleaved(r):
     """The same, one Fit paused every N steps for N hand-written steps (the median of the chunk
     pairs' ratios), so that a drift of the shared machine hits both alike."""

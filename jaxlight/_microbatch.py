@@ -118,6 +118,11 @@ class Accumulated:
     weight: Any
 
 
+def _rows(batch: Any) -> int:
+    """The leading (example) dimension of a host batch."""
+    return int(np.shape(jax.tree.leaves(batch)[0])[0])
+
+
 def stack_rows(batches: Sequence[Any], k: int) -> Any:
     """Up to k host batches (NumPy pytrees of equal shapes) as one batch of k times the rows,
     padded to k with copies of the last one: row j of batch i at row j·k + i."""
@@ -139,7 +144,7 @@ def group_weight(real: int, k: int, rows: int) -> np.ndarray:
 def stack_batches(batches: Sequence[Any], k: int) -> Accumulated:
     """`Accumulated` of up to k host batches (NumPy pytrees of equal shapes), padded to k with
     zero-weight copies of the last one."""
-    rows = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
+    rows = _rows(batches[0])
     return Accumulated(stack_rows(batches, k), group_weight(len(batches), k, rows))
 
 
@@ -159,7 +164,7 @@ class GroupTransfer:
         self._ones: dict = {}
 
     def __call__(self, batches: Sequence[Any], k: int, shardings: Accumulated) -> Accumulated:
-        rows = int(np.shape(jax.tree.leaves(batches[0])[0])[0])
+        rows = _rows(batches[0])
         if len(batches) < k:  # an epoch's last, short group
             weight = self._put(group_weight(len(batches), k, rows), shardings.weight)
         else:

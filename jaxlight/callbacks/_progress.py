@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 
+from jaxlight._batch import len_or_none
 from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Callback
 
@@ -17,9 +18,7 @@ def total_steps(fit) -> int | None:
     per epoch (after `limit_train_batches`) when the data has a length; None when unknown."""
     if fit.max_epochs is None:
         return fit.max_steps
-    try:
-        per_epoch = len(fit.train_data)
-    except TypeError:
+    if (per_epoch := len_or_none(fit.train_data)) is None:
         return fit.max_steps
     limit = fit.limit_train_batches
     if isinstance(limit, float):

@@ -56,7 +56,8 @@ class Prefetcher:
         self._stop = threading.Event()
         self._done = False
         self._thread: threading.Thread | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(self._depth, 1))
+        if self._depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
 
     def _start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="jaxlight-prefetch", daemon=True)
