@@ -46,6 +46,10 @@ BENCHMARKS = {
         os.path.join(RESULTS, "overhead_accumulate_interleaved.json")],
     "gan_step": [],
     "overhead_ema": ["--steps", "100", "--rounds", "5", "--ema", "0.999"],
+    # The same, Fit and the hand-written loop taking turns every 25 steps in one process.
+    "overhead_ema_interleaved": [
+        "--steps", "100", "--rounds", "7", "--ema", "0.999", "--interleave", "25", "--out",
+        os.path.join(RESULTS, "overhead_ema_interleaved.json")],
     "overhead_swa": ["--steps", "100", "--rounds", "3", "--swa", "1e-4"],
     "auto": [],
     "startup": [],
@@ -65,7 +69,8 @@ BENCHMARKS = {
 #: Entries that run another entry's script with other flags.
 SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
            "overhead_accumulate_interleaved": "overhead",
-           "overhead_ema": "overhead", "overhead_swa": "overhead", "pretrained_load": "pretrained",
+           "overhead_ema": "overhead", "overhead_ema_interleaved": "overhead",
+           "overhead_swa": "overhead", "pretrained_load": "pretrained",
            "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
 
@@ -117,6 +122,14 @@ def summarize_overhead_ema(r):
     return [(what.replace("Fit / hand-written", "Fit with EMAWeightAveraging / hand-written EMA")
              .replace("final params Fit", "final averaged params Fit"), measured, target, met)
             for what, measured, target, met in summarize_overhead(r)]
+
+
+def summarize_overhead_ema_interleaved(r):
+    """The same, one Fit paused every N steps for N hand-written steps (as
+    `summarize_overhead_accumulate_interleaved`)."""
+    n = next((res.get("interleave") for res in r.get("results", []) if "interleave" in res), "N")
+    return [(what.replace("median step time", f"median step time, turns of {n} steps"), measured,
+             target, met) for what, measured, target, met in summarize_overhead_ema(r)]
 
 
 def summarize_overhead_swa(r):

@@ -151,12 +151,13 @@ def stack_batches(batches: Sequence[Any], k: int) -> Accumulated:
 class GroupTransfer:
     """Puts groups of k loader batches on the devices as `Accumulated` step inputs.
 
-    The weights of a full group are all ones, the same every step: they are transferred once and
-    the device array is reused (step inputs other than the state are not donated), so a step
-    transfers only its stacked batch, as a hand-written loop does.
+    The weights of a full group are all ones, the same every step: they are made (and put)
+    once and reused (step inputs other than the state are not donated), so a step transfers
+    only its stacked batch, as a hand-written loop does.
 
     Args:
-        put: `(host tree, shardings) -> device tree` (the strategy's `put_batch`).
+        put: `(host tree, shardings) -> step input` (the strategy's `put_batch`, or its
+            `step_input` in the loop's own thread).
     """
 
     def __init__(self, put: Callable[[Any, Any], Any]):

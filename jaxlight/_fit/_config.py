@@ -56,7 +56,7 @@ class FitConfig:
     default_root_dir: str
     seed: int
     fast_dev_run: bool | int
-    prefetch_batches: int
+    prefetch_batches: int | None
 
     @classmethod
     def create(
@@ -81,7 +81,7 @@ class FitConfig:
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
-        prefetch_batches: int = 2,
+        prefetch_batches: int | None = None,
     ) -> FitConfig:
         """Checks the arguments (raising `ConfigurationError` with what to change) and applies
         `fast_dev_run` (1 or n training and validation batches, no loggers, no summary, no
@@ -110,10 +110,12 @@ class FitConfig:
                 f"val_check_interval={val_check_interval} as a float is a fraction of an epoch "
                 "and must be in (0, 1]; pass an int to validate every N steps."
             )
-        if not isinstance(prefetch_batches, int) or prefetch_batches < 0:
+        if prefetch_batches is not None and (not isinstance(prefetch_batches, int)
+                                             or prefetch_batches < 0):
             raise ConfigurationError(
-                f"prefetch_batches must be an integer >= 0, got {prefetch_batches!r} (0 turns "
-                "prefetching off, 2 is the default)."
+                f"prefetch_batches must be an integer >= 0 or None, got {prefetch_batches!r} (0 "
+                "turns prefetching off; None, the default, reads 2 ahead in a thread unless the "
+                "batches are in memory already, as an ArrayLoader's)."
             )
         return cls(
             max_steps=max_steps, max_epochs=max_epochs, max_time=max_time, precision=precision,

@@ -272,7 +272,7 @@ class Evaluator:
 
     def _put(self, batch: Any, whole: Any, sharded: bool, batch_sh: Any) -> Any:
         if sharded:
-            return self.session.strategy.put_batch(batch, batch_sh)
+            return self.session.strategy.step_input(batch, batch_sh)
         return jax.tree.map(
             lambda x, s: jax.make_array_from_callback(
                 np.shape(x), s, lambda index, x=x: np.asarray(x)[index]),

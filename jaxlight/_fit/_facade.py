@@ -76,7 +76,9 @@ class Fit(FitView):
         fast_dev_run: run 1 (or n) training and validation batches, no loggers; for smoke tests.
         prefetch_batches: training batches read and transferred to the devices, in their input
             sharding, while the current step runs (a background thread); 0 reads each batch
-            when the loop needs it.
+            when the loop needs it. None (the default): 2, or 0 for batches already in memory
+            (an `ArrayLoader` or `DataLoader`, a list of batches), read faster than a thread
+            hands them over.
         compilation_cache: where compiled steps persist across runs (`jaxlight._cache`): None
             (`$JAXLIGHT_COMPILATION_CACHE`, JAX's own setting, else ~/.cache/jaxlight/xla), a
             directory, True (the default directory) or False (off). Process-wide.
@@ -110,7 +112,7 @@ class Fit(FitView):
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
         fast_dev_run: bool | int = False,
-        prefetch_batches: int = 2,
+        prefetch_batches: int | None = None,
         compilation_cache: str | os.PathLike | bool | None = None,
         **unknown: Any,
     ):

@@ -40,7 +40,7 @@ from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
-from jaxlight.data._prefetch import Prefetcher
+from jaxlight.data._prefetch import Prefetcher, prefetch_depth
 
 #: Steps dispatched to the device that the host has not waited for, at most (module docstring).
 MAX_IN_FLIGHT = 2
@@ -199,10 +199,8 @@ class TrainLoop:
         return self._steps[k]
 
     def prefetch_depth(self, train_data: Iterable) -> int:
-        """Batches read ahead: none for data that samples from the live model (its
-        `reads_live_model` is True, e.g. GRPO's generation batches): each batch is then read in
-        the loop's thread right after the step before it was dispatched."""
-        return 0 if getattr(train_data, "reads_live_model", False) else self.config.prefetch_batches
+        """Batches read ahead of the loop (`jaxlight.data._prefetch.prefetch_depth`)."""
+        return prefetch_depth(train_data, self.config.prefetch_batches)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -259,15 +257,18 @@ class TrainLoop:
             leaves = jax.tree.leaves(batch)
             return partial.rows is not None and bool(leaves) and leaves[0].shape[0] != full_rows
 
-        put_group = GroupTransfer(session.strategy.put_batch)  # k > 1: k batches as one input
+        # Read ahead in a thread: put on the devices there. Read in this thread: as the
+        # compiled step takes it (host arrays that its call places, `step_input`).
+        depth = self.prefetch_depth(train_data)
+        transfer = session.strategy.put_batch if depth else session.strategy.step_input
+        put_group = GroupTransfer(transfer)  # k > 1: k batches as one input
 
         def put(batch):
             k = self.batches_per_step
             batch_sh = self._step_for(k, one, first_name)[1]
             if k > 1:
                 return put_group(batch, k, batch_sh)
-            return session.strategy.put_batch(
-                batch, partial.shardings if is_partial(batch) else batch_sh)
+            return transfer(batch, partial.shardings if is_partial(batch) else batch_sh)
 
         def check(batch, n: int, start: int) -> None:
             if self.batches_per_step == 1:
@@ -294,8 +295,7 @@ class TrainLoop:
             if not (first_epoch and resumed_mid_epoch):
                 call("on_train_epoch_start")
             start = pos.batch_idx
-            batches = Prefetcher(pairs, put, self.prefetch_depth(train_data),
-                                 lambda b, n, s=start: check(b, n, s))
+            batches = Prefetcher(pairs, put, depth, lambda b, n, s=start: check(b, n, s))
             first_epoch = False
             got_any = False
             try:

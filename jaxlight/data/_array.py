@@ -44,6 +44,11 @@ class ArrayLoader:
         [[0, 1, 2, 3], [4, 5, 6, 7]]
     """
 
+    #: Batches are slices of arrays in memory, each read in microseconds: by default
+    #: (`Fit(prefetch_batches=None)`) the training loop reads them in its own thread, since a
+    #: thread reading ahead would only add its hand-over (docs/data.md, Prefetching).
+    in_memory = True
+
     def __init__(
         self,
         arrays: Any,

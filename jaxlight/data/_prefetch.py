@@ -24,9 +24,29 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "prefetch_depth"]
 
 _END = object()
+
+#: Batches read ahead by default from a loader whose reading costs host time.
+DEFAULT_DEPTH = 2
+
+
+def prefetch_depth(data: Any, asked: int | None) -> int:
+    """Batches to read ahead of the loop from `data` when `Fit(prefetch_batches=asked)`.
+
+    None (the default): none for batches already in memory (a loader whose `in_memory` is True,
+    as `ArrayLoader`'s, or a list or tuple of batches), whose reading costs less than a thread's
+    hand-over, else `DEFAULT_DEPTH`. Data that samples from the live model (its
+    `reads_live_model` is True, e.g. GRPO's generation batches) is never read ahead, whatever
+    was asked: each batch is read right after the step before it was dispatched.
+    """
+    if getattr(data, "reads_live_model", False):
+        return 0
+    if asked is not None:
+        return asked
+    return 0 if isinstance(data, (list, tuple)) or getattr(data, "in_memory", False) \
+        else DEFAULT_DEPTH
 
 
 class _Failure:

@@ -208,6 +208,12 @@ class Auto(Strategy):
     def batch_shardings(self, abstract_batch):
         return self._require_chosen().batch_shardings(abstract_batch)
 
+    def put_batch(self, batch, shardings):
+        return self._require_chosen().put_batch(batch, shardings)
+
+    def step_input(self, batch, shardings):
+        return self._require_chosen().step_input(batch, shardings)
+
     def compile(self, fn, abstract_args, in_shardings, out_shardings, donate_argnums=()):
         return self._require_chosen().compile(fn, abstract_args, in_shardings, out_shardings,
                                               donate_argnums)

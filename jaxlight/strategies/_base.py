@@ -90,6 +90,12 @@ class Strategy(abc.ABC):
             lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)), batch, shardings
         )
 
+    def step_input(self, batch: Any, shardings: Any) -> Any:
+        """A batch as the loop's own thread hands it to a compiled step: `put_batch`'s device
+        arrays here; a strategy whose compiled steps place host arrays themselves may return
+        the host batch instead (`SpmdStrategy`)."""
+        return self.put_batch(batch, shardings)
+
     # -- compiling -------------------------------------------------------------------------
 
     @abc.abstractmethod

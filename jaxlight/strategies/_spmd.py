@@ -207,6 +207,15 @@ class SpmdStrategy(Strategy):
 
         return microbatched
 
+    def step_input(self, batch: Any, shardings: Any) -> Any:
+        """The host batch itself when it is all NumPy arrays in one process: the compiled
+        step's call places them by its input shardings in C++ (the same bytes, ~0.3 ms less
+        host time per step than `jax.device_put` first, benchmarks/overhead.py)."""
+        if jax.process_count() == 1 and all(
+                isinstance(x, np.ndarray) for x in jax.tree.leaves(batch)):
+            return batch
+        return self.put_batch(batch, shardings)
+
     def compile(
         self,
         fn: Callable,

@@ -10,6 +10,7 @@ import pytest
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight._checkpoint import read_meta
+from jaxlight.data._prefetch import prefetch_depth
 from tests.checkpoint._common import assert_bitwise, loader, make_fit, params_of
 from tests.models import Classifier, classification_data
 
@@ -36,12 +37,44 @@ def _prefetch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "jaxlight-prefetch"]
 
 
-@pytest.mark.parametrize("depth", [0, 5])
+@pytest.mark.parametrize("depth", [0, 2, 5])
 def test_every_depth_trains_bitwise_like_the_default(depth):
     got, want = Classifier(), Classifier()
     make_fit("dp", 12, prefetch_batches=depth).fit(got, loader())
-    make_fit("dp", 12).fit(want, loader())  # the default, 2
+    # The default for an ArrayLoader: read in the loop's thread, host arrays into the step.
+    make_fit("dp", 12).fit(want, loader())
     assert_bitwise(params_of(got.model), params_of(want.model))
+
+
+def test_the_default_reads_in_memory_batches_in_the_loops_thread_and_others_ahead():
+    seen = {}
+
+    def threads_at_step_1(name):
+        def at_end(fit, module, outputs, batch, batch_idx):
+            if fit.global_step == 1:  # 5 batches still to read: a reading thread would wait
+                seen[name] = len(_prefetch_threads())
+        return callbacks.LambdaCallback(on_train_batch_end=at_end)
+
+    for name, data in (("array", loader()), ("list", Counting().batches),
+                       ("generator", Counting())):
+        make_fit("single", 6, [threads_at_step_1(name)]).fit(Classifier(), data)
+    assert seen == {"array": 0, "list": 0, "generator": 1}
+    assert not _prefetch_threads()
+
+
+def test_the_default_depth_of_each_kind_of_data():
+    in_memory = classification_data(64)
+    assert prefetch_depth(jl.data.ArrayLoader(in_memory, 16), None) == 0
+    assert prefetch_depth(jl.data.DataLoader(in_memory, batch_size=16), None) == 0
+    assert prefetch_depth([{"x": 1}], None) == 0
+    assert prefetch_depth(Counting(), None) == 2
+    assert prefetch_depth(jl.data.ArrayLoader(in_memory, 16), 3) == 3  # asked: as asked
+    assert prefetch_depth(Counting(), 0) == 0
+
+    class Live(Counting):
+        reads_live_model = True
+
+    assert prefetch_depth(Live(), 4) == 0  # samples from the live model: never ahead
 
 
 def test_the_next_batches_are_read_while_the_step_runs():
@@ -96,5 +129,8 @@ def test_a_mismatched_batch_names_its_own_index():
 
 
 def test_prefetch_batches_must_be_a_non_negative_integer():
-    with pytest.raises(jl.ConfigurationError, match=r"prefetch_batches must be an integer >= 0"):
-        jl.Fit(max_steps=1, prefetch_batches=-1)
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(jl.ConfigurationError,
+                           match=r"prefetch_batches must be an integer >= 0 or None, got"):
+            jl.Fit(max_steps=1, prefetch_batches=bad)
+    assert jl.Fit(max_steps=1).prefetch_batches is None
