@@ -137,3 +137,25 @@ def test_data_from_a_function_takes_its_arguments(capsys, tmp_path, monkeypatch)
     assert main(["fit", TARGET[0], "--data", "fn_data.py:make_data", "--data.batch_size", "4",
                  "--trainer.max_steps", "1", "--print_config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["data"] == {"batch_size": 4}
+
+
+def test_a_subclass_mode_config_names_the_classes(capsys, tmp_path, monkeypatch):
+    """LightningCLI's subclass mode with importable classes: `jaxlight fit --config` alone."""
+    monkeypatch.chdir(PORT.parent)  # `_cli_port.LitClassifier`, as `python main.py` imports it
+    backbone = {"class_path": "_cli_port.Backbone", "init_args": {"hidden_dim": 7}}
+    config = {"model": {"class_path": "_cli_port.LitClassifier",
+                        "init_args": {"learning_rate": 0.5, "backbone": backbone}},
+              "data": {"class_path": "_cli_port.MyDataModule", "init_args": {"batch_size": 8}}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["learning_rate"] == 0.5
+    assert printed["model"]["backbone"] == {"class_path": "_cli_port.Backbone",
+                                            "init_args": {"hidden_dim": 7}}
+    assert printed["data"]["batch_size"] == 8
+    config["model"]["learning_rate"] = 0.1  # beside init_args: refused, named
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path)]) == 2
+    assert ("model: has class_path and init_args, so its arguments go under init_args (as "
+            "LightningCLI writes them); got ['learning_rate'] beside them") in _err(capsys)

@@ -12,12 +12,14 @@ same way.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight import callbacks
 from jaxlight._cli._build import callback_call, logger_calls, split_calls
-from jaxlight._cli._target import register
+from jaxlight._cli._config_file import load_config_file
+from jaxlight._cli._target import class_path_spec, register
 from jaxlight._errors import ConfigurationError
 
 #: Every earlier option (dashes, as it was spelled) and its key in the one parser.
@@ -109,10 +111,49 @@ def translate_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _section_class(name: str, value: Mapping[str, Any], extras: dict[str, Any]) -> dict:
+    """A `model:`/`data:` section naming its class: the class as `extras`' `target`/`data`,
+    and the arguments, under `init_args` (LightningCLI's subclass mode) or beside
+    `class_path` (jaxlight's earlier form)."""
+    value = dict(value)
+    extras["target" if name == "model" else "data"] = class_path_spec(str(value.pop("class_path")))
+    if "init_args" not in value:
+        return value
+    init_args = value.pop("init_args") or {}
+    if value or not isinstance(init_args, Mapping):
+        raise ConfigurationError(
+            f"config file: {name}: has class_path and init_args, so its arguments go under "
+            f"init_args (as LightningCLI writes them); got {sorted(map(str, value))} beside "
+            f"them and init_args = {init_args!r:.80}. Move the arguments into init_args.")
+    return dict(init_args)
+
+
+def config_target(argv: Sequence[str]) -> str | None:
+    """The module class the `--config` files name (`model: class_path`), for a command line
+    that names none (LightningCLI's subclass mode: `jaxlight fit --config config.yaml`)."""
+    found = None
+    for i, token in enumerate(argv):
+        name, eq, inline = token.partition("=")
+        if name != "--config" or not (eq or i + 1 < len(argv)):
+            continue
+        path = inline if eq else argv[i + 1]
+        data = load_config_file(path) if os.path.isfile(path) else None
+        section = (data or {}).get("model")
+        if isinstance(section, Mapping) and "class_path" in section:
+            found = class_path_spec(str(section["class_path"]))
+    if found is not None and found.startswith("__main__:"):
+        raise ConfigurationError(
+            f"config file: model.class_path is {found.replace(':', '.')!r}, a class of the "
+            "script that ran LightningCLI; name its file on the command line: jaxlight fit "
+            f"PATH.py:{found.partition(':')[2]} --config ...")
+    return found
+
+
 def translate_file(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A config file with its earlier-form keys as the parser's (a LightningCLI-shaped file
-    passes unchanged), and jaxlight's own settings: `preset`, `devices`, and the earlier
-    `model:`/`data:` `class_path` (beside the arguments, no `init_args`) as `target`/`data`."""
+    passes unchanged), and jaxlight's own settings: `preset`, `devices`, and a `model:`/`data:`
+    `class_path` (LightningCLI's subclass mode with `init_args`, or jaxlight's earlier form with
+    the arguments beside it) as `target`/`data`."""
     tree: dict[str, Any] = {}
     extras: dict[str, Any] = {}
     for key, value in data.items():
@@ -122,10 +163,8 @@ def translate_file(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, A
             continue
         target = new_key(name)
         if target is None:  # a section (model:, data:, optim:, ...), or a key the parser names
-            if name in ("model", "data") and isinstance(value, Mapping) and "class_path" in value \
-                    and "init_args" not in value:
-                value = dict(value)
-                extras["target" if name == "model" else "data"] = str(value.pop("class_path"))
+            if name in ("model", "data") and isinstance(value, Mapping) and "class_path" in value:
+                value = _section_class(name, value, extras)
             tree[name] = value
             continue
         if target == "trainer.logger" and isinstance(value, str):

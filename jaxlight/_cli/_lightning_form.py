@@ -562,6 +562,13 @@ def parse(command: str, spec: str, argv: Sequence[str]):
         home = sys.modules.get(model_cls.__module__)
         same_file = where.endswith(".py") and os.path.abspath(where) == os.path.abspath(
             getattr(home, "__file__", "") or "")
+        if where == "__main__":  # a LightningCLI script's own class: the target's file has it
+            if not hasattr(home, attr):
+                raise ConfigurationError(
+                    f"config file: data.class_path is '__main__.{attr}', a class of the script "
+                    f"that ran LightningCLI, but {spec} has no {attr!r}; give its file: --data "
+                    f"PATH.py:{attr}.")
+            same_file = True
         # One file is executed once, so that its classes are the same objects for both.
         data_cls = getattr(home, attr) if same_file and hasattr(home, attr) else \
             import_object(extras["data"], "--data")

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight import recipes
+from jaxlight._cli._aliases import config_target
 from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
 from jaxlight._cli._generate import generate_command
 from jaxlight._cli._options import COMMANDS
@@ -99,10 +100,14 @@ def _dispatch(argv: list[str]) -> int:
         if rest and rest[0] in ("-h", "--help"):
             print(_top_help())
             return 0
-        raise ConfigurationError(
-            f"jaxlight {command} needs a recipe: jaxlight {command} <recipe> [options]; "
-            f"recipes are {recipes.names()}. Your own module: jaxlight {command} "
-            "PATH.py:Module --data PATH.py:Data [options]."
-        )
+        target = config_target(rest)  # LightningCLI's subclass mode: the config names it
+        if target is None:
+            raise ConfigurationError(
+                f"jaxlight {command} needs a recipe: jaxlight {command} <recipe> [options]; "
+                f"recipes are {recipes.names()}. Your own module: jaxlight {command} "
+                "PATH.py:Module --data PATH.py:Data [options], or a --config file whose model: "
+                "section names it (class_path and init_args)."
+            )
+        rest = [target, *rest]
     run(command, rest[0], rest[1:])
     return 0

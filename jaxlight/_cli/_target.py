@@ -83,8 +83,25 @@ def import_object(spec: str, what: str) -> Any:
     return getattr(module, attr)
 
 
+def class_path_spec(path: str) -> str:
+    """A config file's `class_path` as a target: `PATH.py:NAME` and `package.module:NAME` as
+    they are; LightningCLI's dotted `package.module.NAME` as `package/module.py:NAME` when that
+    file is under the current directory (as `python main.py` imports it), else as
+    `package.module:NAME`; a script's `__main__.NAME` as `__main__:NAME`, a class that only the
+    command line's `PATH.py:NAME` can find."""
+    if ":" in path or "." not in path:
+        return path  # import_object says what is wrong with a bare name
+    where, _, attr = path.rpartition(".")
+    file = os.path.join(*where.split(".")) + ".py"
+    return f"{file}:{attr}" if where != "__main__" and os.path.isfile(file) else f"{where}:{attr}"
+
+
 def same_target(a: str, b: str) -> bool:
-    """Whether two specs name the same object (paths compared absolute)."""
+    """Whether two specs name the same object (paths compared absolute; `__main__:NAME`, a
+    LightningCLI script's own class, is any file's NAME)."""
+    if a.startswith("__main__:") or b.startswith("__main__:"):
+        return a.rpartition(":")[2] == b.rpartition(":")[2]
+
     def norm(spec: str) -> str:
         where, _, attr = spec.rpartition(":")
         if where.endswith(".py") or "/" in where:

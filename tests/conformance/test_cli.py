@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from jaxlight._cli import main
 from jaxlight._cli._lightning_form import parse
 from jaxlight._cli._run import run
 from jaxlight._errors import ConfigurationError
@@ -32,12 +33,12 @@ def lightning_config(tmp_path):
     return str(path)
 
 
-def _observed(argv) -> dict:
+def _observed(argv, target=TARGET) -> dict:
     """jaxlight's parse of a command, in the fixture's terms (Lightning's `None` for "the
     default" read as the default Lightning applies: 50 steps between logs, no step limit)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no key of Lightning's own file may be named as ignored
-        _, cfg, _, _, notes = parse("fit", TARGET[0], [*TARGET[1:], *argv])
+        _, cfg, _, _, notes = parse("fit", target[0], [*target[1:], *argv])
         notes.report()
     t = cfg.trainer
     return {
@@ -82,8 +83,8 @@ def test_flags_parse():
     assert _observed(FLAGS) == _lightning_terms(case(G, "flags_parse")["parsed"])
 
 
-def _train(argv) -> dict:
-    result = run("fit", TARGET[0], [*TARGET[1:], *argv, *QUIET])
+def _train(argv, target=TARGET) -> dict:
+    result = run("fit", target[0], [*target[1:], *argv, *QUIET])
     net = result.module.model
     return {"global_step": result.fit.global_step,
             "valid_loss": result.metrics["val_loss"] if "val_loss" in result.metrics
@@ -114,6 +115,28 @@ def test_optimizer_flags_train(lightning_config):
     with pytest.warns(UserWarning, match="configure_optimizers is replaced by --optimizer"):
         observed = _train(["--config", lightning_config, *OPTIMIZER_FLAGS])
     _assert_trained_like(observed, case(G, "optimizer_flags_train"))
+
+
+@claim("LightningCLI's subclass mode (subclass_mode_model/data=True): the config.yaml it "
+       "prints, model: and data: as class_path/init_args, runs unchanged under jaxlight fit "
+       "PATH.py:Class --config (its __main__ classes found in that file), parses to the values "
+       "LightningCLI parses and trains to Lightning's weights")
+def test_subclass_mode_config(tmp_path, capsys):
+    fixture = case(G, "subclass_mode_config")
+    assert (fixture["model_class_path"], fixture["data_class_path"]) == (
+        "__main__.LitClassifier", "__main__.MyDataModule")
+    path = tmp_path / "config.yaml"
+    path.write_text(fixture["config_yaml"])
+    model_only = [TARGET[0]]  # the data class comes from the file's data: section
+    assert _observed(["--config", str(path)], model_only) == _lightning_terms(fixture["parsed"])
+    # The same values as config_trains' flags: the same training, to Lightning's weights.
+    assert fixture["parsed"] == case(G, "print_config_reads_back")["parsed"]
+    _assert_trained_like(_train(["--config", str(path)], model_only), case(G, "config_trains"))
+    # With no class on the command line, __main__ (the script that ran LightningCLI) is named.
+    assert main(["fit", "--config", str(path)]) == 2
+    assert ("model.class_path is '__main__.LitClassifier', a class of the script that ran "
+            "LightningCLI; name its file on the command line: jaxlight fit "
+            "PATH.py:LitClassifier --config") in capsys.readouterr().err
 
 
 @departure("a Lightning Trainer key without a jaxlight meaning is named: a warning at a value "

@@ -9,6 +9,8 @@ digits bundled with jaxlight, initial weights from NumPy. Writes `fixtures/cli.j
 - what LightningCLI parses from the same values given as flags;
 - the final weights and validation loss of a fit driven by that config file, and of one that
   adds `--optimizer Adam --lr_scheduler StepLR` (LightningCLI's generated configure_optimizers);
+- the config.yaml of LightningCLI in subclass mode (`model:`/`data:` as `class_path`/
+  `init_args`) and what LightningCLI parses from it;
 - where SaveConfigCallback writes `config.yaml`, that it refuses to overwrite one, and what the
   file holds.
 
@@ -115,6 +117,31 @@ def print_config(args) -> str:
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         cli([*args, "--print_config"])
     return out.getvalue()
+
+
+def subclass_mode() -> dict:
+    """LightningCLI in subclass mode (`subclass_mode_model=True, subclass_mode_data=True`, the
+    classes chosen with `--model LitClassifier --data MyDataModule`): the config.yaml its
+    `--print_config` writes (`model:` and `data:` as `class_path`/`init_args`) for the same
+    flags, and what it parses back from that file."""
+
+    def sub_cli(args):
+        return LightningCLI(L.LightningModule, L.LightningDataModule, subclass_mode_model=True,
+                            subclass_mode_data=True, seed_everything_default=1234, run=False,
+                            args=args, save_config_callback=None)
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        sub_cli(["--model", "LitClassifier", "--data", "MyDataModule", *FLAGS, "--print_config"])
+    text = out.getvalue()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "config.yaml"
+        path.write_text(text)
+        config = sub_cli(["--config", str(path)]).config
+    classes = {"model_class_path": config.model.class_path,
+               "data_class_path": config.data.class_path}
+    config.model, config.data = config.model.init_args, config.data.init_args
+    return {"config_yaml": text, **classes, "parsed": parsed(config)}
 
 
 def parsed(config) -> dict:
@@ -249,6 +276,7 @@ def main() -> None:
         cases["config_trains"] = train(["--config", str(path), *QUIET])
         cases["optimizer_flags_train"] = train(["--config", str(path), *QUIET,
                                                 *OPTIMIZER_FLAGS])
+    cases["subclass_mode_config"] = subclass_mode()
     cases["save_config"] = save_config()
     cases["default_env"] = default_env()
     FIXTURES.mkdir(exist_ok=True)
