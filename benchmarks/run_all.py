@@ -109,12 +109,18 @@ def summarize_overhead_accumulate(r):
              measured, target, met) for what, measured, target, met in summarize_overhead(r)]
 
 
-def summarize_overhead_accumulate_interleaved(r):
-    """The same, one Fit paused every N steps for N hand-written steps (the median of the chunk
-    pairs' ratios), so that a drift of the shared machine hits both alike."""
+def _in_turns(r, rows):
+    """`rows` of an overhead run with --interleave N: one Fit paused every N steps for N
+    hand-written steps (the median of the chunk pairs' ratios), so that a drift of the shared
+    machine hits both alike."""
     n = next((res.get("interleave") for res in r.get("results", []) if "interleave" in res), "N")
     return [(what.replace("median step time", f"median step time, turns of {n} steps"), measured,
-             target, met) for what, measured, target, met in summarize_overhead_accumulate(r)]
+             target, met) for what, measured, target, met in rows]
+
+
+def summarize_overhead_accumulate_interleaved(r):
+    """`summarize_overhead_accumulate`, the loops taking turns (`_in_turns`)."""
+    return _in_turns(r, summarize_overhead_accumulate(r))
 
 
 def summarize_overhead_ema(r):
@@ -125,11 +131,8 @@ def summarize_overhead_ema(r):
 
 
 def summarize_overhead_ema_interleaved(r):
-    """The same, one Fit paused every N steps for N hand-written steps (as
-    `summarize_overhead_accumulate_interleaved`)."""
-    n = next((res.get("interleave") for res in r.get("results", []) if "interleave" in res), "N")
-    return [(what.replace("median step time", f"median step time, turns of {n} steps"), measured,
-             target, met) for what, measured, target, met in summarize_overhead_ema(r)]
+    """`summarize_overhead_ema`, the loops taking turns (`_in_turns`)."""
+    return _in_turns(r, summarize_overhead_ema(r))
 
 
 def summarize_overhead_swa(r):

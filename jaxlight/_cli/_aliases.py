@@ -12,13 +12,11 @@ same way.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxlight import callbacks
 from jaxlight._cli._build import callback_call, logger_calls, split_calls
-from jaxlight._cli._config_file import load_config_file
 from jaxlight._cli._target import class_path_spec, register
 from jaxlight._errors import ConfigurationError
 
@@ -126,27 +124,6 @@ def _section_class(name: str, value: Mapping[str, Any], extras: dict[str, Any]) 
             f"init_args (as LightningCLI writes them); got {sorted(map(str, value))} beside "
             f"them and init_args = {init_args!r:.80}. Move the arguments into init_args.")
     return dict(init_args)
-
-
-def config_target(argv: Sequence[str]) -> str | None:
-    """The module class the `--config` files name (`model: class_path`), for a command line
-    that names none (LightningCLI's subclass mode: `jaxlight fit --config config.yaml`)."""
-    found = None
-    for i, token in enumerate(argv):
-        name, eq, inline = token.partition("=")
-        if name != "--config" or not (eq or i + 1 < len(argv)):
-            continue
-        path = inline if eq else argv[i + 1]
-        data = load_config_file(path) if os.path.isfile(path) else None
-        section = (data or {}).get("model")
-        if isinstance(section, Mapping) and "class_path" in section:
-            found = class_path_spec(str(section["class_path"]))
-    if found is not None and found.startswith("__main__:"):
-        raise ConfigurationError(
-            f"config file: model.class_path is {found.replace(':', '.')!r}, a class of the "
-            "script that ran LightningCLI; name its file on the command line: jaxlight fit "
-            f"PATH.py:{found.partition(':')[2]} --config ...")
-    return found
 
 
 def translate_file(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -330,6 +330,21 @@ def _read_configs(argv: list[str], extras: dict[str, Any]) -> list[str]:
     return out
 
 
+def config_target(argv: Sequence[str]) -> str | None:
+    """The module class the `--config` files name (`model: class_path`, read as `parse` reads
+    it), for a command line that names none (LightningCLI's subclass mode: `jaxlight fit
+    --config config.yaml`)."""
+    extras: dict[str, Any] = {}
+    _read_configs(translate_argv(list(argv)), extras)
+    found = extras.get("target")
+    if found is not None and found.startswith("__main__:"):
+        raise ConfigurationError(
+            f"config file: model.class_path is {found.replace(':', '.')!r}, a class of the "
+            "script that ran LightningCLI; name its file on the command line: jaxlight fit "
+            f"PATH.py:{found.partition(':')[2]} --config ...")
+    return found
+
+
 def _yaml_value(text: str | None) -> Any:
 
     if text is None:

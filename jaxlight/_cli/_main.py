@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight import recipes
-from jaxlight._cli._aliases import config_target
 from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
 from jaxlight._cli._generate import generate_command
+from jaxlight._cli._lightning_form import config_target
 from jaxlight._cli._options import COMMANDS
 from jaxlight._cli._run import run
 from jaxlight._errors import (

@@ -198,10 +198,6 @@ class TrainLoop:
                 self._steps[k] = self.session.compile_train_step(abstract, kind=kind)
         return self._steps[k]
 
-    def prefetch_depth(self, train_data: Iterable) -> int:
-        """Batches read ahead of the loop (`jaxlight.data._prefetch.prefetch_depth`)."""
-        return prefetch_depth(train_data, self.config.prefetch_batches)
-
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self, train_data: Iterable, val_data: Iterable | None) -> None:
@@ -259,7 +255,7 @@ class TrainLoop:
 
         # Read ahead in a thread: put on the devices there. Read in this thread: as the
         # compiled step takes it (host arrays that its call places, `step_input`).
-        depth = self.prefetch_depth(train_data)
+        depth = prefetch_depth(train_data, config.prefetch_batches)
         transfer = session.strategy.put_batch if depth else session.strategy.step_input
         put_group = GroupTransfer(transfer)  # k > 1: k batches as one input
 
