@@ -8,7 +8,8 @@ stage holds v non-adjacent chunks and every microbatch travels the ring of stage
     stage s at iteration t works on k = t − s (idle unless 0 ≤ k < v·m):
         repeat r = k // m, microbatch i = k % m, with its chunk r of layers
         input: stage 0 reads microbatch i (r = 0) or what the last stage sent back for it
-               (r > 0, kept in a ring buffer of m slots); the others what they just received
+               (r > 0, kept in a ring buffer of m − p slots); the others what they just
+               received
         buffer = ppermute(y, s -> s + 1 mod p)
 
 The last stage's output for (r, i) leaves at iteration r·m + i + p − 1; stage 0 needs it at
@@ -17,6 +18,14 @@ iterations; fewer microbatches run as p, the extra slots wasted). v·m + p − 1
 1/v of a GPipe stage's work each: the bubble is (p − 1)/(v·m + p − 1) instead of
 (p − 1)/(m + p − 1), for v times as many collective permutes (each the same b·s·h
 activation): 2(v·m + p − 1)·b·s·h·β bytes per step and device.
+
+Buffers. Each iteration reads one slot of the ring and then overwrites it (the write waits for
+the read by a data dependency), and the microbatches come in and the outputs go out as the
+loop's per-iteration inputs and results, not as m-slot buffers indexed inside the loop. Indexed
+m-slot buffers cost four whole copies of m·b·h per backward iteration on XLA:CPU, a per-
+iteration cost growing with m that bent the step time away from α + γ·(v·m + p − 1) (at p = 4,
+v = 4 the measured bubble strayed 0.10 from theory). Now the forward loop copies no buffer and
+the backward loop copies the (m − p)-slot ring's gradient twice per iteration.
 
 The stored stack keeps its canonical layout (layer axis split over `pipe` in contiguous blocks,
 so checkpoints move between layouts unchanged); inside the step the layer axis is viewed as
@@ -47,6 +56,11 @@ from jaxlight.nn._pipeline import (
     split_batch,
 )
 from jaxlight.nn._scan import scan_layers
+
+
+def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """`x`, computed only once `dep` is (0·dep[0], a data dependency XLA keeps)."""
+    return x + (0.0 * dep[(0,) * dep.ndim]).astype(x.dtype)
 
 
 def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
@@ -104,42 +118,58 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
 
     perm = [(i, (i + 1) % p) for i in range(p)]
     steps = v * m + p - 1
+    delay = m - p  # iterations between the last stage's result and stage 0's next repeat
 
     def schedule(chunks, xs, mb_args, whole_args):
         stage = lax.axis_index(axis)
         chunks = jax.tree.map(lambda u: u[0], chunks)  # (v, chunk, ...) of this stage
         chunks, xs, mb_args, whole_args = _vary((chunks, xs, mb_args, whole_args), manual)
+        # Stage 0's first-repeat inputs as the loop's per-iteration input (microbatch t at
+        # iteration t < m) and the outputs as its per-iteration result, not as m-slot buffers
+        # read and written by index: the backward loop would otherwise carry their m-slot
+        # gradients and copy them whole every iteration (a cost growing with m per
+        # iteration, which bends the step time away from α + γ·(v·m + p − 1)).
+        feed = jax.tree.map(
+            lambda u: jnp.concatenate([u, jnp.zeros((steps - m, *u.shape[1:]), u.dtype)]), xs)
 
-        def iteration(carry, t):
-            received, ring, outs = carry
-            # What stage 0 just received from the last stage: (r', i') of k' = t − p.
-            back = t - p
-            keep_back = (stage == 0) & (back >= 0) & (back < v * m)
-            slot_back = jnp.clip(back, 0, v * m - 1) % m
-            ring = jax.tree.map(
-                lambda o, u: lax.dynamic_update_index_in_dim(
-                    o, jnp.where(keep_back, u, o[slot_back]), slot_back, 0),
-                ring, received)
+        def iteration(carry, scanned):
+            received, ring = carry
+            t, fed = scanned
+            # What stage 0 just received is the last stage's result for k' = t − p; stage 0
+            # needs it back at iteration k' + m, that is d = m − p iterations later. The ring
+            # of d slots delays it: slot t mod d is read (the result stored d iterations ago)
+            # and then overwritten with what just arrived, so each iteration touches one slot.
             k = jnp.clip(t - stage, 0, v * m - 1)
             r, i = k // m, k % m
-            first = jax.tree.map(lambda u, o: jnp.where(r == 0, u[i], o[i]), xs, ring)
+            if delay:
+                slot = t % delay
+                delayed = jax.tree.map(lambda o: lax.dynamic_index_in_dim(o, slot, 0, False),
+                                       ring)
+            else:
+                delayed = received
+            first = jax.tree.map(lambda u, o: jnp.where(r == 0, u, o), fed, delayed)
             inp = jax.tree.map(lambda a, c: jnp.where(stage == 0, a, c), first, received)
+            if delay:
+                # Written only after the slot's old value is read (a data dependency: XLA
+                # would otherwise copy the whole ring to keep it for a later read).
+                ring = jax.tree.map(
+                    lambda o, u, read: lax.dynamic_update_index_in_dim(
+                        o, _after(u, read), slot, 0),
+                    ring, received, inp)
             it_mb = iter([u[i] for u in mb_args])
             it_whole = iter(whole_args)
             leaves = [next(it_mb) if e else next(it_whole) for e in per_example]
             params = jax.tree.map(lambda u: lax.dynamic_index_in_dim(u, r, 0, False), chunks)
             y = stage_fn(params, inp, jax.tree.unflatten(arg_tree, leaves))
-            last = (stage == p - 1) & (t - stage >= (v - 1) * m) & (t - stage < v * m)
-            outs = jax.tree.map(
-                lambda o, u: lax.dynamic_update_index_in_dim(
-                    o, jnp.where(last, u, o[i]), i, 0),
-                outs, y)
-            return (lax.ppermute(y, axis, perm), ring, outs), None
+            return (lax.ppermute(y, axis, perm), ring), y
 
         received = jax.tree.map(lambda u: jnp.zeros_like(u[0]), xs)
-        ring = jax.tree.map(jnp.zeros_like, xs)
-        outs = jax.tree.map(jnp.zeros_like, xs)
-        (_, _, outs), _ = lax.scan(iteration, (received, ring, outs), jnp.arange(steps))
+        ring = jax.tree.map(lambda u: jnp.zeros((max(delay, 1), *u.shape[1:]), u.dtype), xs)
+        ring = _vary(ring, manual)
+        _, ys = lax.scan(iteration, (received, ring), (jnp.arange(steps), feed))
+        # The last stage's outputs of the last repeat: microbatch i at (v − 1)·m + i + p − 1.
+        first_out = (v - 1) * m + p - 1
+        outs = jax.tree.map(lambda u: u[first_out:first_out + m], ys)
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), chunks)

@@ -209,7 +209,10 @@ def _ring_bwd(axis_name: str, n: int, scale: float, residuals, g):
         dv_acc = lax.ppermute(dv_acc + dv_j, axis_name, back)
         return (dq + dq_j, dk_acc, dv_acc), None
 
-    zeros = tuple(lax.pcast(jnp.zeros(x.shape, jnp.float32), (axis_name,), to="varying")
+    # Varying over every manual axis the inputs vary over: the context axis, and the pipeline
+    # stage's axes where the attention runs inside a pipeline schedule.
+    zeros = tuple(lax.pcast(jnp.zeros(x.shape, jnp.float32),
+                            tuple(jax.typeof(x).manual_axis_type.varying), to="varying")
                   for x in (q, k, v))
     (dq, dk, dv), _ = lax.scan(hop, zeros, (ks, vs, jnp.arange(1, n)), reverse=True)
     # The own block after the ring, not beside it (two blocks' temporaries live at once):

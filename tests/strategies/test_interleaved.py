@@ -61,6 +61,19 @@ def test_interleaved_matches_single_device(runs):
         runs["single"]["fit"].callback_metrics["val_loss"], rel=1e-5)
 
 
+def test_more_microbatches_than_stages_delays_results_in_the_ring():
+    """m > p: stage 0 keeps each result of the last stage m − p iterations (the ring) before
+    its next repeat; m = p (the fixture's runs) never stores one. 2 stages × 2 chunks, 4 and 8
+    microbatches (delays 2 and 6), against SingleDevice."""
+    ref = _fit("single")
+    for m in (4, 8):
+        run = _fit(strategies.GPipe(2, m, repeats=2, devices=jax.devices()[:2]))
+        np.testing.assert_allclose(run["losses"], ref["losses"], rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_schedule_iterations_bubble_and_permute_bytes(runs):
     p, m, v = 4, 4, 2
     info = runs["gpipe"]["fit"].strategy.describe()["pipeline"]
