@@ -54,9 +54,9 @@ ALGORITHMS = ("ring", "allgather")
 
 
 class LM(jl.TrainModule):
-    def __init__(self):
+    def __init__(self, layers: int = LAYERS):
         super().__init__()
-        self.config = nn.TransformerConfig(vocab_size=VOCAB, embed_dim=WIDTH, num_layers=LAYERS,
+        self.config = nn.TransformerConfig(vocab_size=VOCAB, embed_dim=WIDTH, num_layers=layers,
                                            num_heads=HEADS, mlp_dim=2 * WIDTH,
                                            tie_embeddings=False)
 
@@ -71,13 +71,13 @@ class LM(jl.TrainModule):
         return nn.lm_loss(logits, batch["tokens"][:, 1:])
 
 
-def tokens(length: int, steps: int = 1, seed: int = 0) -> list[dict]:
+def tokens(length: int, steps: int = 1, seed: int = 0, batch: int = BATCH) -> list[dict]:
     """`steps` batches of learnable sequences of `length` + 1 tokens (the model sees `length`)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(steps):
-        start = rng.integers(0, VOCAB, size=(BATCH, 1))
-        stride = rng.integers(1, 4, size=(BATCH, 1))
+        start = rng.integers(0, VOCAB, size=(batch, 1))
+        stride = rng.integers(1, 4, size=(batch, 1))
         out.append({"tokens": ((start + stride * np.arange(length + 1)) % VOCAB)
                     .astype(np.int32)})
     return out
@@ -174,12 +174,12 @@ class _Losses(callbacks.Callback):
             self.losses.append(float(metrics["loss"]))
 
 
-def train(s, length: int, steps: int):
+def train(s, length: int, steps: int, module=None, batch: int = BATCH):
     rec = _Losses()
     fit = jl.Fit(s, max_steps=steps, log_every_n_steps=1, callbacks=[rec],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
-    module = LM()
-    fit.fit(module, tokens(length, steps))
+    module = module or LM()
+    fit.fit(module, tokens(length, steps, batch=batch))
     return fit, np.asarray(rec.losses)
 
 
@@ -218,6 +218,64 @@ def time_section(length: int, rounds: int, steps: int) -> dict:
     return out
 
 
+# -- pipe × context: GPipe(2 stages, 2 microbatches) over a 2-layer LM, each stage's sequence
+# split over n devices ----------------------------------------------------------------------
+
+PIPE, PIPE_MICROBATCHES, PIPE_LAYERS, PIPE_BATCH = 2, 2, 2, 2
+
+
+def pipe_strategy(n: int, algorithm: str = "ring"):
+    shape = {"pipe": PIPE} | ({"context": n} if n > 1 else {})
+    return strategies.Hybrid(shape, microbatches=PIPE_MICROBATCHES, context_attention=algorithm,
+                             devices=jax.devices()[:PIPE * n])
+
+
+def pipe_theory(n: int, length: int) -> float:
+    """Ring traffic per device and step of the attention's permutes inside the schedule: each of
+    the m + p − 1 iterations runs the stage's L/p layers on a microbatch of B/m sequences (the
+    bubble's iterations too, on a zero buffer), each layer 4(n−1) permutes of its K/V shard."""
+    if n == 1:
+        return 0.0
+    iterations = PIPE_MICROBATCHES + PIPE - 1
+    shard = PIPE_BATCH // PIPE_MICROBATCHES * (length // n) * HEADS * HEAD_DIM * 4
+    return iterations * (PIPE_LAYERS // PIPE) * 4 * (n - 1) * shard
+
+
+def pipe_section(length: int, degrees, equality_length: int, steps: int) -> dict:
+    out = {"pipe": PIPE, "microbatches": PIPE_MICROBATCHES, "layers": PIPE_LAYERS,
+           "batch": PIPE_BATCH, "length": length, "memory": {}}
+    base = None
+    for n in degrees:
+        fit = jl.Fit(pipe_strategy(n), max_steps=1, enable_progress_bar=False, logger=False,
+                     enable_model_summary=False)
+        p = fit.plan(LM(PIPE_LAYERS), tokens(length, batch=PIPE_BATCH)[0], verbose=False)
+        temp = p.memory["temp"]
+        base = temp if base is None else base
+        # The context ring's permutes: key/value blocks (B·H, L/n, D); the pipeline's own
+        # permutes carry (b, L/n, width) activations between the stages.
+        found = sum(c.traffic_bytes * c.executions for c in p.collectives
+                    if c.kind == "collective-permute" and c.result_bytes > 8
+                    and c.shapes and all(len(d) == 3 and d[-1] == HEAD_DIM
+                                         for _, d in c.shapes))
+        out["memory"][str(n)] = {
+            "context": n, "temp_bytes": temp, "temp_ratio_to_n1": temp / base,
+            "ideal_ratio": 1 / n, "attention_traffic_bytes": found,
+            "theory_traffic_bytes": pipe_theory(n, length)}
+        print(f"pipe×context L={length} n={n}: temp {temp / 2**20:.1f} MiB (x{temp / base:.3f}),"
+              f" attention traffic {found / 2**20:.2f} MiB (theory "
+              f"{pipe_theory(n, length) / 2**20:.2f})", file=sys.stderr)
+    _, ref = train(strategies.SingleDevice(), equality_length, steps, LM(PIPE_LAYERS),
+                   PIPE_BATCH)
+    out["equality"] = {"length": equality_length, "steps": steps, "runs": {}}
+    for algorithm in ALGORITHMS:
+        _, losses = train(pipe_strategy(4, algorithm), equality_length, steps,
+                          LM(PIPE_LAYERS), PIPE_BATCH)
+        diff = float(np.max(np.abs(losses - ref)))
+        out["equality"]["runs"][algorithm] = {
+            "max_abs_loss_diff": diff, "ok": diff <= 1e-5 and len(losses) == steps}
+    return out
+
+
 def reach_section(degrees, budget_length: int) -> dict:
     budget = footprint(plan(1, "ring", budget_length))
     out = {"budget_bytes": budget, "budget": f"single device at L={budget_length}", "rows": {}}
@@ -247,7 +305,10 @@ def reach_section(degrees, budget_length: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["memory", "equality", "time", "reach"])
+    parser.add_argument("--only", nargs="*",
+                        default=["memory", "equality", "time", "reach", "pipe"])
+    parser.add_argument("--pipe-length", type=int, default=4096)
+    parser.add_argument("--pipe-degrees", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384])
     parser.add_argument("--degrees", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--equality-length", type=int, default=1024)
@@ -265,7 +326,9 @@ def main():
     sections = {"memory": lambda: memory_section(args.lengths, args.degrees),
                 "equality": lambda: equality_section(args.equality_length, args.equality_steps),
                 "time": lambda: time_section(args.time_length, args.rounds, args.steps),
-                "reach": lambda: reach_section(args.degrees, args.budget_length)}
+                "reach": lambda: reach_section(args.degrees, args.budget_length),
+                "pipe": lambda: pipe_section(args.pipe_length, args.pipe_degrees,
+                                             args.equality_length, args.equality_steps)}
     for name, run in sections.items():
         if name in args.only:
             report[name] = run()

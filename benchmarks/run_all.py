@@ -355,6 +355,24 @@ def summarize_context(r):
         rows.append((f"context=8 step time at L={t['length']} (CPU): ring / allgather",
                      f"{t['ring_step_s'] * 1e3:.0f} / {t['allgather_step_s'] * 1e3:.0f} ms",
                      "—", None))
+    pipe = r.get("pipe")
+    if pipe:
+        runs = pipe["memory"].values()
+        ratios = ", ".join(f"n={run['context']}: {run['temp_ratio_to_n1']:.3f}" for run in runs)
+        ok = all(run["temp_ratio_to_n1"] <= 1.15 / run["context"] for run in runs
+                 if run["context"] > 1)
+        rows.append((f"pipe={pipe['pipe']} × context ring, L={pipe['length']}: activation (temp) "
+                     "bytes per device / context=1", ratios, "~1/n", ok))
+        exact = all(abs(run["attention_traffic_bytes"] - run["theory_traffic_bytes"])
+                    <= 1e-6 * max(run["theory_traffic_bytes"], 1) for run in runs)
+        rows.append((f"pipe={pipe['pipe']} × context ring, L={pipe['length']}: attention "
+                     "permute bytes (HLO) = (m+p−1)·(layers/p)·4(n−1)·(B/m)·(L/n)·H·D·β",
+                     "exact" if exact else "differ", "exact", exact))
+        eq = pipe["equality"]
+        for algorithm, run in eq["runs"].items():
+            rows.append((f"pipe={pipe['pipe']} × context=4 {algorithm} vs SingleDevice, "
+                         f"L={eq['length']}, {eq['steps']} steps (max abs loss diff)",
+                         f"{run['max_abs_loss_diff']:.1e}", "≤ 1e-5", run["ok"]))
     reach = r.get("reach")
     if reach:
         for algorithm, rows_n in reach["rows"].items():

@@ -53,6 +53,7 @@ from jaxlight.nn._pipeline import (
     PipelineConfig,
     _check_state,
     _vary,
+    sequence_spec,
     split_batch,
 )
 from jaxlight.nn._scan import scan_layers
@@ -173,13 +174,15 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), chunks)
+    x_specs = jax.tree.map(lambda u: sequence_spec(config, bspec, x, u, 2), xs)
     with activation_sharding(None):
         out = jax.shard_map(
             schedule,
             mesh=smap_mesh,
-            in_specs=(chunk_specs, bspec, [bspec] * len(mb_args),
-                      [PartitionSpec()] * len(whole_args)),
-            out_specs=bspec,
+            in_specs=(chunk_specs, x_specs, [sequence_spec(config, bspec, x, u, 2)
+                                             for u in mb_args],
+                      [sequence_spec(config, PartitionSpec(), x, u, 0) for u in whole_args]),
+            out_specs=x_specs,
             axis_names=set(manual),
         )(chunks, xs, mb_args, whole_args)
     return jax.tree.map(

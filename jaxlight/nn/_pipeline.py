@@ -32,6 +32,12 @@ Design notes:
   Other arguments (positions of shape (length,), say) are passed whole to every block.
 - A batch of one example (the per-example `vmap` of jaxlight's evaluation) runs as a single
   microbatch: correct, with the full bubble, and still one stage's parameters per device.
+- With a `context` mesh axis the shard_map is manual over it too: every input's sequence
+  dimension (dimension 1 of the block's input, and of per-example arguments; positions
+  `(length,)`) is split over it, each device runs its stage on its shard, and attention passes
+  keys and values over `context` itself (`jaxlight.nn._context_attention`). A shard_map over
+  `context` nested inside this one would not lower (JAX gives the residuals it saves inside the
+  schedule's loop a sharding over the outer manual axes).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError, DataError, ShardingError
 from jaxlight._layout import activation_sharding
 from jaxlight.nn._scan import LAYERS, scan_layers
 
@@ -263,15 +269,17 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     state_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
+    x_specs = jax.tree.map(lambda u: sequence_spec(config, bspec, x, u, 2), xs)
     # Activation constraints (jaxlight.nn.constrain) name the whole mesh, whose pipe and data
     # axes are manual inside: switched off there, GSPMD still shards by the parameters.
     with activation_sharding(None):
         out = jax.shard_map(
             schedule,
             mesh=smap_mesh,
-            in_specs=(state_specs, bspec, [bspec] * len(mb_args),
-                      [PartitionSpec()] * len(whole_args)),
-            out_specs=bspec,
+            in_specs=(state_specs, x_specs, [sequence_spec(config, bspec, x, u, 2)
+                                             for u in mb_args],
+                      [sequence_spec(config, PartitionSpec(), x, u, 0) for u in whole_args]),
+            out_specs=x_specs,
             axis_names=set(manual),
         )(pure_state, xs, mb_args, whole_args)
     return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1).reshape(batch, *o.shape[2:]), out)
@@ -294,11 +302,17 @@ __all__ = [
 ]
 
 
-def split_batch(config: Any, x: Any, what: str) -> tuple:
+def split_batch(config: Any, x: Any, what: str, sequence: bool = True) -> tuple:
     """How a pipelined call (GPipe's, the interleaved one, `Stages`') splits its batch:
     `(batch, microbatches, rows per microbatch, the data axis split inside the schedule or None,
     shard_map's manual axes, the microbatches' PartitionSpec, shard_map's mesh)`. `what` names
-    the block in the error for a batch that does not split."""
+    the block in the error for a batch that does not split.
+
+    With a `context` mesh axis the schedule is manual over it too (each device runs its stage
+    on its own shard of the sequence, and attention inside passes keys and values over
+    `context` itself: a shard_map nested in the schedule's does not lower), so the manual axes
+    include it; `sequence_spec` then splits the sequence dimension of the inputs. A block that
+    cannot take its sequence split (`sequence=False`, `Stages`) is refused there."""
     mesh, axis = config.mesh, config.axis
     batch = _batch_size(x)
     m = config.microbatches
@@ -323,6 +337,55 @@ def split_batch(config: Any, x: Any, what: str) -> tuple:
     b = batch // m
     data = "data" if "data" in auto_batch and b % mesh.shape["data"] == 0 else None
     manual = (axis, data) if data else (axis,)
+    cp = context_axis(config)
+    if cp:
+        if not sequence:
+            raise ConfigurationError(
+                f"a pipelined {what} cannot run under a context axis (context="
+                f"{mesh.shape[cp]}): it passes each example flattened between stages, so its "
+                "sequence cannot be split. Pipeline a Stacked block (TransformerLM) with the "
+                "context axis, or drop the context axis.")
+        _check_sequence(x, mesh.shape[cp], what)
+        manual = (*manual, cp)
     bspec = PartitionSpec(None, data) if data else PartitionSpec()
     smap_mesh = context if outer_manual else mesh
     return batch, m, b, data, manual, bspec, smap_mesh
+
+
+def context_axis(config: Any) -> str | None:
+    """The `context` axis the schedule splits the sequence over, or None (none, or size 1)."""
+    return "context" if config.mesh.shape.get("context", 1) > 1 else None
+
+
+def _sequence_length(x: Any) -> int:
+    return int(jnp.shape(jax.tree.leaves(x)[0])[1])
+
+
+def _check_sequence(x: Any, n: int, what: str) -> None:
+    shapes = [tuple(jnp.shape(leaf)) for leaf in jax.tree.leaves(x)]
+    if any(len(shape) < 2 for shape in shapes) or len({shape[1] for shape in shapes}) != 1:
+        raise ConfigurationError(
+            f"under a context axis the pipelined {what} splits dimension 1 of its input (the "
+            f"sequence) over context={n}; got input leaves of shapes {shapes}. Give it "
+            "(batch, length, ...) activations, or drop the context axis.")
+    length = shapes[0][1]
+    if length % n:
+        raise ShardingError(
+            f"context parallelism over context={n} devices needs a sequence length divisible "
+            f"by {n}; the pipelined {what} got length {length}. Pad or crop sequences to a "
+            f"multiple of {n} (for example {length - length % n or n} or "
+            f"{length - length % n + n}).")
+
+
+def sequence_spec(config: Any, bspec: PartitionSpec, x: Any, leaf: Any,
+                  dim: int) -> PartitionSpec:
+    """`leaf`'s spec in the schedule's shard_map: `bspec` (the microbatched batch split),
+    plus the `context` axis on dimension `dim` when it is the sequence (the length of `x`'s
+    dimension 1); `dim` is 2 for microbatched `(m, b, length, ...)` leaves, 0 for whole
+    arguments such as positions `(length,)`."""
+    cp = context_axis(config)
+    if cp is None or jnp.ndim(leaf) <= dim or jnp.shape(leaf)[dim] != _sequence_length(x):
+        return bspec
+    entries = list(bspec) + [None] * (dim + 1 - len(bspec))
+    entries[dim] = cp
+    return PartitionSpec(*entries)

@@ -272,7 +272,8 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
             f"a pipe size dividing {n_stages} ({divisors}) or a multiple of {p} stages.")
     k = n_stages // p
 
-    batch, m, b, data, manual, bspec, smap_mesh = split_batch(config, x, "Stages")
+    batch, m, b, data, manual, bspec, smap_mesh = split_batch(config, x, "Stages",
+                                                               sequence=False)
     b_local = b // mesh.shape["data"] if data else b
 
     # The shapes each device receives and sends, per example-row of one local microbatch.

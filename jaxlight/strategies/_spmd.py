@@ -450,7 +450,9 @@ class Hybrid(Pipelined, SpmdStrategy):
     `TransformerLM`) attends across the shards by `context_attention`: "ring" passes keys and
     values around the ring (n−1 collective-permutes of `B·Lc·H·D` each per layer forward, one
     `Lc × Lc` score block live at a time), "allgather" gathers them once per layer (scores
-    `Lc × L`). The batch is not split over `context`; parameters are replicated over it.
+    `Lc × L`). The batch is not split over `context`; parameters are replicated over it. With
+    a `pipe` axis too, each pipeline stage runs on its devices' shards of the sequence (the
+    schedule is manual over both axes).
 
     Args:
         mesh_shape: `{"data": 2, "fsdp": 2, "tp": 2}` or the Tunix form
@@ -482,11 +484,6 @@ class Hybrid(Pipelined, SpmdStrategy):
                  devices: Sequence[jax.Device] | None = None):
         self.context_attention = check_context_algorithm(context_attention, "Hybrid")
         shape = parse_mesh_shape(mesh_shape, "Hybrid")
-        if shape.get("pipe", 1) != 1 and shape.get("context", 1) != 1:
-            raise ConfigurationError(
-                f"Hybrid: mesh_shape {shape} has both a pipe and a context axis; context "
-                "parallelism does not run inside the pipeline schedule yet. Use the context "
-                "axis with data, fsdp and tp, or the pipe axis without context.")
         user, full = with_default_rules(rules, "Hybrid")
         if "pipe" in shape:
             full = (("layers", "pipe"), *full)  # each stage holds its own layers

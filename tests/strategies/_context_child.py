@@ -1,7 +1,8 @@
-"""Trains TinyLM under Hybrid({"context": 8}) in its own process, for the SIGKILL resume test.
+"""Trains TinyLM under Hybrid({"context": 8}) (or the config's "mesh" and "kw") in its own
+process, for the SIGKILL resume tests.
 
-Usage: python _context_child.py '<json config>' with "dir" and "max_steps"; checkpoints every
-step and prints `STEP <n>` after every step.
+Usage: python _context_child.py '<json config>' with "dir" and "max_steps" (and optionally
+"mesh", "kw"); checkpoints every step and prints `STEP <n>` after every step.
 """
 
 import json
@@ -18,7 +19,8 @@ cfg = json.loads(sys.argv[1])
 printer = callbacks.LambdaCallback(
     on_train_batch_end=lambda fit, *a: print(f"STEP {fit.global_step}", flush=True))
 saver = callbacks.ModelCheckpoint(cfg["dir"], every_n_steps=1, save_top_k=-1)
-fit = jl.Fit(strategies.Hybrid({"context": 8}), max_steps=cfg["max_steps"],
+strategy = strategies.Hybrid(cfg.get("mesh", {"context": 8}), **cfg.get("kw", {}))
+fit = jl.Fit(strategy, max_steps=cfg["max_steps"],
              callbacks=[saver, printer],
              enable_progress_bar=False, enable_model_summary=False, logger=False)
 fit.fit(context_module(), context_data(cfg["max_steps"]))

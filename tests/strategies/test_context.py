@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,10 @@ from jaxlight._step import build_optimizer
 from jaxlight.nn import causal_attention
 from jaxlight.nn._context_attention import context_parallel
 from jaxlight.strategies._auto_candidates import enumerate_candidates
+from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.pipeline_runs import kill_child_at
 from tests.strategies.context_runs import context_data, context_module
+from tests.strategies.lm import TinyLM
 
 STEPS = 4
 TOL = 1e-5
@@ -139,8 +142,9 @@ def test_layouts_match_single_device(mesh, kw, reference):
     _close(_fit(strategies.Hybrid(mesh, **kw), module), reference)
 
 
-def _kill_at(ckpt: str, step: int) -> list[int]:
-    return kill_child_at([CHILD, json.dumps({"dir": ckpt, "max_steps": STEPS})], ckpt, step)
+def _kill_at(ckpt: str, step: int, **cfg) -> list[int]:
+    return kill_child_at([CHILD, json.dumps({"dir": ckpt, "max_steps": STEPS, **cfg})], ckpt,
+                         step)
 
 
 def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
@@ -202,6 +206,73 @@ def test_auto_considers_context_for_long_sequences():
     assert [lay for lay in layouts(2, 513) if "context" in lay]  # 256 tokens per sequence
 
 
-def test_pipe_and_context_together_are_refused():
-    with pytest.raises(jl.ConfigurationError, match=r"both a pipe and a context axis"):
-        strategies.Hybrid({"pipe": 2, "context": 4})
+# -- pipe × context: each stage runs on its device's shard of the sequence -------------------
+
+PIPE_CONTEXT = {"mesh": {"pipe": 2, "context": 4}, "kw": {"microbatches": 2}}
+
+
+@pytest.fixture(scope="module")
+def pipe_context(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("pipe_context") / "full")
+    strategy = strategies.Hybrid(PIPE_CONTEXT["mesh"], **PIPE_CONTEXT["kw"])
+    return _fit(strategy, ckpt=ckpt) | {"ckpt": ckpt}
+
+
+def test_pipe_and_context_match_single_device(pipe_context, reference):
+    """The GPipe schedule manual over pipe and context: attention inside a stage passes keys
+    and values around the context ring of its own pipeline stage (collective-permutes over
+    4 devices), the stage's parameter gradients are summed over the sequence shards."""
+    _close(pipe_context, reference)
+    fit = pipe_context["fit"]
+    assert fit.compile_counts["train"] == 1
+    text = fit.session.compiled_train_step.as_text()
+    permutes = [{tuple(map(int, pair.split(","))) for pair in re.findall(r"\{(\d+,\d+)\}", g)}
+                for g in re.findall(r"source_target_pairs=(\{.*?\}\})", text)]
+    # Device pipe·4 + context: the context rings stay inside a stage (keys and values), the
+    # pipeline's permutes join the two stages' devices of equal context index (activations).
+    assert any(len(ps) == 8 and all(a // 4 == b // 4 for a, b in ps) for ps in permutes)
+    assert any(ps and all(a % 4 == b % 4 and a != b for a, b in ps) for ps in permutes)
+    assert "context: ring attention, each sequence split over 4 devices" in fit.plan(
+        context_module(), next(iter(context_data(1))), verbose=False).table()
+
+
+@pytest.mark.parametrize("mesh,kw,layers", [
+    ({"data": 2, "pipe": 2, "context": 2}, {"microbatches": 2, "context_attention": "allgather"},
+     2),
+    ({"pipe": 2, "context": 2, "tp": 2}, {"microbatches": 2, "remat": True}, 2),
+    # The interleaved schedule: 4 layers as 2 stages × 2 chunks.
+    ({"pipe": 2, "context": 4}, {"microbatches": 2, "repeats": 2}, 4),
+])
+def test_pipe_and_context_layouts_match_single_device(mesh, kw, layers, reference):
+    ref = reference if layers == 2 else _fit("single", TinyLM(heads=2, layers=layers))
+    _close(_fit(strategies.Hybrid(mesh, **kw), TinyLM(heads=2, layers=layers)), ref)
+
+
+def test_pipe_and_context_resume_bitwise_after_sigkill(pipe_context, tmp_path):
+    killed = str(tmp_path / "killed")
+    saved = _kill_at(killed, 3, **PIPE_CONTEXT)
+    assert saved and saved[-1] < STEPS, saved
+    fit = jl.Fit(strategies.Hybrid(PIPE_CONTEXT["mesh"], **PIPE_CONTEXT["kw"]), max_steps=STEPS,
+                 callbacks=[callbacks.ModelCheckpoint(killed, every_n_steps=1)],
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    module = context_module()
+    fit.fit(module, context_data(STEPS), ckpt_path="last")
+    assert fit.global_step == STEPS
+    got = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pipe_context["params"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    for strategy in ("single", strategies.FSDP(min_shard_size=1)):
+        model = jl.load_checkpoint(os.path.join(pipe_context["ckpt"], str(STEPS)),
+                                   context_module(), strategy=strategy)
+        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pipe_context["params"]),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_stages_under_a_context_axis_are_refused():
+    fit = jl.Fit(strategies.Hybrid({"pipe": 2, "context": 4}, microbatches=2), max_steps=1,
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    with pytest.raises(jl.ConfigurationError, match=r"pipelined Stages cannot run under a "
+                       r"context axis \(context=4\).*Stacked block"):
+        fit.fit(StageMLP(stages=4), jl.data.ArrayLoader(stage_data(8), 8))
