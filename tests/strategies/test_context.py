@@ -147,26 +147,32 @@ def _kill_at(ckpt: str, step: int, **cfg) -> list[int]:
                          step)
 
 
-def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
+def _resumes_bitwise_and_checkpoints_move(full, tmp_path, mesh=None, kw=None):
+    """Kills a child training under Hybrid(mesh, **kw) after step 3, resumes it here from its
+    last checkpoint and compares with the uninterrupted run `full`; the full run's checkpoint
+    loads under SingleDevice and FSDP (parameters are not split over context)."""
+    cfg = {"mesh": mesh, "kw": kw or {}} if mesh else {}
     killed = str(tmp_path / "killed")
-    saved = _kill_at(killed, 3)
+    saved = _kill_at(killed, 3, **cfg)
     assert saved and saved[-1] < STEPS, saved
-    fit = jl.Fit(strategies.Hybrid({"context": 8}), max_steps=STEPS,
+    fit = jl.Fit(strategies.Hybrid(mesh or {"context": 8}, **(kw or {})), max_steps=STEPS,
                  callbacks=[callbacks.ModelCheckpoint(killed, every_n_steps=1)],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
     module = context_module()
     fit.fit(module, context_data(STEPS), ckpt_path="last")
     assert fit.global_step == STEPS
-    got = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ring["params"]), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), b)
-    # Parameters are not split over context: the checkpoint loads under SingleDevice and FSDP.
-    for strategy in ("single", strategies.FSDP(min_shard_size=1)):
-        model = jl.load_checkpoint(os.path.join(ring["ckpt"], str(STEPS)), context_module(),
-                                   strategy=strategy)
+    models = [module.model] + [
+        jl.load_checkpoint(os.path.join(full["ckpt"], str(STEPS)), context_module(),
+                           strategy=strategy)
+        for strategy in ("single", strategies.FSDP(min_shard_size=1))]
+    for model in models:
         got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ring["params"]), strict=True):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(full["params"]), strict=True):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
+    _resumes_bitwise_and_checkpoints_move(ring, tmp_path)
 
 
 def test_sequence_not_divisible_by_context_is_refused():
@@ -249,25 +255,7 @@ def test_pipe_and_context_layouts_match_single_device(mesh, kw, layers, referenc
 
 
 def test_pipe_and_context_resume_bitwise_after_sigkill(pipe_context, tmp_path):
-    killed = str(tmp_path / "killed")
-    saved = _kill_at(killed, 3, **PIPE_CONTEXT)
-    assert saved and saved[-1] < STEPS, saved
-    fit = jl.Fit(strategies.Hybrid(PIPE_CONTEXT["mesh"], **PIPE_CONTEXT["kw"]), max_steps=STEPS,
-                 callbacks=[callbacks.ModelCheckpoint(killed, every_n_steps=1)],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
-    module = context_module()
-    fit.fit(module, context_data(STEPS), ckpt_path="last")
-    assert fit.global_step == STEPS
-    got = nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pipe_context["params"]), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), b)
-    for strategy in ("single", strategies.FSDP(min_shard_size=1)):
-        model = jl.load_checkpoint(os.path.join(pipe_context["ckpt"], str(STEPS)),
-                                   context_module(), strategy=strategy)
-        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pipe_context["params"]),
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(a), b)
+    _resumes_bitwise_and_checkpoints_move(pipe_context, tmp_path, **PIPE_CONTEXT)
 
 
 def test_stages_under_a_context_axis_are_refused():
