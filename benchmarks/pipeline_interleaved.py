@@ -175,8 +175,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 6, 8, 10, 12, 14, 16])
     parser.add_argument("--microbatch-size", type=int, default=32)
-    parser.add_argument("--timing-steps", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--timing-steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     parts = args.only or ["equivalence", "schedule"]

@@ -20,12 +20,14 @@ iterations; fewer microbatches run as p, the extra slots wasted). v·m + p − 1
 activation): 2(v·m + p − 1)·b·s·h·β bytes per step and device.
 
 Buffers. Each iteration reads one slot of the ring and then overwrites it (the write waits for
-the read by a data dependency), and the microbatches come in and the outputs go out as the
+the read's consumer by a data dependency; `_ring_input`, whose backward pass likewise updates
+one slot of the ring's gradient), and the microbatches come in and the outputs go out as the
 loop's per-iteration inputs and results, not as m-slot buffers indexed inside the loop. Indexed
 m-slot buffers cost four whole copies of m·b·h per backward iteration on XLA:CPU, a per-
 iteration cost growing with m that bent the step time away from α + γ·(v·m + p − 1) (at p = 4,
-v = 4 the measured bubble strayed 0.10 from theory). Now the forward loop copies no buffer and
-the backward loop copies the (m − p)-slot ring's gradient twice per iteration.
+v = 4 the measured bubble strayed 0.10 from theory); JAX's own transposes of the ring's read
+and write still cost two whole copies of the ring's gradient per backward iteration. Neither
+loop copies a buffer now.
 
 The stored stack keeps its canonical layout (layer axis split over `pipe` in contiguous blocks,
 so checkpoints move between layouts unchanged); inside the step the layer axis is viewed as
@@ -62,6 +64,44 @@ from jaxlight.nn._scan import scan_layers
 def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
     """`x`, computed only once `dep` is (0·dep[0], a data dependency XLA keeps)."""
     return x + (0.0 * dep[(0,) * dep.ndim]).astype(x.dtype)
+
+
+@jax.custom_vjp
+def _ring_input(ring, received, fed, slot, r, stage):
+    """One iteration's stage input and the ring after it (one leaf of each).
+
+    Stage 0 takes the fed microbatch (repeat r = 0) or the ring's slot `slot` (the last stage's
+    result stored `delay` iterations ago); the other stages take what they received. The slot
+    is then overwritten with what was received, only once the input exists (read before write,
+    so XLA updates the ring in place). The backward pass is written out for the same reason:
+    JAX's own transposes add a zero-padded ring-sized gradient per iteration, and XLA copies
+    the ring's gradient twice per iteration to do it; here it updates one slot."""
+    return _ring_input_fwd(ring, received, fed, slot, r, stage)[0]
+
+
+def _ring_input_fwd(ring, received, fed, slot, r, stage):
+    old = lax.dynamic_index_in_dim(ring, slot, 0, False)
+    inp = jnp.where(stage == 0, jnp.where(r == 0, fed, old), received)
+    ring = lax.dynamic_update_index_in_dim(ring, _after(received, inp), slot, 0)
+    return (inp, ring), (slot, r, stage)
+
+
+def _ring_input_bwd(res, cts):
+    slot, r, stage = res
+    ct_inp, ct_ring = cts
+    zero = jnp.zeros_like(ct_inp)
+    # The slot now holds `received`: its gradient is that slot's; the ring before the write
+    # held `old` there, whose gradient is the input's where stage 0 read it.
+    ct_written = lax.dynamic_index_in_dim(ct_ring, slot, 0, False)
+    ct_received = jnp.where(stage == 0, zero, ct_inp) + ct_written
+    ct_old = jnp.where((stage == 0) & (r != 0), ct_inp, zero)
+    # After the read's consumer, which XLA may fuse the read into (as in the forward).
+    ct_ring = lax.dynamic_update_index_in_dim(ct_ring, _after(ct_old, ct_received), slot, 0)
+    ct_fed = jnp.where((stage == 0) & (r == 0), ct_inp, zero)
+    return ct_ring, ct_received, ct_fed, None, None, None
+
+
+_ring_input.defvjp(_ring_input_fwd, _ring_input_bwd)
 
 
 def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
@@ -143,20 +183,14 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
             k = jnp.clip(t - stage, 0, v * m - 1)
             r, i = k // m, k % m
             if delay:
-                slot = t % delay
-                delayed = jax.tree.map(lambda o: lax.dynamic_index_in_dim(o, slot, 0, False),
-                                       ring)
+                inp_ring = [_ring_input(o, u, f, t % delay, r, stage) for o, u, f in
+                            zip(jax.tree.leaves(ring), jax.tree.leaves(received),
+                                jax.tree.leaves(fed), strict=True)]
+                inp = jax.tree.unflatten(jax.tree.structure(received), [a for a, _ in inp_ring])
+                ring = jax.tree.unflatten(jax.tree.structure(ring), [o for _, o in inp_ring])
             else:
-                delayed = received
-            first = jax.tree.map(lambda u, o: jnp.where(r == 0, u, o), fed, delayed)
-            inp = jax.tree.map(lambda a, c: jnp.where(stage == 0, a, c), first, received)
-            if delay:
-                # Written only after the slot's old value is read (a data dependency: XLA
-                # would otherwise copy the whole ring to keep it for a later read).
-                ring = jax.tree.map(
-                    lambda o, u, read: lax.dynamic_update_index_in_dim(
-                        o, _after(u, read), slot, 0),
-                    ring, received, inp)
+                first = jax.tree.map(lambda u, o: jnp.where(r == 0, u, o), fed, received)
+                inp = jax.tree.map(lambda a, c: jnp.where(stage == 0, a, c), first, received)
             it_mb = iter([u[i] for u in mb_args])
             it_whole = iter(whole_args)
             leaves = [next(it_mb) if e else next(it_whole) for e in per_example]
