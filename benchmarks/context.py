@@ -183,11 +183,14 @@ def train(s, length: int, steps: int, module=None, batch: int = BATCH):
     return fit, np.asarray(rec.losses)
 
 
-def equality_section(length: int, steps: int) -> dict:
-    _, ref = train(strategies.SingleDevice(), length, steps)
+def equality_section(length: int, steps: int, make_strategy=lambda a: strategy(8, a),
+                     layers: int = LAYERS, batch: int = BATCH) -> dict:
+    """Losses over `steps` steps under `make_strategy(algorithm)` for both algorithms, against
+    SingleDevice (max absolute difference, target ≤ 1e-5)."""
+    _, ref = train(strategies.SingleDevice(), length, steps, LM(layers), batch)
     out = {"length": length, "steps": steps, "single_losses": ref.tolist(), "runs": {}}
     for algorithm in ALGORITHMS:
-        _, losses = train(strategy(8, algorithm), length, steps)
+        _, losses = train(make_strategy(algorithm), length, steps, LM(layers), batch)
         diff = float(np.max(np.abs(losses - ref)))
         out["runs"][algorithm] = {"losses": losses.tolist(), "max_abs_loss_diff": diff,
                                   "ok": diff <= 1e-5 and len(losses) == steps}
@@ -264,15 +267,9 @@ def pipe_section(length: int, degrees, equality_length: int, steps: int) -> dict
         print(f"pipe×context L={length} n={n}: temp {temp / 2**20:.1f} MiB (x{temp / base:.3f}),"
               f" attention traffic {found / 2**20:.2f} MiB (theory "
               f"{pipe_theory(n, length) / 2**20:.2f})", file=sys.stderr)
-    _, ref = train(strategies.SingleDevice(), equality_length, steps, LM(PIPE_LAYERS),
-                   PIPE_BATCH)
-    out["equality"] = {"length": equality_length, "steps": steps, "runs": {}}
-    for algorithm in ALGORITHMS:
-        _, losses = train(pipe_strategy(4, algorithm), equality_length, steps,
-                          LM(PIPE_LAYERS), PIPE_BATCH)
-        diff = float(np.max(np.abs(losses - ref)))
-        out["equality"]["runs"][algorithm] = {
-            "max_abs_loss_diff": diff, "ok": diff <= 1e-5 and len(losses) == steps}
+    out["equality"] = equality_section(equality_length, steps,
+                                       lambda algorithm: pipe_strategy(4, algorithm),
+                                       PIPE_LAYERS, PIPE_BATCH)
     return out
 
 

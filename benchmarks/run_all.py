@@ -328,28 +328,34 @@ def summarize_pipeline_interleaved(r):
     return rows
 
 
+def _context_memory_rows(runs, label: str, theory: str) -> list:
+    """Two rows for context degrees `runs`: temporaries per device against n = 1 (target
+    ~1/n) and the attention's collective bytes against `theory` (target exact)."""
+    ratios = ", ".join(f"n={run['context']}: {run['temp_ratio_to_n1']:.3f}" for run in runs)
+    ok = all(run["temp_ratio_to_n1"] <= 1.15 / run["context"] for run in runs
+             if run["context"] > 1)
+    exact = all(abs(run["attention_traffic_bytes"] - run["theory_traffic_bytes"])
+                <= 1e-6 * max(run["theory_traffic_bytes"], 1) for run in runs)
+    return [(f"{label}: activation (temp) bytes per device / n=1", ratios, "~1/n", ok),
+            (f"{label}: attention collective bytes (HLO) = {theory}",
+             "exact" if exact else "differ", "exact", exact)]
+
+
+def _context_equality_rows(eq, label: str) -> list:
+    return [(f"{label} {algorithm} vs SingleDevice, L={eq['length']}, {eq['steps']} steps "
+             "(max abs loss diff)", f"{run['max_abs_loss_diff']:.1e}", "≤ 1e-5", run["ok"])
+            for algorithm, run in eq["runs"].items()]
+
+
 def summarize_context(r):
     rows = []
     for length, runs in r.get("memory", {}).items():
         for algorithm in ("ring", "allgather"):
-            ratios = ", ".join(f"n={run['context']}: {run['temp_ratio_to_n1']:.3f}"
-                               for run in runs.values() if run["algorithm"] == algorithm)
-            ok = all(run["temp_ratio_to_n1"] <= 1.15 / run["context"] for run in runs.values()
-                     if run["algorithm"] == algorithm and run["context"] > 1)
-            rows.append((f"context {algorithm}, L={length}: activation (temp) bytes per device "
-                         "/ n=1", ratios, "~1/n", ok))
-            exact = all(abs(run["attention_traffic_bytes"] - run["theory_traffic_bytes"])
-                        <= 1e-6 * max(run["theory_traffic_bytes"], 1) for run in runs.values()
-                        if run["algorithm"] == algorithm)
-            rows.append((f"context {algorithm}, L={length}: attention collective bytes "
-                         "(HLO) = 4(n−1)·B·(L/n)·H·D·β per layer",
-                         "exact" if exact else "differ", "exact", exact))
-    eq = r.get("equality")
-    if eq:
-        for algorithm, run in eq["runs"].items():
-            rows.append((f"context=8 {algorithm} vs SingleDevice, L={eq['length']}, "
-                         f"{eq['steps']} steps (max abs loss diff)",
-                         f"{run['max_abs_loss_diff']:.1e}", "≤ 1e-5", run["ok"]))
+            rows += _context_memory_rows(
+                [run for run in runs.values() if run["algorithm"] == algorithm],
+                f"context {algorithm}, L={length}", "4(n−1)·B·(L/n)·H·D·β per layer")
+    if r.get("equality"):
+        rows += _context_equality_rows(r["equality"], "context=8")
     t = r.get("time")
     if t:
         rows.append((f"context=8 step time at L={t['length']} (CPU): ring / allgather",
@@ -357,22 +363,10 @@ def summarize_context(r):
                      "—", None))
     pipe = r.get("pipe")
     if pipe:
-        runs = pipe["memory"].values()
-        ratios = ", ".join(f"n={run['context']}: {run['temp_ratio_to_n1']:.3f}" for run in runs)
-        ok = all(run["temp_ratio_to_n1"] <= 1.15 / run["context"] for run in runs
-                 if run["context"] > 1)
-        rows.append((f"pipe={pipe['pipe']} × context ring, L={pipe['length']}: activation (temp) "
-                     "bytes per device / context=1", ratios, "~1/n", ok))
-        exact = all(abs(run["attention_traffic_bytes"] - run["theory_traffic_bytes"])
-                    <= 1e-6 * max(run["theory_traffic_bytes"], 1) for run in runs)
-        rows.append((f"pipe={pipe['pipe']} × context ring, L={pipe['length']}: attention "
-                     "permute bytes (HLO) = (m+p−1)·(layers/p)·4(n−1)·(B/m)·(L/n)·H·D·β",
-                     "exact" if exact else "differ", "exact", exact))
-        eq = pipe["equality"]
-        for algorithm, run in eq["runs"].items():
-            rows.append((f"pipe={pipe['pipe']} × context=4 {algorithm} vs SingleDevice, "
-                         f"L={eq['length']}, {eq['steps']} steps (max abs loss diff)",
-                         f"{run['max_abs_loss_diff']:.1e}", "≤ 1e-5", run["ok"]))
+        rows += _context_memory_rows(list(pipe["memory"].values()),
+                                     f"pipe={pipe['pipe']} × context ring, L={pipe['length']}",
+                                     "(m+p−1)·(layers/p)·4(n−1)·(B/m)·(L/n)·H·D·β")
+        rows += _context_equality_rows(pipe["equality"], f"pipe={pipe['pipe']} × context=4")
     reach = r.get("reach")
     if reach:
         for algorithm, rows_n in reach["rows"].items():

@@ -51,19 +51,15 @@ from jax.sharding import PartitionSpec
 
 from jaxlight._errors import ConfigurationError
 from jaxlight._layout import activation_sharding
+from jaxlight.nn._context_attention import _after
 from jaxlight.nn._pipeline import (
     PipelineConfig,
     _check_state,
     _vary,
-    sequence_spec,
+    schedule_specs,
     split_batch,
 )
 from jaxlight.nn._scan import scan_layers
-
-
-def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
-    """`x`, computed only once `dep` is (0·dep[0], a data dependency XLA keeps)."""
-    return x + (0.0 * dep[(0,) * dep.ndim]).astype(x.dtype)
 
 
 @jax.custom_vjp
@@ -199,8 +195,9 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
             return (lax.ppermute(y, axis, perm), ring), y
 
         received = jax.tree.map(lambda u: jnp.zeros_like(u[0]), xs)
-        ring = jax.tree.map(lambda u: jnp.zeros((max(delay, 1), *u.shape[1:]), u.dtype), xs)
-        ring = _vary(ring, manual)
+        # m = p: what stage 0 receives is what it needs next, and there is no ring.
+        ring = _vary(jax.tree.map(lambda u: jnp.zeros((delay, *u.shape[1:]), u.dtype), xs)
+                     if delay else (), manual)
         _, ys = lax.scan(iteration, (received, ring), (jnp.arange(steps), feed))
         # The last stage's outputs of the last repeat: microbatch i at (v − 1)·m + i + p − 1.
         first_out = (v - 1) * m + p - 1
@@ -208,14 +205,12 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), chunks)
-    x_specs = jax.tree.map(lambda u: sequence_spec(config, bspec, x, u, 2), xs)
+    x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)
     with activation_sharding(None):
         out = jax.shard_map(
             schedule,
             mesh=smap_mesh,
-            in_specs=(chunk_specs, x_specs, [sequence_spec(config, bspec, x, u, 2)
-                                             for u in mb_args],
-                      [sequence_spec(config, PartitionSpec(), x, u, 0) for u in whole_args]),
+            in_specs=(chunk_specs, x_specs, mb_specs, whole_specs),
             out_specs=x_specs,
             axis_names=set(manual),
         )(chunks, xs, mb_args, whole_args)

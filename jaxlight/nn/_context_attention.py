@@ -251,88 +251,17 @@ def ring_attention(q, k, v, *, axis_name: str, axis_size: int, scale: float) -> 
     return jnp.swapaxes(out, 1, 2)
 
 
-def _heads_first(x: jax.Array) -> jax.Array:
-    """(B, Lc, H, D) -> (B·H, Lc, D), the ring's layout (see `ring_attention`)."""
-    b, lc, h, d = x.shape
-    return jnp.swapaxes(x, 1, 2).reshape(b * h, lc, d)
-
-
-def _heads_last(x: jax.Array, b: int, h: int) -> jax.Array:
-    """(B·H, Lc, D) -> (B, Lc, H, D)."""
-    _, lc, d = x.shape
-    return jnp.swapaxes(x.reshape(b, h, lc, d), 1, 2)
-
-
-# -- global entry points: a custom_vjp whose forward and backward are each one shard_map -----
-#
-# The shard_map sits inside the custom_vjp, not the other way round: then JAX never has to
-# partially evaluate the shard_map (which it does wrongly for a shard_map nested in another
-# one, as inside a pipeline stage: its residuals get a sharding over the outer manual axes, and
-# lowering fails), and the residuals cross the shard_map boundary with the specs given here.
-
-
-def _custom_vjp_over(fwd_body, bwd_body, res_specs, mesh, axis: str):
-    """`(q, k, v) -> out` on arrays of shape (B, L, H, D), L sharded over `axis`: the forward
-    shard_map returns the output and the residuals (`res_specs`), the backward shard_map
-    takes the residuals and the output's cotangent and returns dq, dk, dv."""
-    spec = PartitionSpec(None, axis)
-    fwd = jax.shard_map(fwd_body, mesh=mesh, in_specs=(spec, spec, spec),
-                        out_specs=(spec, res_specs), axis_names={axis})
-    bwd = jax.shard_map(bwd_body, mesh=mesh, in_specs=(res_specs, spec),
-                        out_specs=(spec, spec, spec), axis_names={axis})
-
-    @jax.custom_vjp
-    def attend(q, k, v):
-        return fwd(q, k, v)[0]
-
-    attend.defvjp(fwd, bwd)
-    return attend
-
-
-def _sharded_ring(mesh, axis: str, n: int, scale: float):
-    spec = PartitionSpec(None, axis)
-    # q, k, v, the float32 output (B·H, Lc, D) and the log-sum-exp (B·H, Lc) are split along
-    # the sequence like the inputs; the key/value blocks of hops 1..n−1, (n−1, B·H, Lc, D).
-    blocks = PartitionSpec(None, None, axis)
-    res_specs = (spec, spec, spec, spec, spec, (blocks, blocks))
-
-    def fwd_body(q, k, v):
-        out, res = _ring_fwd(_heads_first(q), _heads_first(k), _heads_first(v), axis, n, scale)
-        return _heads_last(out, q.shape[0], q.shape[2]), res
-
-    def bwd_body(res, g):
-        grads = _ring_bwd(axis, n, scale, res, _heads_first(g))
-        return tuple(_heads_last(x, g.shape[0], g.shape[2]) for x in grads)
-
-    return _custom_vjp_over(fwd_body, bwd_body, res_specs, mesh, axis)
-
-
-def _sharded_allgather(mesh, axis: str, n: int, scale: float):
-    spec = PartitionSpec(None, axis)
-
-    def attend(q, k_all, v_all):
-        start = lax.axis_index(axis) * q.shape[1]
-        probs = jax.nn.softmax(_block_scores(q, k_all, scale, start, 0), axis=-1)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v_all.dtype), v_all)
-
-    def fwd_body(q, k, v):
-        k_all = lax.all_gather(k, axis, axis=1, tiled=True)
-        v_all = lax.all_gather(v, axis, axis=1, tiled=True)
-        # Every device keeps the gathered keys and values (as one (B, n·L, H, D) residual
-        # each, device d's copy in block d); the scores are recomputed in the backward pass.
-        return attend(q, k_all, v_all), (q, k_all, v_all)
-
-    def bwd_body(res, g):
-        dq, dk_all, dv_all = jax.vjp(attend, *res)[1](g)
-        # The transpose of the all-gather: each device keeps the sum of its own block.
-        return (dq, lax.psum_scatter(dk_all, axis, scatter_dimension=1, tiled=True),
-                lax.psum_scatter(dv_all, axis, scatter_dimension=1, tiled=True))
-
-    return _custom_vjp_over(fwd_body, bwd_body, (spec, spec, spec), mesh, axis)
-
-
-_SHARDED = {"ring": _sharded_ring, "allgather": _sharded_allgather}
 _BODIES = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+def check_context_length(length: int, n: int, what: str) -> None:
+    """Refuses a sequence of `length` tokens that does not split over `n` context devices;
+    `what` says where it was found."""
+    if length % n:
+        raise ShardingError(
+            f"context parallelism over context={n} devices needs a sequence length divisible "
+            f"by {n}; got length {length} ({what}). Pad or crop sequences to a multiple of {n} "
+            f"(for example {length - length % n or n} or {length - length % n + n}).")
 
 
 def _manual_axes() -> frozenset:
@@ -369,15 +298,15 @@ class ContextParallel:
             # q, k, v are this device's shard of the sequence.
             return _BODIES[self.algorithm](q, k, v, axis_name=self.axis, axis_size=self.size,
                                            scale=scale)
-        length = q.shape[1]
-        if length % self.size:
-            raise ShardingError(
-                f"context parallelism over context={self.size} devices needs a sequence length "
-                f"divisible by {self.size}; got length {length} (queries of shape "
-                f"{tuple(q.shape)}). Pad or crop sequences to a multiple of {self.size} (for "
-                f"example {length - length % self.size or self.size} or "
-                f"{length - length % self.size + self.size}).")
-        return _SHARDED[self.algorithm](self._mesh(), self.axis, self.size, scale)(q, k, v)
+        check_context_length(q.shape[1], self.size, f"queries of shape {tuple(q.shape)}")
+        spec = PartitionSpec(None, self.axis)
+        body = _BODIES[self.algorithm]
+        return jax.shard_map(
+            lambda q, k, v: body(q, k, v, axis_name=self.axis, axis_size=self.size,
+                                 scale=scale),
+            mesh=self._mesh(), in_specs=(spec, spec, spec), out_specs=spec,
+            axis_names={self.axis},
+        )(q, k, v)
 
     def _mesh(self) -> Any:
         """Inside another shard_map (gradient accumulation is manual over the batch axes) the

@@ -56,8 +56,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxlight._errors import ConfigurationError, DataError, ShardingError
+from jaxlight._errors import ConfigurationError, DataError
 from jaxlight._layout import activation_sharding
+from jaxlight.nn._context_attention import check_context_length
 from jaxlight.nn._scan import LAYERS, scan_layers
 
 
@@ -269,16 +270,14 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     state_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
-    x_specs = jax.tree.map(lambda u: sequence_spec(config, bspec, x, u, 2), xs)
+    x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)
     # Activation constraints (jaxlight.nn.constrain) name the whole mesh, whose pipe and data
     # axes are manual inside: switched off there, GSPMD still shards by the parameters.
     with activation_sharding(None):
         out = jax.shard_map(
             schedule,
             mesh=smap_mesh,
-            in_specs=(state_specs, x_specs, [sequence_spec(config, bspec, x, u, 2)
-                                             for u in mb_args],
-                      [sequence_spec(config, PartitionSpec(), x, u, 0) for u in whole_args]),
+            in_specs=(state_specs, x_specs, mb_specs, whole_specs),
             out_specs=x_specs,
             axis_names=set(manual),
         )(pure_state, xs, mb_args, whole_args)
@@ -368,13 +367,7 @@ def _check_sequence(x: Any, n: int, what: str) -> None:
             f"under a context axis the pipelined {what} splits dimension 1 of its input (the "
             f"sequence) over context={n}; got input leaves of shapes {shapes}. Give it "
             "(batch, length, ...) activations, or drop the context axis.")
-    length = shapes[0][1]
-    if length % n:
-        raise ShardingError(
-            f"context parallelism over context={n} devices needs a sequence length divisible "
-            f"by {n}; the pipelined {what} got length {length}. Pad or crop sequences to a "
-            f"multiple of {n} (for example {length - length % n or n} or "
-            f"{length - length % n + n}).")
+    check_context_length(shapes[0][1], n, f"the input of the pipelined {what}")
 
 
 def sequence_spec(config: Any, bspec: PartitionSpec, x: Any, leaf: Any,
@@ -389,3 +382,13 @@ def sequence_spec(config: Any, bspec: PartitionSpec, x: Any, leaf: Any,
     entries = list(bspec) + [None] * (dim + 1 - len(bspec))
     entries[dim] = cp
     return PartitionSpec(*entries)
+
+
+def schedule_specs(config: Any, bspec: PartitionSpec, x: Any, xs: Any, mb_args: list,
+                   whole_args: list) -> tuple:
+    """The schedule's shard_map specs of its microbatched input `xs` (also its output's),
+    per-example arguments and whole arguments: the batch split `bspec`, and under a context
+    axis the sequence split too (`sequence_spec`)."""
+    return (jax.tree.map(lambda u: sequence_spec(config, bspec, x, u, 2), xs),
+            [sequence_spec(config, bspec, x, u, 2) for u in mb_args],
+            [sequence_spec(config, PartitionSpec(), x, u, 0) for u in whole_args])
