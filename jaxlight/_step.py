@@ -170,6 +170,7 @@ def build_train_step(
         return compute(grad_fn)
 
     def train_step(state: TrainState, batch) -> tuple[TrainState, dict]:
+        batch = strategy.relayout_batch(batch)
         (loss, (metrics, rest)), grads = gradients(state)(state.params, state.rest, batch)
         metrics = {"loss": loss, **metrics}  # a self.log("loss", ...) replaces the entry
         grads = strategy.reduce_gradients(grads)

@@ -164,6 +164,11 @@ class Strategy(abc.ABC):
         """
         return grad_fn
 
+    def relayout_batch(self, batch: Any) -> Any:
+        """The batch in the layout the step computes in (the training step's first op).
+        Identity here; SPMD strategies split it over (fsdp, data) (`SpmdStrategy`)."""
+        return batch
+
     def reduce_gradients(self, grads: Any) -> Any:
         """Makes per-replica gradients global. SPMD: already global (identity)."""
         return grads

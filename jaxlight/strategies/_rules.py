@@ -74,7 +74,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("kv", None),
     ("norm", None),
     # activations
-    ("batch", ("data", "fsdp")),
+    ("batch", ("fsdp", "data")),  # fsdp major: see _spmd.COMPUTE_BATCH_AXES
     ("length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tp"),

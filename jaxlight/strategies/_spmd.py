@@ -47,8 +47,14 @@ from jaxlight.strategies._rules import (
 
 Rules = Sequence[tuple[str, Any]]
 
-#: Mesh axes that split the batch.
+#: Mesh axes that split the batch, in the order batches are placed: `data` major, so that each
+#: process feeds a contiguous share of the global batch (data spans processes).
 BATCH_AXES = ("data", "fsdp")
+#: The order the steps compute in (`relayout_batch`; the "batch" activation rule): `fsdp` major.
+#: XLA's SPMD partitioner (jax 0.10.2) computes wrong gradients for weights sharded over `fsdp`
+#: (and `tp`) when the batch is split over (data, fsdp) in that order, and right ones over
+#: (fsdp, data) (tests/strategies/test_partitioner.py).
+COMPUTE_BATCH_AXES = ("fsdp", "data")
 
 
 class SpmdStrategy(Strategy):
@@ -106,8 +112,25 @@ class SpmdStrategy(Strategy):
         return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
 
     @property
+    def compute_batch_axes(self) -> tuple[str, ...]:
+        """`batch_axes` in the order the steps lay the batch out (`relayout_batch`)."""
+        mesh = self.require_mesh("compute_batch_axes")
+        return tuple(a for a in COMPUTE_BATCH_AXES if mesh.shape.get(a, 1) > 1)
+
+    @property
     def data_parallel_size(self) -> int:
         return self.axis_size(self.batch_axes)
+
+    def relayout_batch(self, batch: Any) -> Any:
+        """The batch split over (fsdp, data) instead of its placement's (data, fsdp), where both
+        split it: one collective-permute of the batch per step (rows move between the devices
+        whose two orders differ), against XLA's wrong gradients in the other order."""
+        axes = self.compute_batch_axes
+        if len(axes) < 2:
+            return batch
+        mesh = self.require_mesh("relayout_batch()")
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
+            mesh, PartitionSpec(axes, *([None] * (np.ndim(x) - 1))))), batch)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
@@ -197,7 +220,7 @@ class SpmdStrategy(Strategy):
         if not self.batch_axes or sync_every_microbatch:
             return accumulate_locally(grad_fn, k, dp=self.data_parallel_size,
                                       rows_per_replica=False)
-        mesh, axes, rules = self.mesh, self.batch_axes, self.rules
+        mesh, axes, rules = self.mesh, self.compute_batch_axes, self.rules
 
         def microbatched(params, rest, batch):
             # The parameters' layout is that of the step being compiled (`compile` makes it

@@ -1,17 +1,25 @@
-"""Pinned: on XLA's CPU backend (jax 0.10.2) a mesh whose batch is split over two axes beside a
-third (`Hybrid({"data": 2, "fsdp": 2, "tp": 2})`) can compute wrong gradients.
+"""XLA's SPMD partitioner (jax 0.10.2) computes wrong gradients when the batch is split over
+(data, fsdp) in that order beside weights sharded over fsdp (and tp); jaxlight's steps split it
+over (fsdp, data), which XLA computes right.
 
 Found as `Hybrid({"data": 2, "fsdp": 2, "tp": 2})` diverging from one device on the stacked,
-annotated net of the optimizer tests (step-2 loss 0.54414 against 0.55411, plain SGD) while
-`{"fsdp": 4, "tp": 2}`, `{"data": 4, "tp": 2}` and `{"data": 2, "fsdp": 4}` are exact. It is not
+annotated net of the optimizer tests (step-2 loss 0.54414 against 0.55411, plain SGD). It is not
 jaxlight's: plain `jax.jit(jax.grad(f), in_shardings=...)` of `((x @ a @ a) ** 2).sum()` with `a`
 on `P("fsdp", "tp")` and `x` on `P(("data", "fsdp"))` is off by ~10 (GSPMD too), with `x` on
-`P(("fsdp", "data"))` exact, and every collective (psum, all_gather, psum_scatter, all_to_all) over
-every one and two of those axes is exact on its own under `shard_map`. Both tests are strict
-xfails: they fail the suite the day XLA computes these right, so that this note goes.
+`P(("fsdp", "data"))` exact. In the compiled HLO the partitioner moves the output gradient to the
+(fsdp, data) order with a collective-permute, then multiplies it by the input rows of the
+(data, fsdp) order: devices (data 0, fsdp 1) and (data 1, fsdp 0) pair each other's rows. The
+order of the mesh's axes and their names do not matter; the order in the batch's spec does.
+
+jaxlight places batches over (data, fsdp) (each process feeds contiguous rows; data spans the
+processes) and its training step's first op lays them out over (fsdp, data)
+(`SpmdStrategy.relayout_batch`, the "batch" activation rule too). The plain-JAX case stays a
+strict xfail: it fails the suite the day XLA computes it right, so that the relayout can go.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import numpy as np
@@ -25,8 +33,8 @@ from tests.optim.modules import PartitionedRegression, regression_batches
 
 XLA_BUG = pytest.mark.xfail(
     jax.default_backend() == "cpu", strict=True,
-    reason="XLA:CPU (jax 0.10.2) miscompiles gradients on a (data, fsdp, tp) mesh with the "
-           "batch on (data, fsdp); see the module docstring")
+    reason="XLA (jax 0.10.2) miscompiles gradients on a (data, fsdp, tp) mesh with the batch "
+           "on (data, fsdp); see the module docstring")
 
 
 class Regression(PartitionedRegression):
@@ -36,22 +44,48 @@ class Regression(PartitionedRegression):
         return optax.sgd(0.05)
 
 
-def _train(strategy):
+def _train(strategy, *extra):
     losses = {}
     log = callbacks.LambdaCallback(
         on_log=lambda f, m, metrics, step: losses.__setitem__(step, metrics["loss"]))
-    fit = jl.Fit(strategy, max_steps=4, log_every_n_steps=1, callbacks=[log],
+    fit = jl.Fit(strategy, max_steps=4, log_every_n_steps=1, callbacks=[log, *extra],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
     fit.fit(Regression(), regression_batches(4))
     return [losses[s] for s in sorted(losses)]
 
 
-@XLA_BUG
 def test_three_axis_hybrid_equals_one_device():
+    """Every weight sharded (min_shard_size=1): the net XLA got wrong before the relayout."""
     ref = _train(strategies.SingleDevice())
     np.testing.assert_allclose(
         _train(strategies.Hybrid({"data": 2, "fsdp": 2, "tp": 2}, min_shard_size=1)), ref,
         rtol=1e-5)
+
+
+def test_three_axis_hybrid_accumulating_microbatches_equals_one_device():
+    """The per-replica microbatch scan splits the batch in the step's (fsdp, data) order."""
+    ref = _train(strategies.SingleDevice())
+    np.testing.assert_allclose(
+        _train(strategies.Hybrid({"data": 2, "fsdp": 2, "tp": 2}, min_shard_size=1),
+               callbacks.Microbatches(2)), ref, rtol=1e-5)
+
+
+def test_batches_are_placed_data_major_and_computed_fsdp_major():
+    """Placement keeps each process's rows contiguous; the step's layout is the exact one."""
+    fit = jl.Fit(strategies.Hybrid({"data": 2, "fsdp": 2, "tp": 2}), max_steps=1,
+                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+    fit.fit(Regression(), regression_batches(1))
+    (sharding,) = set(jax.tree.leaves(fit.session.train_batch_shardings))
+    assert sharding.spec == PartitionSpec(("data", "fsdp"), None)
+    assert fit.strategy.compute_batch_axes == ("fsdp", "data")
+    # One collective-permute per batch leaf (x, y) relays the batch out: device 2 (data 0,
+    # fsdp 1) and device 4 (data 1, fsdp 0) swap their rows, and 3 and 5 (their tp twins).
+    moved = [{tuple(map(int, pair)) for pair in re.findall(
+                  r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1].split("}}")[0] + "}")
+              if pair[0] != pair[1]}
+             for line in fit.compiled_train_step.as_text().splitlines()
+             if "collective-permute(" in line and "sharding_constraint" in line]
+    assert moved == [{(2, 4), (4, 2), (3, 5), (5, 3)}] * 2
 
 
 def _grad_error(batch_axes) -> float:

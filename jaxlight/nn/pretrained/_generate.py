@@ -195,7 +195,7 @@ def generate(model: DecoderLM, prompts: Sequence[Sequence[int]], max_new_tokens:
     args = (jnp.asarray(tokens), jnp.asarray(valid))
     if strategy is not None:
         mesh = strategy.require_mesh("generate")
-        axes = strategy.batch_axes
+        axes = strategy.compute_batch_axes  # the order the "batch" activation rule uses
         lead = (axes[0] if len(axes) == 1 else axes) if axes else None
         args = tuple(jax.device_put(a, NamedSharding(mesh, PartitionSpec(lead, None)))
                      for a in args)
