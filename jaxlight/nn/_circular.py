@@ -27,7 +27,10 @@ m-slot buffers cost four whole copies of m·b·h per backward iteration on XLA:C
 iteration cost growing with m that bent the step time away from α + γ·(v·m + p − 1) (at p = 4,
 v = 4 the measured bubble strayed 0.10 from theory); JAX's own transposes of the ring's read
 and write still cost two whole copies of the ring's gradient per backward iteration. Neither
-loop copies a buffer now.
+loop copies a buffer now. Each iteration slices its chunk of parameters out of the stage's v
+chunks; the backward pass slices it again (`run_chunk`'s remat policy) instead of storing the
+slice per iteration, which JAX does on its own: v·m + p − 1 copies of a chunk, (v·m + p − 1)/v
+of the stage's parameters (half the temporaries at p = 4, v = 4, m = 8 on the benchmark's stack).
 
 The stored stack keeps its canonical layout (layer axis split over `pipe` in contiguous blocks,
 so checkpoints move between layouts unchanged); inside the step the layer axis is viewed as
@@ -153,13 +156,29 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     if config.remat:
         stage_fn = jax.checkpoint(stage_fn, prevent_cse=False)
 
+    def run_chunk(chunks, r, inp, stage_args):
+        params = jax.tree.map(lambda u: lax.dynamic_slice_in_dim(u, r * chunk, chunk), chunks)
+        return stage_fn(params, inp, stage_args)
+
+    # The backward pass needs each iteration's chunk of parameters. Left to itself, JAX stores
+    # the slice per iteration, (v·m + p − 1) chunks ((v·m + p − 1)/v of a stage's parameters);
+    # this policy stores whatever it stored before except that slice, which the backward pass
+    # takes again from the stage's chunks (a loop invariant) instead.
+    stacks = {(v * chunk, *u.shape[3:]) for u in jax.tree.leaves(chunks)}
+
+    def keep_all_but_the_slice(prim, *avals, **_):
+        return not (prim is lax.dynamic_slice_p and tuple(avals[0].shape) in stacks)
+
+    run_chunk = jax.checkpoint(run_chunk, prevent_cse=False, policy=keep_all_but_the_slice)
+
     perm = [(i, (i + 1) % p) for i in range(p)]
     steps = v * m + p - 1
     delay = m - p  # iterations between the last stage's result and stage 0's next repeat
 
     def schedule(chunks, xs, mb_args, whole_args):
         stage = lax.axis_index(axis)
-        chunks = jax.tree.map(lambda u: u[0], chunks)  # (v, chunk, ...) of this stage
+        # This stage's v chunks as one (v·chunk, ...) stack: iteration t slices chunk r.
+        chunks = jax.tree.map(lambda u: u[0].reshape(v * chunk, *u.shape[3:]), chunks)
         chunks, xs, mb_args, whole_args = _vary((chunks, xs, mb_args, whole_args), manual)
         # Stage 0's first-repeat inputs as the loop's per-iteration input (microbatch t at
         # iteration t < m) and the outputs as its per-iteration result, not as m-slot buffers
@@ -190,8 +209,7 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
             it_mb = iter([u[i] for u in mb_args])
             it_whole = iter(whole_args)
             leaves = [next(it_mb) if e else next(it_whole) for e in per_example]
-            params = jax.tree.map(lambda u: lax.dynamic_index_in_dim(u, r, 0, False), chunks)
-            y = stage_fn(params, inp, jax.tree.unflatten(arg_tree, leaves))
+            y = run_chunk(chunks, r, inp, jax.tree.unflatten(arg_tree, leaves))
             return (lax.ppermute(y, axis, perm), ring), y
 
         received = jax.tree.map(lambda u: jnp.zeros_like(u[0]), xs)

@@ -89,6 +89,18 @@ def test_schedule_iterations_bubble_and_permute_bytes(runs):
     assert stats["schedule_permute_bytes"] == 2 * (v * m + p - 1) * b * WIDTH * 4
 
 
+def test_backward_pass_stores_no_copy_of_the_chunks_parameters(runs):
+    """Each iteration slices its chunk from the stage's v chunks; the backward pass slices it
+    again instead of storing the slice per iteration (v·m + p − 1 of them: (v·m + p − 1)/v of
+    a stage's parameters, 5.5× here)."""
+    p, m, v, chunk = 4, 4, 2, 1
+    steps = v * m + p - 1
+    hlo = runs["gpipe"]["fit"].compiled_train_step.as_text()
+    assert f"f32[{chunk * v},{WIDTH},{WIDTH}]" in hlo  # the stage's chunks: stored once
+    assert f"f32[{steps},{chunk},{WIDTH},{WIDTH}]" not in hlo
+    assert f"f32[{steps},{chunk},{WIDTH}]" not in hlo  # the biases
+
+
 def test_bubble_formula():
     assert [bubble_fraction(4, 8, v) for v in (1, 2, 4)] == pytest.approx(
         [3 / 11, 3 / 19, 3 / 35])
