@@ -63,6 +63,13 @@ from jaxlight._layout import (  # noqa: F401
 )
 from jaxlight.strategies.rules import SETS
 
+#: The mesh axes a step computes the batch over, `fsdp` major: XLA's SPMD partitioner (jax
+#: 0.10.2) computes wrong gradients for weights sharded over `fsdp` (and `tp`) when the batch is
+#: split over (data, fsdp) in that order, and right ones over (fsdp, data)
+#: (tests/strategies/test_partitioner.py). Batches are placed `data` major (`_spmd.BATCH_AXES`)
+#: and the training step relays them out (`SpmdStrategy.relayout_batch`).
+COMPUTE_BATCH_AXES = ("fsdp", "data")
+
 #: The default rules table shared by every SPMD strategy (see the module docstring).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     # parameters
@@ -74,7 +81,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("kv", None),
     ("norm", None),
     # activations
-    ("batch", ("fsdp", "data")),  # fsdp major: see _spmd.COMPUTE_BATCH_AXES
+    ("batch", COMPUTE_BATCH_AXES),
     ("length", "context"),
     ("activation_embed", None),
     ("activation_heads", "tp"),

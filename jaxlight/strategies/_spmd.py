@@ -36,6 +36,7 @@ from jaxlight.strategies._paths import Placement, place, warn_unused
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import (
     ACTIVATION_NAMES,
+    COMPUTE_BATCH_AXES,
     DEFAULT_RULES,
     MESH_AXES,
     PathRule,
@@ -50,11 +51,6 @@ Rules = Sequence[tuple[str, Any]]
 #: Mesh axes that split the batch, in the order batches are placed: `data` major, so that each
 #: process feeds a contiguous share of the global batch (data spans processes).
 BATCH_AXES = ("data", "fsdp")
-#: The order the steps compute in (`relayout_batch`; the "batch" activation rule): `fsdp` major.
-#: XLA's SPMD partitioner (jax 0.10.2) computes wrong gradients for weights sharded over `fsdp`
-#: (and `tp`) when the batch is split over (data, fsdp) in that order, and right ones over
-#: (fsdp, data) (tests/strategies/test_partitioner.py).
-COMPUTE_BATCH_AXES = ("fsdp", "data")
 
 
 class SpmdStrategy(Strategy):
@@ -106,16 +102,24 @@ class SpmdStrategy(Strategy):
         mesh = self.require_mesh("axis_size()")
         return math.prod(mesh.shape.get(a, 1) for a in axes_of(axes))
 
+    def _split(self, axes: tuple[str, ...], what: str) -> tuple[str, ...]:
+        mesh = self.require_mesh(what)
+        return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+    def _rows_over(self, axes: tuple[str, ...], tree: Any) -> Any:
+        """Per leaf of `tree`, the sharding that splits its rows over `axes`."""
+        lead = axes[0] if len(axes) == 1 else (axes or None)
+        return jax.tree.map(lambda x: NamedSharding(
+            self.mesh, PartitionSpec(lead, *([None] * (np.ndim(x) - 1)))), tree)
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        mesh = self.require_mesh("batch_axes")
-        return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+        return self._split(BATCH_AXES, "batch_axes")
 
     @property
     def compute_batch_axes(self) -> tuple[str, ...]:
         """`batch_axes` in the order the steps lay the batch out (`relayout_batch`)."""
-        mesh = self.require_mesh("compute_batch_axes")
-        return tuple(a for a in COMPUTE_BATCH_AXES if mesh.shape.get(a, 1) > 1)
+        return self._split(COMPUTE_BATCH_AXES, "compute_batch_axes")
 
     @property
     def data_parallel_size(self) -> int:
@@ -128,9 +132,7 @@ class SpmdStrategy(Strategy):
         axes = self.compute_batch_axes
         if len(axes) < 2:
             return batch
-        mesh = self.require_mesh("relayout_batch()")
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(
-            mesh, PartitionSpec(axes, *([None] * (np.ndim(x) - 1))))), batch)
+        return jax.lax.with_sharding_constraint(batch, self._rows_over(axes, batch))
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()
@@ -191,13 +193,8 @@ class SpmdStrategy(Strategy):
         ])
 
     def batch_shardings(self, abstract_batch: Any) -> Any:
-        mesh = self.require_mesh("batch_shardings()")
-        axes = self.batch_axes
-        lead = axes[0] if len(axes) == 1 else (axes or None)
-        return jax.tree.map(
-            lambda x: NamedSharding(mesh, PartitionSpec(lead, *([None] * (np.ndim(x) - 1)))),
-            abstract_batch,
-        )
+        self.require_mesh("batch_shardings()")
+        return self._rows_over(self.batch_axes, abstract_batch)
 
     # -- compiling -------------------------------------------------------------------------
 

@@ -80,11 +80,10 @@ def test_batches_are_placed_data_major_and_computed_fsdp_major():
     assert fit.strategy.compute_batch_axes == ("fsdp", "data")
     # One collective-permute per batch leaf (x, y) relays the batch out: device 2 (data 0,
     # fsdp 1) and device 4 (data 1, fsdp 0) swap their rows, and 3 and 5 (their tp twins).
-    moved = [{tuple(map(int, pair)) for pair in re.findall(
-                  r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1].split("}}")[0] + "}")
-              if pair[0] != pair[1]}
-             for line in fit.compiled_train_step.as_text().splitlines()
-             if "collective-permute(" in line and "sharding_constraint" in line]
+    moved = [{(a, b) for a, b in (map(int, pair.split(",")) for pair in
+                                  re.findall(r"\{(\d+,\d+)\}", pairs)) if a != b}
+             for pairs in re.findall(r"source_target_pairs=(\{.*?\}\}).*sharding_constraint",
+                                     fit.compiled_train_step.as_text())]
     assert moved == [{(2, 4), (4, 2), (3, 5), (5, 3)}] * 2
 
 
