@@ -8,8 +8,9 @@ size b (global batch m·b):
    difference, largest parameter difference).
 2. schedule, from the compiled HLO: the trip counts of the schedule loops' collective-permutes
    (expected v·m + p − 1 each, forward and backward), their bytes per step and device against
-   2(v·m + p − 1)·b·h·β, and the other collectives (for v > 1: the per-step relayout of the
-   canonical stack into chunks, and its gradient), with the compiled step's temporary bytes.
+   2(v·m + p − 1)·b·h·β, the one-off permutes of the per-step relayout of the canonical stack
+   into chunks (and its gradient) against 2·Δ·(a chunk's bytes), Δ the rounds of
+   `relayout_plan`, the other collectives, and the compiled step's temporary bytes.
 3. bubble: per v, the step time over m follows T(m) = α + γ·(v·m + p − 1) (each iteration is
    1/v of a GPipe stage's work; α: optimizer, relayout); α and γ are fitted by least squares
    and the measured bubble is (T − α − γ·v·m)/(T − α), against (p − 1)/(v·m + p − 1). Steps
@@ -48,6 +49,7 @@ from pipeline_stages import fit_bubble, time_round_robin  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from jaxlight import nn, strategies  # noqa: E402
+from jaxlight.nn._circular import relayout_plan  # noqa: E402
 from jaxlight.nn._pipeline import bubble_fraction, schedule_iterations  # noqa: E402
 from jaxlight.strategies._pipelined import schedule_stats  # noqa: E402
 
@@ -140,6 +142,9 @@ def schedule(args) -> dict:
             stats = schedule_stats(fit.compiled_train_step.as_text())
             its = schedule_iterations(P, m, v)
             expected = 2 * its * b * h * 4
+            chunk_bytes = args.layers // (P * v) * (h * h + h) * 4
+            relayout = 2 * len(relayout_plan(P, v).rounds) * chunk_bytes
+            moved = stats["collective_permute_bytes"] - stats["schedule_permute_bytes"]
             loops = [n for n in stats["iterations"] if n > 1]
             rows.append({
                 "microbatches": m,
@@ -150,8 +155,9 @@ def schedule(args) -> dict:
                 "schedule_permute_bytes": stats["schedule_permute_bytes"],
                 "expected_permute_bytes": expected,
                 "permute_bytes_ok": stats["schedule_permute_bytes"] == expected,
-                "relayout_permute_bytes": stats["collective_permute_bytes"]
-                - stats["schedule_permute_bytes"],
+                "relayout_permute_bytes": moved,
+                "expected_relayout_bytes": relayout,
+                "relayout_bytes_ok": moved == relayout,
                 "other_collectives": stats["other_collectives"],
                 "temp_bytes_per_device": int(
                     fit.compiled_train_step.memory_analysis().temp_size_in_bytes),

@@ -33,21 +33,27 @@ slice per iteration, which JAX does on its own: v·m + p − 1 copies of a chunk
 of the stage's parameters (half the temporaries at p = 4, v = 4, m = 8 on the benchmark's stack).
 
 The stored stack keeps its canonical layout (layer axis split over `pipe` in contiguous blocks,
-so checkpoints move between layouts unchanged); inside the step the layer axis is viewed as
-(v, p, L/(p·v)) and each stage receives its v chunks. For v > 1 that relayout moves at
-least (v − 1)/v of each stage's stacked parameters between stages once per step, and the
-gradients back: XLA's SPMD partitioner emits it as one-off collective-permutes and all-to-alls
-(`schedule_stats` separates them from the schedule's loop permutes; on the 8-layer test stack
-they move a few times that minimum). Interleaving trades this parameter traffic for bubble:
-worth it where activations per microbatch outweigh a stage's parameters, or links are fast.
+so checkpoints move between layouts unchanged): stage d stores chunks d·v, ..., d·v + v − 1 and
+runs chunks s + r·p. Inside the schedule's shard_map each stage sends the chunks it stores but
+does not run (`relayout_plan`): chunk c goes from stage c // v to stage c mod p, a bipartite
+multigraph whose non-local edges are coloured with as many colours as its largest degree Δ
+(König's theorem), one `ppermute` of one chunk per colour. So each stage sends Δ chunks
+forward and their gradients back, the most any stage must send: at p = 4, Δ = 2 for v = 2 and
+3 for v = 4 (of v chunks stored). Left to XLA's SPMD partitioner, a reshape of the global
+stack, the same relayout took collective-permutes plus all-to-alls of 1.8× that at v = 2, and
+with an `fsdp` axis beside `pipe` it replicated the stack ("involuntary full
+rematerialization"). `schedule_stats` separates these one-off permutes from the schedule's
+loop permutes. Interleaving trades this parameter traffic for bubble: worth it where
+activations per microbatch outweigh a stage's parameters, or links are fast.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -142,12 +148,7 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     mb_args = [padded(u) for u, e in zip(arg_leaves, per_example, strict=True) if e]
     whole_args = [u for u, e in zip(arg_leaves, per_example, strict=True) if not e]
 
-    # The canonical (L, ...) stack viewed as (p, v, chunk, ...): stage s gets chunks s + r·p.
-    def chunked(u):
-        u = u.reshape(v, p, chunk, *u.shape[1:])
-        return jnp.swapaxes(u, 0, 1)
-
-    chunks = jax.tree.map(chunked, pure_state)
+    plan = relayout_plan(p, v)
 
     def stage_fn(chunk_state, inp, stage_args):
         layers = nnx.merge(graphdef, chunk_state)
@@ -164,7 +165,7 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     # the slice per iteration, (v·m + p − 1) chunks ((v·m + p − 1)/v of a stage's parameters);
     # this policy stores whatever it stored before except that slice, which the backward pass
     # takes again from the stage's chunks (a loop invariant) instead.
-    stacks = {(v * chunk, *u.shape[3:]) for u in jax.tree.leaves(chunks)}
+    stacks = {(v * chunk, *u.shape[1:]) for u in jax.tree.leaves(pure_state)}
 
     def keep_all_but_the_slice(prim, *avals, **_):
         return not (prim is lax.dynamic_slice_p and tuple(avals[0].shape) in stacks)
@@ -174,12 +175,20 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     perm = [(i, (i + 1) % p) for i in range(p)]
     steps = v * m + p - 1
     delay = m - p  # iterations between the last stage's result and stage 0's next repeat
+    # Per stage s and iteration t: repeat r and microbatch i of k = t − s (clipped to the
+    # schedule), and the ring's slot t mod d. Tables, scanned over, instead of divisions by m
+    # in the loop: XLA:CPU turns those into shifts for some m only (a power of two), and the
+    # loop body's cost then varied with m (the bubble fit strayed 0.02 at m = 10, 14).
+    t = np.arange(steps)
+    k = np.clip(t[None] - np.arange(p)[:, None], 0, v * m - 1)
+    indices = (k // m, k % m, np.broadcast_to(t % max(delay, 1), k.shape))
 
     def schedule(chunks, xs, mb_args, whole_args):
         stage = lax.axis_index(axis)
-        # This stage's v chunks as one (v·chunk, ...) stack: iteration t slices chunk r.
-        chunks = jax.tree.map(lambda u: u[0].reshape(v * chunk, *u.shape[3:]), chunks)
         chunks, xs, mb_args, whole_args = _vary((chunks, xs, mb_args, whole_args), manual)
+        # The chunks this stage runs, chunk r·p + stage at rows [r·chunk, (r + 1)·chunk) of one
+        # (v·chunk, ...) stack: iteration t slices chunk r.
+        chunks = jax.tree.map(lambda u: relayout(u, stage, plan, chunk, axis), chunks)
         # Stage 0's first-repeat inputs as the loop's per-iteration input (microbatch t at
         # iteration t < m) and the outputs as its per-iteration result, not as m-slot buffers
         # read and written by index: the backward loop would otherwise carry their m-slot
@@ -190,15 +199,13 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
 
         def iteration(carry, scanned):
             received, ring = carry
-            t, fed = scanned
+            (r, i, slot), fed = scanned
             # What stage 0 just received is the last stage's result for k' = t − p; stage 0
             # needs it back at iteration k' + m, that is d = m − p iterations later. The ring
             # of d slots delays it: slot t mod d is read (the result stored d iterations ago)
             # and then overwritten with what just arrived, so each iteration touches one slot.
-            k = jnp.clip(t - stage, 0, v * m - 1)
-            r, i = k // m, k % m
             if delay:
-                inp_ring = [_ring_input(o, u, f, t % delay, r, stage) for o, u, f in
+                inp_ring = [_ring_input(o, u, f, slot, r, stage) for o, u, f in
                             zip(jax.tree.leaves(ring), jax.tree.leaves(received),
                                 jax.tree.leaves(fed), strict=True)]
                 inp = jax.tree.unflatten(jax.tree.structure(received), [a for a, _ in inp_ring])
@@ -216,13 +223,14 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         # m = p: what stage 0 receives is what it needs next, and there is no ring.
         ring = _vary(jax.tree.map(lambda u: jnp.zeros((delay, *u.shape[1:]), u.dtype), xs)
                      if delay else (), manual)
-        _, ys = lax.scan(iteration, (received, ring), (jnp.arange(steps), feed))
+        _, ys = lax.scan(iteration, (received, ring),
+                         (tuple(jnp.asarray(a)[stage] for a in indices), feed))
         # The last stage's outputs of the last repeat: microbatch i at (v − 1)·m + i + p − 1.
         first_out = (v - 1) * m + p - 1
         outs = jax.tree.map(lambda u: u[first_out:first_out + m], ys)
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
-    chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), chunks)
+    chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
     x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)
     with activation_sharding(None):
         out = jax.shard_map(
@@ -231,9 +239,91 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
             in_specs=(chunk_specs, x_specs, mb_specs, whole_specs),
             out_specs=x_specs,
             axis_names=set(manual),
-        )(chunks, xs, mb_args, whole_args)
+        )(pure_state, xs, mb_args, whole_args)
     return jax.tree.map(
         lambda o: jnp.swapaxes(o[:real], 0, 1).reshape(batch, *o.shape[2:]), out)
 
 
-__all__ = ["run_circular"]
+class RelayoutPlan(NamedTuple):
+    """How the stages exchange chunks (static, per stage index): `rounds[c]` is one ppermute,
+    `(pairs, sent, slot)`: its (from, to) stage pairs, the local chunk index j each stage sends
+    (chunk d·v + j; 0 for a stage that sends nothing) and the slot r each stage writes what it
+    receives to (−1 for none). `own[r][s]`: the local index of the chunk stage s runs as
+    repeat r when it stores that chunk itself, else −1."""
+
+    rounds: tuple[tuple[tuple[tuple[int, int], ...], tuple[int, ...], tuple[int, ...]], ...]
+    own: tuple[tuple[int, ...], ...]
+
+
+def relayout_plan(p: int, v: int) -> RelayoutPlan:
+    """The chunk exchange from the canonical layout (stage d stores chunks [d·v, d·v + v)) to
+    the circular one (stage s runs chunks s + r·p), in as few ppermutes as possible.
+
+    Chunk c travels from stage c // v to stage c mod p. The chunks that change stage form a
+    bipartite multigraph (senders, receivers); it is edge-coloured with Δ colours, Δ its
+    largest degree (König), by the alternating-path method: each colour is a partial
+    permutation, one ppermute.
+
+    Example:
+        >>> [len(relayout_plan(4, v).rounds) for v in (1, 2, 4)]
+        [0, 2, 3]
+    """
+    colour: dict[int, int] = {}  # chunk -> colour
+    at_src: list[dict[int, int]] = [{} for _ in range(p)]  # colour -> chunk, per sender
+    at_dst: list[dict[int, int]] = [{} for _ in range(p)]  # colour -> chunk, per receiver
+    moving = [c for c in range(p * v) if c // v != c % p]
+    degree = max([sum(c // v == d for c in moving) for d in range(p)]
+                 + [sum(c % p == d for c in moving) for d in range(p)], default=0)
+    for c in moving:
+        src, dst = c // v, c % p
+        a = next(k for k in range(degree) if k not in at_src[src])
+        b = next(k for k in range(degree) if k not in at_dst[dst])
+        if a in at_dst[dst]:
+            # Swap colours a and b along the alternating path from dst (it never reaches src:
+            # the graph is bipartite), which frees a at dst.
+            path, node, side, want = [], dst, at_dst, a
+            while want in side[node]:
+                e = side[node][want]
+                path.append(e)
+                node, side = (e // v, at_src) if side is at_dst else (e % p, at_dst)
+                want = b if want == a else a
+            for e in path:
+                del at_src[e // v][colour[e]], at_dst[e % p][colour[e]]
+            for e in path:
+                colour[e] = b if colour[e] == a else a
+                at_src[e // v][colour[e]] = at_dst[e % p][colour[e]] = e
+        colour[c] = a
+        at_src[src][a] = at_dst[dst][a] = c
+    rounds = []
+    for k in range(degree):
+        edges = sorted(c for c in moving if colour[c] == k)
+        sent, slot = [0] * p, [-1] * p
+        for c in edges:
+            sent[c // v], slot[c % p] = c % v, c // p
+        rounds.append((tuple((c // v, c % p) for c in edges), tuple(sent), tuple(slot)))
+    own = tuple(tuple((r * p + s) % v if (r * p + s) // v == s else -1 for s in range(p))
+                for r in range(v))
+    return RelayoutPlan(tuple(rounds), own)
+
+
+def relayout(local: jax.Array, stage: jax.Array, plan: RelayoutPlan, chunk: int,
+             axis: str) -> jax.Array:
+    """This stage's stored chunks (canonical, `(v·chunk, ...)`) → the chunks it runs, repeat r
+    at rows [r·chunk, (r + 1)·chunk); inside a shard_map manual over `axis`."""
+    def take(j):
+        return lax.dynamic_slice_in_dim(local, j * chunk, chunk)
+
+    received = [(lax.ppermute(take(jnp.asarray(sent)[stage]), axis, list(pairs)),
+                 jnp.asarray(slot)[stage]) for pairs, sent, slot in plan.rounds]
+    slots = []
+    for r, own in enumerate(plan.own):
+        # A slot this stage does not store is received in exactly one round, so what `take`
+        # reads for it (chunk 0) is always replaced (and gets no gradient).
+        out = take(jnp.maximum(jnp.asarray(own)[stage], 0))
+        for got, at in received:
+            out = jnp.where(at == r, got, out)
+        slots.append(out)
+    return jnp.concatenate(slots)
+
+
+__all__ = ["relayout_plan", "run_circular"]
