@@ -40,7 +40,7 @@ multigraph whose non-local edges are coloured with as many colours as its larges
 (König's theorem), one `ppermute` of one chunk per colour. So each stage sends Δ chunks
 forward and their gradients back, the most any stage must send: at p = 4, Δ = 2 for v = 2 and
 3 for v = 4 (of v chunks stored). Left to XLA's SPMD partitioner, a reshape of the global
-stack, the same relayout took collective-permutes plus all-to-alls of 1.8× that at v = 2, and
+stack, the same relayout took collective-permutes plus all-to-alls of twice that at v = 2, and
 with an `fsdp` axis beside `pipe` it replicated the stack ("involuntary full
 rematerialization"). `schedule_stats` separates these one-off permutes from the schedule's
 loop permutes. Interleaving trades this parameter traffic for bubble: worth it where
@@ -177,8 +177,8 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     delay = m - p  # iterations between the last stage's result and stage 0's next repeat
     # Per stage s and iteration t: repeat r and microbatch i of k = t − s (clipped to the
     # schedule), and the ring's slot t mod d. Tables, scanned over, instead of divisions by m
-    # in the loop: XLA:CPU turns those into shifts for some m only (a power of two), and the
-    # loop body's cost then varied with m (the bubble fit strayed 0.02 at m = 10, 14).
+    # in the loop: XLA:CPU turns those into shifts for some m only (a power of two), so the
+    # loop body differed with m beyond its trip count.
     t = np.arange(steps)
     k = np.clip(t[None] - np.arange(p)[:, None], 0, v * m - 1)
     indices = (k // m, k % m, np.broadcast_to(t % max(delay, 1), k.shape))

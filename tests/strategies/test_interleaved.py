@@ -118,7 +118,7 @@ def test_relayout_plan_moves_each_chunk_once_in_as_few_permutes_as_any_stage_nee
 def test_the_stack_relayout_sends_each_stage_its_chunks_and_nothing_more(runs, name, p, v):
     """One ppermute per round of `relayout_plan` and leaf (kernel, bias), forward and backward,
     of one chunk (one layer here) each; no all-to-all (XLA's own relayout of the reshaped stack
-    took collective-permutes and all-to-alls of 1.8× this at p = 4, v = 2)."""
+    took collective-permutes and all-to-alls of twice this at p = 4, v = 2)."""
     stats = schedule_stats(runs[name]["fit"].compiled_train_step.as_text())
     chunk_bytes = (WIDTH * WIDTH + WIDTH) * 4
     rounds = len(relayout_plan(p, v).rounds)
