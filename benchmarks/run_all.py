@@ -318,11 +318,10 @@ def summarize_pipeline_interleaved(r):
         rows.append((f"p=4, repeats={v}: HLO iterations v·m+p−1 and permute bytes "
                      "2(v·m+p−1)·b·h·β", f"{'yes' if its else 'no'}; "
                      f"{'exact' if perm else 'differ'}", "exact", its and perm))
-        if "relayout_bytes_ok" in rows_v[0]:
-            ok = all(row["relayout_bytes_ok"] for row in rows_v)
-            rows.append((f"p=4, repeats={v}: stack relayout permute bytes per step and device "
-                         "(HLO) = 2·Δ·chunk bytes", f"{rows_v[0]['relayout_permute_bytes']:,}",
-                         f"{rows_v[0]['expected_relayout_bytes']:,}", ok))
+        rows.append((f"p=4, repeats={v}: stack relayout permute bytes per step and device "
+                     "(HLO) = 2·Δ·chunk bytes", f"{rows_v[0]['relayout_permute_bytes']:,}",
+                     f"{rows_v[0]['expected_relayout_bytes']:,}",
+                     all(row["relayout_bytes_ok"] for row in rows_v)))
         bound = r["schedule"].get("gpipe_precision", {}).get("bound")
         rows.append((f"p=4, repeats={v}: bubble theory/measured (step-time fit; timing "
                      f"residual ≤ {res.get('max_fit_rel_residual', float('nan')):.0%}, "

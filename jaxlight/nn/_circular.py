@@ -183,12 +183,12 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
     k = np.clip(t[None] - np.arange(p)[:, None], 0, v * m - 1)
     indices = (k // m, k % m, np.broadcast_to(t % max(delay, 1), k.shape))
 
-    def schedule(chunks, xs, mb_args, whole_args):
+    def schedule(stored, xs, mb_args, whole_args):
         stage = lax.axis_index(axis)
-        chunks, xs, mb_args, whole_args = _vary((chunks, xs, mb_args, whole_args), manual)
+        stored, xs, mb_args, whole_args = _vary((stored, xs, mb_args, whole_args), manual)
         # The chunks this stage runs, chunk r·p + stage at rows [r·chunk, (r + 1)·chunk) of one
         # (v·chunk, ...) stack: iteration t slices chunk r.
-        chunks = jax.tree.map(lambda u: relayout(u, stage, plan, chunk, axis), chunks)
+        chunks = jax.tree.map(lambda u: relayout(u, stage, plan, chunk, axis), stored)
         # Stage 0's first-repeat inputs as the loop's per-iteration input (microbatch t at
         # iteration t < m) and the outputs as its per-iteration result, not as m-slot buffers
         # read and written by index: the backward loop would otherwise carry their m-slot
@@ -230,13 +230,13 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         outs = jax.tree.map(lambda u: u[first_out:first_out + m], ys)
         return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
 
-    chunk_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
+    stored_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
     x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)
     with activation_sharding(None):
         out = jax.shard_map(
             schedule,
             mesh=smap_mesh,
-            in_specs=(chunk_specs, x_specs, mb_specs, whole_specs),
+            in_specs=(stored_specs, x_specs, mb_specs, whole_specs),
             out_specs=x_specs,
             axis_names=set(manual),
         )(pure_state, xs, mb_args, whole_args)

@@ -211,11 +211,12 @@ def _fsdp_major(target: tuple) -> tuple:
     the same devices hold the same number of rows either way, and with `data` first XLA
     computes wrong gradients (a model constraining its input by such a "batch" rule: step
     losses 5.7% off on tests/strategies/test_partitioner.py's net)."""
-    if "data" in target and "fsdp" in target:
-        i, j = target.index("data"), target.index("fsdp")
+    major, minor = COMPUTE_BATCH_AXES
+    if major in target and minor in target:
+        i, j = target.index(minor), target.index(major)
         if i < j:
             swapped = list(target)
-            swapped[i], swapped[j] = "fsdp", "data"
+            swapped[i], swapped[j] = major, minor
             return tuple(swapped)
     return target
 
