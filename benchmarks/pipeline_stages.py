@@ -68,9 +68,9 @@ DIMS = (784, 512, 256, 10)
 class SeedMLP(jl.TrainModule):
     """The seeds' pipeline example: 784→512→256→10 with ReLU, one Linear per stage."""
 
-    def __init__(self, stages: int = 3, balance: bool = False):
+    def __init__(self, stages: int = 3, balance: bool = False, packed: bool = True):
         super().__init__()
-        self.stages, self.balance = stages, balance
+        self.stages, self.balance, self.packed = stages, balance, packed
 
     def configure_model(self, rngs):
         d = DIMS
@@ -79,7 +79,7 @@ class SeedMLP(jl.TrainModule):
                  nnx.Linear(d[2], d[3], rngs=rngs)]
         if self.stages == 4:
             parts.append(nnx.Sequential(jax.nn.log_softmax))
-        return nn.Stages(parts, balance=self.balance)
+        return nn.Stages(parts, balance=self.balance, packed=self.packed)
 
     def configure_optimizers(self):
         return optax.adamw(1e-3)

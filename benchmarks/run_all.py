@@ -33,6 +33,7 @@ BENCHMARKS = {
     "pipeline": [],
     "pipeline_stages": [],
     "pipeline_interleaved": [],
+    "pipeline_mpmd": [],
     "tp_overlap": [],
     "context": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
@@ -301,6 +302,37 @@ def summarize_pipeline_stages(r):
                      "compiled temp / argument MB per device",
                      f"{mem['temp_bytes_per_device'] / 1e6:.2f} / "
                      f"{mem['argument_bytes_per_device'] / 1e6:.2f}", "—", None))
+    return rows
+
+
+def summarize_pipeline_mpmd(r):
+    rows = []
+    for name, run in r["memory"].items():
+        own = "/".join(f"{b:,}" for b in run["own_param_bytes_per_stage"])
+        held = "/".join(f"{b:,}" for b in run["held_param_bytes_per_device"])
+        rows.append((f"{run['strategy']}, seeds' MLP in {name}: parameter bytes per device "
+                     "(own / held; Adam mu, nu likewise)", f"{own} / {held}", "held = own",
+                     run["bytes_ok"]))
+        rows.append((f"{run['strategy']}, {name} vs SingleDevice, 10 steps (max loss rel. "
+                     "diff)", f"{run['max_loss_rel_diff_vs_single']:.1e}", "≤ 1e-5",
+                     run["equivalence_ok"]))
+    c = r["copies"]
+    rows.append((f"GPipe({c['stages']}, {c['microbatches']}, mpmd=True): boundary copies "
+                 "per step = 2·m·(p−1) of b·w·β, plus the labels", f"{c['boundary_copies']}, "
+                 f"{c['boundary_copy_bytes']:,} B", f"{c['expected_boundary_copies']}, "
+                 f"{c['expected_boundary_copy_bytes']:,} B", c["ok"]))
+    for key, sched in r["schedule"].items():
+        ms = [row["microbatches"] for row in sched["rows"]]
+        rows.append((f"mpmd {key}, m = {ms[0]}..{ms[-1]}: schedule read from the program "
+                     "(unit-cost stages): makespan 2(m+p−1), bubble (p−1)/(m+p−1)",
+                     "exact" if sched["all_schedule_ok"] else "differs", "exact",
+                     sched["all_schedule_ok"]))
+        last = sched["rows"][-1]
+        if "step_seconds" in last:
+            rows.append((f"mpmd {key}, m = {last['microbatches']}: step / serial time measured "
+                         f"({r.get('cpus')} CPUs) and predicted for parallel devices",
+                         f"{last['step_seconds'] / last['serial_seconds']:.2f} / "
+                         f"{last['predicted_seconds'] / last['serial_seconds']:.2f}", "—", None))
     return rows
 
 

@@ -135,3 +135,21 @@ def check_strategy_devices(strategy: Any, chosen: list[jax.Device] | None) -> No
             f"{type(strategy).__name__} was built with devices {[d.id for d in own]}; choose "
             "the devices in one place."
         )
+
+
+def device_groups(leaves: Sequence[Any]) -> list[list[int]]:
+    """Indices of `leaves` grouped by the devices their arrays live on, for helpers that run
+    one jitted call over a tree: one group when every array shares a mesh (each SPMD
+    strategy), one per device under `GPipe(mpmd=True)`, whose stages' arrays sit on their own
+    devices (a jitted call cannot take arrays of different devices). Non-arrays join the first
+    group."""
+    groups: dict = {}
+    loose = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+        else:
+            loose.append(i)
+    out = list(groups.values()) or [[]]
+    out[0] = sorted(out[0] + loose)
+    return out

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxlight._devices import device_groups
 from jaxlight._errors import CheckpointError
 from jaxlight._state import build_model, split_model
 
@@ -83,7 +84,17 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
     return jnp.sum(u * weight, dtype=jnp.uint32)
 
 
-_fingerprints = jax.jit(lambda tree: jax.tree.map(_leaf_fingerprint, tree))
+_fingerprint_list = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
+
+
+def _fingerprints(tree: Any) -> Any:
+    """Every leaf's fingerprint, one jitted call per group of leaves on the same devices."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [None] * len(leaves)
+    for group in device_groups(leaves):
+        for i, h in zip(group, _fingerprint_list([leaves[i] for i in group]), strict=True):
+            out[i] = h
+    return jax.tree.unflatten(treedef, out)
 
 
 def _host_scalar(x: jax.Array) -> int:
@@ -111,8 +122,7 @@ def build(module, seed: int, mask: Any, shardings: Any, strategy) -> Any:
         _, _, rest = split_model(build_model(module, seed), module.trainable)
         return select(rest, mask, True)  # XLA drops the computation of everything else
 
-    with strategy.trace_context():
-        return jax.jit(frozen_only, out_shardings=shardings)()
+    return strategy.create(frozen_only, shardings)
 
 
 def check(step_dir: str, recorded: dict | None, rebuilt: dict, module, seed: int) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 from jaxlight._hlo import KINDS, Collective, collectives, summarize
 from jaxlight._layout import PathRule
 from jaxlight.strategies._ddp import DDP
+from jaxlight.strategies._mpmd import MpmdGPipe
 
 
 def _fmt_bytes(n: float) -> str:
@@ -95,6 +96,12 @@ class Plan:
                       f"stages × {pipe.get('repeats', 1)} chunks, {pipe['microbatches']} "
                       f"microbatches, {pipe['iterations']} iterations, bubble "
                       f"{pipe['bubble_fraction']:.1%}", ""]
+            if pipe.get("mpmd"):
+                lines[-1:-1] = [
+                    f"  a program per device (mpmd): parameter bytes per device "
+                    f"{pipe.get('param_bytes_by_device')}; per step "
+                    f"{pipe.get('copies', 0)} device-to-device copies, "
+                    f"{_fmt_bytes(pipe.get('copy_bytes', 0))}"]
         lines += _context_lines(self.strategy, self.collectives)
         lines.append(f"{'parameter':<50} {'shape':<18} {'spec':<28} {'bytes':>10} "
                      f"{'per device':>11}  placed by")
@@ -145,6 +152,9 @@ def _context_lines(strategy: dict, found: tuple[Collective, ...]) -> list[str]:
 def _spec_text(strategy, sharding) -> str:
     if isinstance(strategy, DDP):
         return "replicated (pmap)"
+    if isinstance(strategy, MpmdGPipe):
+        (device,) = sharding.device_set
+        return f"whole on pipe device {strategy.pipeline_devices.index(device)}"
     spec = tuple(getattr(sharding, "spec", ()))
     if not any(s is not None for s in spec):
         return "replicated"
@@ -213,7 +223,7 @@ def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
         strategy=strategy.describe(),
         params=tuple(params),
         param_bytes=sum(p.bytes for p in params),
-        param_bytes_per_device=sum(p.bytes_per_device for p in params),
+        param_bytes_per_device=strategy.bytes_per_device(abstract.params, shardings.params),
         opt_state_bytes_per_device=strategy.bytes_per_device(abstract.opt_state,
                                                             shardings.opt_state),
         memory=_memory(compiled),
@@ -224,6 +234,14 @@ def plan(session, abstract_batch: Any, *, verbose: bool = True) -> Plan:
         if _has_path_rules(strategy) else (),
         auto=None if session.auto is None else session.auto.choice,
     )
+    if isinstance(strategy, MpmdGPipe):
+        per = {d: 0 for d in strategy.pipeline_devices}
+        for p, sharding in zip(params, flat_sh, strict=True):
+            per[next(iter(sharding.device_set))] += p.bytes
+        copies = compiled.transfers()
+        result.strategy["pipeline"].update(param_bytes_by_device=list(per.values()),
+                                           copies=len(copies),
+                                           copy_bytes=sum(c.nbytes for c in copies))
     if verbose and jax.process_index() == 0:
         print(result.table())
     return result

@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxlight._ckpt_format import normalized, ocp
+from jaxlight._devices import device_groups
 from jaxlight._errors import CheckpointError
 from jaxlight.distributed import gather
 
@@ -91,6 +92,30 @@ def _digest_stack(leaves: list) -> jax.Array:
 _digests = jax.jit(_digest_stack)
 
 
+def _paired(copy_groups, digest_groups, copied, digested):
+    """The copy and digest groups of the same devices side by side (one jitted call each)."""
+    def key(group, leaves):
+        arrays = [leaves[i] for i in group if isinstance(leaves[i], jax.Array)]
+        return frozenset(arrays[0].sharding.device_set) if arrays else None
+
+    copies = {key(g, copied): g for g in copy_groups}
+    digests = {key(g, digested): g for g in digest_groups}
+    return [(copies.get(k, []), digests.get(k, [])) for k in dict.fromkeys([*copies, *digests])]
+
+
+def _digests_by_device(leaves: list) -> list[tuple[list[int], jax.Array]]:
+    return [(idx, _digests([leaves[i] for i in idx])) for idx in device_groups(leaves)]
+
+
+def _collect(parts: list[tuple[list[int], jax.Array]], n: int) -> np.ndarray:
+    """The digests of `_digests_by_device`'s groups back in leaf order, on the host."""
+    out = np.zeros((n, 2), np.uint32)
+    for idx, values in parts:
+        if idx:
+            out[idx] = gather(values)
+    return out
+
+
 @jax.jit
 def _copies_and_digests(copied: list, digested: list) -> tuple[list, jax.Array]:
     # One computation, not a copy then a digest: XLA's CPU client runs a computation of plain
@@ -110,10 +135,10 @@ class PendingDigests:
     """Digests being computed on device; `record()` waits for them (in the writer thread)."""
 
     paths: list[str]
-    values: jax.Array
+    parts: list[tuple[list[int], jax.Array]]  # (leaf indices, their digests) per device group
 
     def record(self) -> dict:
-        values = gather(self.values)
+        values = _collect(self.parts, len(self.paths))
         return {"algorithm": ALGORITHM,
                 "arrays": {p: [int(a), int(b)] for p, (a, b) in zip(self.paths, values,
                                                                      strict=True)}}
@@ -122,7 +147,7 @@ class PendingDigests:
 def start_digests(tree: Any) -> PendingDigests:
     """Dispatches the digest of every array of the saved `tree`; returns without waiting."""
     paths, leaves = _flat(tree)
-    return PendingDigests(paths, _digests(leaves))
+    return PendingDigests(paths, _digests_by_device(leaves))
 
 
 def snapshot_with_digests(tree: Any) -> tuple[Any, PendingDigests]:
@@ -132,10 +157,15 @@ def snapshot_with_digests(tree: Any) -> tuple[Any, PendingDigests]:
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     paths, digested = _flat(tree)
-    copies, values = _copies_and_digests([leaves[i] for i in arrays], digested)
-    for i, y in zip(arrays, copies, strict=True):
-        leaves[i] = y
-    return jax.tree.unflatten(treedef, leaves), PendingDigests(paths, values)
+    parts = []
+    for ci, di in _paired(device_groups([leaves[i] for i in arrays]), device_groups(digested),
+                          [leaves[i] for i in arrays], digested):
+        copies, values = _copies_and_digests([leaves[arrays[j]] for j in ci],
+                                             [digested[j] for j in di])
+        for j, y in zip(ci, copies, strict=True):
+            leaves[arrays[j]] = y
+        parts.append((di, values))
+    return jax.tree.unflatten(treedef, leaves), PendingDigests(paths, parts)
 
 
 # -- writing: an orbax item whose value is copied to the host in the background --------------
@@ -211,7 +241,7 @@ def verify(step_dir: str, restored: Any, record: dict | None) -> None:
     if record is None:
         return
     paths, leaves = _flat(restored)
-    values = gather(_digests(leaves))
+    values = _collect(_digests_by_device(leaves), len(leaves))
     saved = record["arrays"]
     missing = [p for p in paths if p not in saved]
     bad = [p for p, v in zip(paths, values, strict=True)

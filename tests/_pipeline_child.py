@@ -1,7 +1,8 @@
 """Trains a pipelined test model in its own process, for the SIGKILL resume tests.
 
 Usage: python _pipeline_child.py '<json config>' with "kind": "stages" (StageMLP under
-GPipe(3, 4) on 6 devices), "staged_lm" (StagedTransformerLM under GPipe(4, 4) on 8 devices) or
+GPipe(3, 4) on 6 devices), "stages_mpmd" (the same under GPipe(3, 4, mpmd=True) on 3),
+"staged_lm" (StagedTransformerLM under GPipe(4, 4) on 8 devices) or
 "interleaved" (the 8-layer stack under GPipe(4, 4, repeats=2) on 4 devices); prints `STEP <n>`
 after every step.
 """

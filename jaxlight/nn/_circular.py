@@ -65,6 +65,7 @@ from jaxlight.nn._pipeline import (
     PipelineConfig,
     _check_state,
     _vary,
+    psum_wide,
     schedule_specs,
     split_batch,
 )
@@ -228,7 +229,7 @@ def run_circular(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         # The last stage's outputs of the last repeat: microbatch i at (v − 1)·m + i + p − 1.
         first_out = (v - 1) * m + p - 1
         outs = jax.tree.map(lambda u: u[first_out:first_out + m], ys)
-        return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
+        return jax.tree.map(lambda o: psum_wide(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     stored_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
     x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)

@@ -147,14 +147,36 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return (stages - 1) / (repeats * microbatches + stages - 1)
 
 
+def _narrow_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
 def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """Casts every leaf to "varying" over `axes` (those it is not varying over already)."""
+    """Casts every leaf to "varying" over `axes` (those it is not varying over already).
+
+    A bf16/fp16 leaf is cast through float32 (exactly), so that the all-reduce its gradient
+    gets in the backward pass adds float32: XLA:CPU promotes a bf16 all-reduce to float32 by
+    rebuilding its reduction, which jax lowers with a sharding constraint inside, and XLA
+    aborts the process on it ("Invalid binary instruction opcode copy", jax 0.10.2) under
+    `precision="bf16-mixed"`; a float32 sum is the more exact one anyway.
+    """
 
     def one(x):
         missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
+        if not missing:
+            return x
+        if _narrow_float(x):
+            return lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
+        return lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(one, tree)
+
+
+def psum_wide(x: jax.Array, axis: str) -> jax.Array:
+    """`lax.psum`, adding bf16/fp16 in float32 (see `_vary` for why)."""
+    if _narrow_float(x):
+        return lax.psum(x.astype(jnp.float32), axis).astype(x.dtype)
+    return lax.psum(x, axis)
 
 
 def _batch_size(x: Any) -> int:
@@ -267,7 +289,7 @@ def run_pipeline(stacked, config: PipelineConfig, x: Any, *args: Any) -> Any:
         outs = jax.tree.map(jnp.zeros_like, xs)
         (_, outs), _ = lax.scan(iteration, (buffer, outs), jnp.arange(m + p - 1))
         # Only the last stage holds the outputs: one all-reduce hands them to every stage.
-        return jax.tree.map(lambda o: lax.psum(jnp.where(stage == p - 1, o, 0), axis), outs)
+        return jax.tree.map(lambda o: psum_wide(jnp.where(stage == p - 1, o, 0), axis), outs)
 
     state_specs = jax.tree.map(lambda _: PartitionSpec(axis), pure_state)
     x_specs, mb_specs, whole_specs = schedule_specs(config, bspec, x, xs, mb_args, whole_args)

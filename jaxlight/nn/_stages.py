@@ -21,7 +21,10 @@ SingleDevice, FSDP... unchanged. `stage(i)` rebuilds stage i as an ordinary `nnx
 padded to a multiple of 128·S and viewed as S equal rows): each device holds total/p, and the
 step slices each stage's parameters out of it and moves them to the stage's device (and the
 gradients back) once per step, before and after the schedule. SPMD arrays split evenly, so
-neither layout gives a device exactly its own stages' bytes.
+neither layout gives a device exactly its own stages' bytes. `packed=False` keeps each stage's
+parameters as its own arrays (`stage_modules/<s>/...`): under `GPipe(mpmd=True)`, which runs a
+program per device (`jaxlight.strategies._mpmd_runtime`), each device then holds exactly its
+stages' parameters and optimizer state; SPMD GPipe stacks them into rows inside the step.
 
 **Activations between stages.** The schedule passes one buffer of `(b, W)` elements between
 neighbours (`ppermute` needs one shape on every device): each device's output is flattened per
@@ -52,10 +55,12 @@ from jax.sharding import PartitionSpec
 
 from jaxlight._errors import ConfigurationError
 from jaxlight._layout import activation_sharding
+from jaxlight.nn._mpmd import STAGE_MODULES, active_mpmd, run_mpmd
 from jaxlight.nn._pipeline import (
     PipelineConfig,
     _vary,
     active_pipeline,
+    psum_wide,
     split_batch,
 )
 from jaxlight.nn._scan import LAYERS, remat_policy
@@ -84,6 +89,9 @@ class Stages(nnx.Module):
             the largest stage's; each step then moves every stage's parameters to its device
             and the gradients back (collectives XLA chooses; see docs/strategies.md for
             the measured cost).
+        packed: False keeps every stage's parameters as the stage module's own arrays (under
+            `stage_modules`), for `GPipe(mpmd=True)`: each pipeline device then holds its
+            stages' parameters and optimizer state exactly, with no padding.
 
     Example:
         >>> from flax import nnx
@@ -99,10 +107,14 @@ class Stages(nnx.Module):
     """
 
     def __init__(self, stages: Sequence[nnx.Module], *, remat: bool | str | Callable = False,
-                 balance: bool = False):
+                 balance: bool = False, packed: bool = True):
         stages = list(stages)
         if not stages:
             raise ConfigurationError("Stages needs at least one stage module, got none.")
+        if balance and not packed:
+            raise ConfigurationError(
+                "Stages(balance=True, packed=False): balance packs the stages back to back, "
+                "packed=False keeps each stage's own arrays; pick one.")
         remat_policy(remat)
         self.remat = remat
         self.num_stages = len(stages)
@@ -143,7 +155,11 @@ class Stages(nnx.Module):
         #: True: every stage's parameters back to back in one flat vector, viewed as
         #: (S, n) rows of equal length (each device holds total/p, whatever its stages own).
         self.balance = bool(balance)
-        for dtype in self.dtypes:
+        #: False: the stage modules keep their own arrays (`stage_modules`), no packing.
+        self.packed = bool(packed)
+        if not packed:
+            setattr(self, STAGE_MODULES, nnx.List(stages))
+        for dtype in (self.dtypes if packed else ()):
             width = _round_up(max(groups[dtype]), PAD)
             rows = []
             for (_, _, layout), leaves in zip(specs, stage_leaves, strict=True):
@@ -164,6 +180,8 @@ class Stages(nnx.Module):
 
     def _packed(self) -> dict[str, jax.Array]:
         """Per dtype, the (S, n) rows: row s holds stage s's parameters (zero-padded)."""
+        if not self.packed:
+            return self._rows_of_modules()
         out = {d: getattr(self, f"packed_{d}")[...] for d in self.dtypes}
         if not self.balance:
             return out
@@ -174,6 +192,18 @@ class Stages(nnx.Module):
             rows[d] = jnp.stack([jnp.pad(flat[starts[s]:starts[s] + n], (0, width - n))
                                  for s, n in enumerate(sizes)])
         return rows
+
+    def _rows_of_modules(self) -> dict[str, jax.Array]:
+        """`packed=False`: the (S, n) rows built from the stage modules' own arrays."""
+        rows: dict[str, list] = {d: [] for d in self.dtypes}
+        for s, module in enumerate(getattr(self, STAGE_MODULES)):
+            leaves = jax.tree.leaves(nnx.state(module))
+            for d, sizes in zip(self.dtypes, self.stage_sizes, strict=True):
+                flat = [jnp.ravel(v) for v, (dt, _, _) in zip(leaves, self._specs[s][2],
+                                                              strict=True) if dt == d]
+                row = jnp.concatenate(flat) if flat else jnp.zeros((0,), d)
+                rows[d].append(jnp.pad(row, (0, _round_up(max(sizes), PAD) - row.shape[0])))
+        return {d: jnp.stack(r) for d, r in rows.items()}
 
     def _apply(self, index: int, rows: dict[str, jax.Array], x: Any) -> Any:
         """Stage `index` applied to `x`, with its parameters read from the packed `rows`."""
@@ -204,6 +234,8 @@ class Stages(nnx.Module):
             raise IndexError(f"Stages has {self.num_stages} stages; index {index} is out of "
                              "range.")
         index %= self.num_stages
+        if not self.packed:
+            return getattr(self, STAGE_MODULES)[index]
         return self._merge(index, {d: v[index] for d, v in self._packed().items()})
 
     def own_parameter_bytes(self) -> list[int]:
@@ -216,13 +248,50 @@ class Stages(nnx.Module):
 
     def __call__(self, x: Any) -> Any:
         """Applies the stages in order (the GPipe schedule under a pipelined strategy)."""
+        mpmd = active_mpmd()
+        if mpmd is not None:
+            if self.packed:
+                raise ConfigurationError(
+                    "GPipe(mpmd=True) places each stage's own parameters on its device, but "
+                    "this Stages packs them into rows (the SPMD layout). Build it with "
+                    "jaxlight.nn.Stages(..., packed=False).")
+            return run_mpmd(list(getattr(self, STAGE_MODULES)), self.remat, mpmd, x)
         pipeline = active_pipeline()
+        if not self.packed and pipeline is None:
+            return self._run_modules(x)
         packed = self._packed()
         if pipeline is not None:
             return run_stages(self, pipeline, packed, x)
         for s in range(self.num_stages):
             x = self._stage_fn(s)({d: v[s] for d, v in packed.items()}, x)
         return x
+
+    def _run_modules(self, x: Any) -> Any:
+        rematerialize, policy = remat_policy(self.remat)
+        for module in getattr(self, STAGE_MODULES):
+            graphdef, params = nnx.split(module)
+            # Eagerly, after GPipe(mpmd=True) trained it, each stage's arrays live on its own
+            # device: bring the activation to them.
+            device = _device_of(params)
+            if device is not None and not any(isinstance(v, jax.core.Tracer)
+                                              for v in jax.tree.leaves(x)):
+                x = jax.device_put(x, device)
+
+            def fn(params, x, graphdef=graphdef):
+                return nnx.merge(graphdef, params)(x)
+
+            x = (jax.checkpoint(fn, policy=policy) if rematerialize else fn)(params, x)
+        return x
+
+
+def _device_of(params: Any) -> jax.Device | None:
+    """The one device a stage's (concrete) parameters are committed to, else None."""
+    leaves = jax.tree.leaves(params)
+    leaf = leaves[0] if leaves else None
+    if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+            and leaf.committed and len(leaf.sharding.device_set) == 1):
+        return next(iter(leaf.sharding.device_set))
+    return None
 
 
 # -- the schedule ----------------------------------------------------------------------------
@@ -332,7 +401,7 @@ def run_stages(stages: Stages, config: PipelineConfig, packed: dict[str, jax.Arr
         outs = _vary(jnp.zeros((m, b_local, out_width), dtype), manual)
         (_, outs), _ = lax.scan(iteration, (buffer, outs), jnp.arange(m + p - 1))
         # Only the last device holds the outputs: one all-reduce hands them to every device.
-        return lax.psum(jnp.where(index == p - 1, outs, 0), axis)
+        return psum_wide(jnp.where(index == p - 1, outs, 0), axis)
 
     row_specs = {d: PartitionSpec(axis) for d in packed}
     with activation_sharding(None):

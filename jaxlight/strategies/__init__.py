@@ -30,6 +30,7 @@ from jaxlight.strategies._auto_choice import AutoChoice
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._ddp import DDP
 from jaxlight.strategies._gpipe import GPipe
+from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._roofline import DEVICE_TABLE, DeviceSpec
 from jaxlight.strategies._rules import DEFAULT_RULES
 from jaxlight.strategies._spmd import (
@@ -52,6 +53,7 @@ __all__ = [
     "FSDP",
     "DataParallel",
     "GPipe",
+    "MpmdGPipe",
     "Hybrid",
     "SingleDevice",
     "SpmdStrategy",

@@ -55,6 +55,7 @@ from jaxlight.strategies._auto_candidates import (
 )
 from jaxlight.strategies._auto_choice import AutoChoice, fmt_bytes, fmt_time, nothing_fits
 from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._mpmd_runtime import MpmdProgram
 from jaxlight.strategies._roofline import (
     DEVICE_TABLE,
     DeviceSpec,
@@ -376,6 +377,9 @@ class Auto(Strategy):
             c.compile_s = time.perf_counter() - t0
             return
         c.compile_s = time.perf_counter() - t0
+        if isinstance(compiled, MpmdProgram):
+            self._measure_mpmd(c, compiled, spec, usable)
+            return
         mem = compiled.memory_analysis()
         if mem is not None:
             c.memory = {k: int(getattr(mem, f"{k}_size_in_bytes"))
@@ -388,4 +392,24 @@ class Auto(Strategy):
         c.bytes_accessed = bytes_accessed(compiled)
         c.predicted_s = predicted_step_seconds(c.flops, c.bytes_accessed, found, s, spec)
         c.fits = c.bytes_per_device is not None and c.bytes_per_device <= usable
+        c.status = "fits" if c.fits else "too big"
+
+    @staticmethod
+    def _measure_mpmd(c: Candidate, program: MpmdProgram, spec: DeviceSpec, usable: int
+                      ) -> None:
+        """A program per device: the busiest device's bytes and FLOPs; the step time is the
+        pipeline's makespan with every executable at its roofline time and every copy at the
+        link bandwidth (`MpmdProgram.roofline_seconds`); the copies stand for collectives."""
+        rows = program.device_bytes()
+        c.memory = {"argument": max(r["argument"] for r in rows),
+                    "output": max(r["output"] for r in rows),
+                    "temp": max(r["intermediate"] for r in rows), "alias": 0}
+        c.bytes_per_device = max(r["argument"] + r["output"] + r["intermediate"] for r in rows)
+        costs = program.device_costs()
+        c.flops = max(d["flops"] for d in costs)
+        c.bytes_accessed = max(d["bytes_accessed"] for d in costs)
+        c.collective_bytes = float(sum(t.nbytes for t in program.transfers()))
+        c.predicted_s = program.roofline_seconds(spec.peak_flops, spec.memory_bandwidth,
+                                                 spec.link_bandwidth)
+        c.fits = c.bytes_per_device <= usable
         c.status = "fits" if c.fits else "too big"

@@ -12,6 +12,7 @@ import jax
 from jaxlight._errors import JaxlightError
 from jaxlight._layout import axes_of
 from jaxlight.strategies._base import Strategy
+from jaxlight.strategies._mpmd import MpmdGPipe, stage_index
 from jaxlight.strategies._paths import place
 from jaxlight.strategies._rules import DEFAULT_RULES
 from jaxlight.strategies._spmd import FSDP, DataParallel, Hybrid, SingleDevice
@@ -134,6 +135,14 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
                 # (A jaxlight.nn.Stages model runs GPipe's schedule only: no repeats=2.)
                 out.extend(layouts_of_mesh(mesh, user_rules or None,
                                            0 if _has_stages(abstract_state.params) else layers))
+    # A jaxlight.nn.Stages(packed=False): the pipeline with a program per device, each holding
+    # its own stages exactly (the layouts above hold it whole, or padded rows under a pipe);
+    # it uses `pipe` of the devices, which need not divide their number.
+    own = 1 + max((s for path, _ in jax.tree_util.tree_leaves_with_path(abstract_state.params)
+                   if (s := stage_index(path)) is not None), default=-1)
+    for pipe in divisors(own):
+        if 1 < pipe <= n:
+            out.append(Candidate(f"pipe={pipe} mpmd", MpmdGPipe(pipe)))
     batch, length = long_sequence(abstract_batch)
     if length:
         out.extend(context_candidates(user_rules, n, batch))

@@ -147,8 +147,12 @@ class Strategy(abc.ABC):
     def init_state(self, init_fn: Callable, abstract_state: Any, shardings: Any) -> Any:
         """Runs `init_fn` so that every array is created directly in its target shard."""
         del abstract_state
+        return self.create(init_fn, shardings)
+
+    def create(self, fn: Callable, shardings: Any) -> Any:
+        """`fn()`'s arrays, each created directly in its sharding (one compiled call)."""
         with self.trace_context():
-            return jax.jit(init_fn, out_shardings=shardings)()
+            return jax.jit(fn, out_shardings=shardings)()
 
     def trace_context(self) -> contextlib.AbstractContextManager:
         """A context active while the step is traced and compiled (for example the mesh)."""

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight._errors import ConfigurationError
+from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import normalize_rules
 from jaxlight.strategies._spmd import SpmdStrategy, with_default_rules
@@ -56,6 +57,10 @@ class GPipe(Pipelined, SpmdStrategy):
             `layers` always maps to `pipe`).
         override_annotations: path rules win over parameters' own annotations.
         devices: the devices to use (default: all).
+        mpmd: run a program per device instead of one SPMD program, so that each device holds
+            exactly its own stages' parameters and optimizer state (a
+            `jaxlight.nn.Stages(..., packed=False)` of stages of any size; one process, no
+            data axis). Returns a `MpmdGPipe` (`jaxlight.strategies._mpmd`).
 
     Example:
         >>> from jaxlight import strategies
@@ -64,6 +69,11 @@ class GPipe(Pipelined, SpmdStrategy):
     """
 
     name = "gpipe"
+
+    def __new__(cls, *args, mpmd: bool = False, **kwargs):
+        if mpmd:
+            return MpmdGPipe(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -75,7 +85,9 @@ class GPipe(Pipelined, SpmdStrategy):
         rules=None,
         override_annotations: bool = False,
         devices: Sequence[jax.Device] | None = None,
+        mpmd: bool = False,
     ):
+        del mpmd  # (True returned an MpmdGPipe from __new__)
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
                                    or stages < 1):
             raise ConfigurationError(

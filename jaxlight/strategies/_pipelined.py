@@ -27,6 +27,7 @@ import jax
 from jaxlight._errors import ConfigurationError
 from jaxlight._hlo import collectives, summarize
 from jaxlight._layout import is_axes, require_divisible
+from jaxlight.nn._mpmd import STAGE_MODULES
 from jaxlight.nn._pipeline import (
     PipelineConfig,
     bubble_fraction,
@@ -142,6 +143,9 @@ class Pipelined:
         stacked = [(jax.tree_util.keystr(path), leaf.shape[0])
                    for (path, axes), leaf in zip(flat_axes, flat_params, strict=True)
                    if axes and axes[0] == LAYERS]
+        if not stacked and any(f"'{STAGE_MODULES}'" in jax.tree_util.keystr(path)
+                               for path, _ in flat_axes):
+            return  # a Stages(packed=False): the step stacks its stages' rows itself
         if not stacked:
             raise ConfigurationError(
                 f"{self._who()} pipelines the model's stacked layers, but no parameter has the "

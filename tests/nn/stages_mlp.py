@@ -20,9 +20,10 @@ class StageMLP(jl.TrainModule):
     """Three Linear stages (ReLU between); `stages=4` adds a parameter-free log-softmax stage."""
 
     def __init__(self, stages: int = 3, dims: tuple = DIMS, lr: float = 1e-2,
-                 balance: bool = False):
+                 balance: bool = False, packed: bool = True):
         super().__init__()
         self.stages, self.dims, self.lr, self.balance = stages, tuple(dims), lr, balance
+        self.packed = packed
 
     def configure_model(self, rngs):
         d = self.dims
@@ -31,7 +32,7 @@ class StageMLP(jl.TrainModule):
                  nnx.Linear(d[2], d[3], rngs=rngs)]
         if self.stages == 4:
             parts.append(nnx.Sequential(jax.nn.log_softmax))
-        return nn.Stages(parts, balance=self.balance)
+        return nn.Stages(parts, balance=self.balance, packed=self.packed)
 
     def configure_optimizers(self):
         return optax.adamw(self.lr)
