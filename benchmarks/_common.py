@@ -22,6 +22,16 @@ def setup_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def gpipe_precision() -> float | None:
+    """The GPipe (`Stages`, p = 4) benchmark's committed max |measured − theory| bubble
+    (`results/pipeline_stages.json`): the precision other pipeline bubbles are held to."""
+    path = os.path.join(RESULTS, "pipeline_stages.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["schedule"]["p=4"]["max_bubble_abs_error"]
+
+
 def write_result(name: str, report: dict, out: str | None = None) -> str:
     """Prints the report as JSON and writes benchmarks/results/<name>.json (or `out`)."""
     path = out or os.path.join(RESULTS, f"{name}.json")

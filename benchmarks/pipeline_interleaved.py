@@ -35,7 +35,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import RESULTS, setup_devices, write_result  # noqa: E402
+from _common import gpipe_precision, setup_devices, write_result  # noqa: E402
 
 setup_devices(8)
 os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
@@ -175,7 +175,7 @@ def schedule(args) -> dict:
             "fit_alpha_s": alpha, "fit_gamma_s_per_iteration": gamma,
             "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
             "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows)})
-    reference = _gpipe_precision()
+    reference = gpipe_precision()
     gpipe = out["repeats"].get("1", {}).get("max_bubble_abs_error")
     known = [x for x in (gpipe, reference) if x is not None]
     bound = max(known) if known else None
@@ -185,15 +185,6 @@ def schedule(args) -> dict:
         res["within_gpipe_precision"] = (None if bound is None
                                          else res["max_bubble_abs_error"] <= bound)
     return out
-
-
-def _gpipe_precision() -> float | None:
-    """The GPipe (`Stages`, p = 4) benchmark's committed max |measured − theory| bubble."""
-    path = os.path.join(RESULTS, "pipeline_stages.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)["schedule"]["p=4"]["max_bubble_abs_error"]
 
 
 def main(argv=None) -> dict:

@@ -16,7 +16,13 @@ devices:
 4. device_memory: per device, the step's arguments and its peak of live values plus a
    segment's temporaries (`MpmdProgram.device_bytes`), at a global batch of 4096, with and
    without `remat`.
-5. schedule: for m = 1..16 at p = 3 and 4, the step's timeline built from the compiled program
+5. timed_bubble: the bubble measured from step times at p = 2 on this host's two cores, with
+   two stages of equal cost (elementwise layers, single-threaded per device under this
+   benchmark's XLA flags: an XLA:CPU matmul uses both cores whatever the flags), m = 1..16,
+   timed round robin and fitted as `pipeline_stages` fits SPMD GPipe (T = α + γ·(m + p − 1)),
+   each step waited for whole (its new state, not only its loss, which a program per device
+   returns before the backward pass has run).
+6. schedule: for m = 1..16 at p = 3 and 4, the step's timeline built from the compiled program
    itself (`MpmdProgram.simulate`: every device runs its executables in the order the host
    dispatches them, each as soon as its inputs exist) with unit-cost stage calls: makespan
    against 2(m + p − 1) and the bubble against (p − 1)/(m + p − 1), exactly. Beside it the step
@@ -38,18 +44,24 @@ import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _common import setup_devices, write_result  # noqa: E402
+from _common import gpipe_precision, setup_devices, write_result  # noqa: E402
 
 setup_devices(8)
+# Each simulated device runs its ops on one thread, so that two devices compute at once on two
+# cores (the timed section below; the other sections count bytes and do not depend on it).
+os.environ["XLA_FLAGS"] += (" --xla_cpu_multi_thread_eigen=false"
+                            " --xla_disable_hlo_passes=cpu-parallel-task-assigner")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pipeline_stages import DIMS, batches  # noqa: E402
+from pipeline_stages import DIMS, batches, fit_bubble, time_round_robin  # noqa: E402
 from pipeline_stages import SeedMLP as _SeedMLP  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
-from jaxlight import strategies  # noqa: E402
+from jaxlight import nn, strategies  # noqa: E402
 from jaxlight.nn._pipeline import bubble_fraction  # noqa: E402
 
 
@@ -192,6 +204,70 @@ def schedule(args, p) -> dict:
             "all_schedule_ok": all(r["schedule_ok"] for r in rows), "rows": rows}
 
 
+class _Elementwise(nnx.Module):
+    """A stage of `depth` elementwise layers over `width` features: single-threaded per
+    device under this benchmark's flags (an XLA:CPU matmul is not), so that two devices
+    compute at once on two cores."""
+
+    def __init__(self, width: int, depth: int, rngs):
+        self.w = nnx.Param(1.0 + 0.01 * jax.random.normal(rngs.params(), (width,)))
+        self.depth = depth
+
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = jnp.tanh(x * self.w[...]) + 0.5 * x
+        return x
+
+
+class EqualStages(jl.TrainModule):
+    """p stages of equal cost, a squared loss: the bubble's theory holds for equal stages."""
+
+    def __init__(self, stages: int, width: int, depth: int):
+        super().__init__()
+        self.stages, self.width, self.depth = stages, width, depth
+
+    def configure_model(self, rngs):
+        return nn.Stages([_Elementwise(self.width, self.depth, rngs)
+                          for _ in range(self.stages)], packed=False)
+
+    def configure_optimizers(self):
+        return optax.sgd(1e-3)
+
+    def training_step(self, model, batch):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def timed_bubble(args) -> dict:
+    """The measured bubble of the program per device, at p = 2 on this host's two cores: step
+    times T(m) of equal elementwise stages for m = 1..16 (microbatch size fixed), timed round
+    robin, fitted to T = α + γ·(m + p − 1) as `pipeline_stages` does for SPMD GPipe."""
+    p, b, width = 2, args.timed_microbatch_size, args.timed_width
+    rows, fits = [], {}
+    rng = np.random.default_rng(0)
+    for m in args.microbatches:
+        data = [{"x": rng.normal(size=(m * b, width)).astype(np.float32),
+                 "y": rng.normal(size=(m * b, width)).astype(np.float32)}]
+        fit = jl.Fit(strategy=strategies.GPipe(p, m, mpmd=True), max_steps=1,
+                     enable_progress_bar=False, enable_model_summary=False, logger=False)
+        fit.fit(EqualStages(p, width, args.timed_depth), data)
+        fits[m] = (fit, fit.strategy.put_batch(data[0], fit.session.train_batch_shardings))
+        rows.append({"microbatches": m, "bubble_fraction_theory": bubble_fraction(p, m)})
+    times = time_round_robin(fits, args.rounds, args.timed_steps, whole=True)
+    for r in rows:
+        r.update(times[r["microbatches"]])
+    alpha, gamma = fit_bubble(rows, p)
+    bound = gpipe_precision()
+    error = max(r["bubble_abs_error"] for r in rows)
+    return {"gpipe_precision_pipeline_stages_p4": bound,
+            "within_gpipe_precision": None if bound is None else error <= bound,
+            "stages": p, "microbatch_size": b, "width": width, "depth": args.timed_depth,
+            "rounds": args.rounds, "steps_per_round": args.timed_steps, "fit_alpha_s": alpha,
+            "fit_gamma_s_per_iteration": gamma,
+            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
+            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows),
+            "rows": rows}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -201,6 +277,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--microbatches", type=int, nargs="*", default=list(range(1, 17)))
     parser.add_argument("--timing-steps", type=int, default=10)
     parser.add_argument("--no-time", dest="time", action="store_false")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--timed-steps", type=int, default=2)
+    parser.add_argument("--timed-microbatch-size", type=int, default=128)
+    parser.add_argument("--timed-width", type=int, default=256)
+    parser.add_argument("--timed-depth", type=int, default=128)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)  # m < p warns by design
@@ -208,6 +289,8 @@ def main(argv=None) -> dict:
               "memory": memory_and_equivalence(args), "copies": copies(args),
               "device_memory": device_memory(args),
               "schedule": {f"p={p}": schedule(args, p) for p in (3, 4)}}
+    if args.time:
+        report["timed_bubble"] = timed_bubble(args)
     write_result("pipeline_mpmd", report, args.out)
     return report
 

@@ -307,15 +307,19 @@ def staged_lm(args) -> dict:
     return out
 
 
-def _time_steps(fit, batch, steps) -> list[float]:
-    """Seconds per step of the compiled train step, one step in flight (exact timings)."""
+def _time_steps(fit, batch, steps, whole: bool = False) -> list[float]:
+    """Seconds per step of the compiled train step, one step in flight (exact timings).
+
+    One SPMD program finishes all at once, so its metrics are ready when the step is; `whole`
+    waits for the new state too (a program per device returns the loss before the backward
+    pass and the optimizer have run: `GPipe(mpmd=True)`)."""
     compiled = fit.compiled_train_step
     state = fit.session.state
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
+        jax.block_until_ready((state, metrics) if whole else metrics)
         times.append(time.perf_counter() - start)
     fit.session.state = state  # the previous state was donated
     return times
@@ -343,7 +347,7 @@ def fit_bubble(rows, p, iterations=None) -> tuple[float, float]:
     return float(alpha), float(gamma)
 
 
-def time_round_robin(fits: dict, rounds: int, steps: int) -> dict:
+def time_round_robin(fits: dict, rounds: int, steps: int, whole: bool = False) -> dict:
     """Step seconds per configuration, timed round robin (one step in flight): each round
     times `steps` steps of every configuration in turn (after one untimed warm step), so that
     a change of load on a shared machine reaches every configuration alike. Returns per key the
@@ -351,7 +355,7 @@ def time_round_robin(fits: dict, rounds: int, steps: int) -> dict:
     per_round: dict = {key: [] for key in fits}
     for _ in range(rounds):
         for key in fits:
-            per_round[key].append(min(_time_steps(*fits[key], steps + 1)[1:]))
+            per_round[key].append(min(_time_steps(*fits[key], steps + 1, whole)[1:]))
     return {key: {"step_seconds": min(v), "step_seconds_median": statistics.median(v),
                   "round_spread": (max(v) - min(v)) / min(v)} for key, v in per_round.items()}
 

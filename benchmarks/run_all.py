@@ -333,6 +333,14 @@ def summarize_pipeline_mpmd(r):
                          f"({r.get('cpus')} CPUs) and predicted for parallel devices",
                          f"{last['step_seconds'] / last['serial_seconds']:.2f} / "
                          f"{last['predicted_seconds'] / last['serial_seconds']:.2f}", "—", None))
+    tb = r.get("timed_bubble")
+    if tb:
+        rows.append((f"mpmd p={tb['stages']}, equal stages, m = 1..16: bubble, max abs(measured − "
+                     f"theory) from step times (fit residual ≤ {tb['max_fit_rel_residual']:.0%}, "
+                     f"{r.get('cpus')} CPUs), against GPipe's precision (pipeline_stages p = 4)",
+                     f"{tb['max_bubble_abs_error']:.3f}",
+                     f"≤ {tb['gpipe_precision_pipeline_stages_p4']:.3f}",
+                     tb["within_gpipe_precision"]))
     return rows
 
 
