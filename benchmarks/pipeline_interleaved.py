@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pipeline_stages import fit_bubble, time_round_robin  # noqa: E402
+from pipeline_stages import bubble_summary, time_round_robin  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from jaxlight import nn, strategies  # noqa: E402
@@ -170,11 +170,8 @@ def schedule(args) -> dict:
         rows = out["repeats"][str(v)]["rows"]
         for r in rows:
             r.update(times[v, r["microbatches"]])
-        alpha, gamma = fit_bubble(rows, P, lambda m, v=v: schedule_iterations(P, m, v))
-        out["repeats"][str(v)].update({
-            "fit_alpha_s": alpha, "fit_gamma_s_per_iteration": gamma,
-            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
-            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows)})
+        out["repeats"][str(v)].update(
+            bubble_summary(rows, P, lambda m, v=v: schedule_iterations(P, m, v)))
     reference = gpipe_precision()
     gpipe = out["repeats"].get("1", {}).get("max_bubble_abs_error")
     known = [x for x in (gpipe, reference) if x is not None]

@@ -57,29 +57,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pipeline_stages import DIMS, batches, fit_bubble, time_round_robin  # noqa: E402
-from pipeline_stages import SeedMLP as _SeedMLP  # noqa: E402
+from pipeline_stages import DIMS, bubble_summary, fit_seed_mlp, time_round_robin  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from jaxlight import nn, strategies  # noqa: E402
 from jaxlight.nn._pipeline import bubble_fraction  # noqa: E402
-
-
-def SeedMLP(stages: int = 3, packed: bool = False, balance: bool = False):  # noqa: N802
-    """The seeds' MLP of `pipeline_stages`, its stages unpacked by default (GPipe(mpmd=True))."""
-    return _SeedMLP(stages, balance=balance, packed=packed)
-
-
-def _fit(strategy, module, steps, batch):
-    losses = []
-    log = jl.callbacks.LambdaCallback(
-        on_log=lambda fit, m, metrics, step: losses.append(metrics["loss"]))
-    fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
-    data = batches(steps, batch)
-    fit.fit(module, data)
-    params = [np.asarray(x) for x in jax.tree.leaves(nnx.state(module.model, nnx.Param))]
-    return fit, np.asarray(losses), params, data
 
 
 def _by_device(tree, devices) -> list[int]:
@@ -93,11 +75,10 @@ def _by_device(tree, devices) -> list[int]:
 def memory_and_equivalence(args) -> dict:
     out = {}
     for p in (3, 4):
-        _, ref, ref_params, _ = _fit(strategies.SingleDevice(), SeedMLP(p), args.steps,
-                                     args.batch)
-        module = SeedMLP(p)
-        fit, losses, params, _ = _fit(strategies.GPipe(p, 4, mpmd=True), module, args.steps,
-                                      args.batch)
+        _, _, ref, ref_params, _ = fit_seed_mlp(strategies.SingleDevice(), p, args.steps,
+                                                args.batch, packed=False)
+        fit, module, losses, params, _ = fit_seed_mlp(strategies.GPipe(p, 4, mpmd=True), p,
+                                                      args.steps, args.batch, packed=False)
         devices = fit.strategy.pipeline_devices
         own = module.model.own_parameter_bytes()
         adam = fit.state.opt_state[0]
@@ -109,7 +90,8 @@ def memory_and_equivalence(args) -> dict:
             "held_adam_nu_bytes_per_device": _by_device(adam.nu, devices),
             "max_loss_rel_diff_vs_single": float(np.max(np.abs(losses - ref) / np.abs(ref))),
             "max_param_abs_diff_vs_single": max(float(np.max(np.abs(a - b)))
-                                                for a, b in zip(params, ref_params,
+                                                for a, b in zip(jax.tree.leaves(params),
+                                                                jax.tree.leaves(ref_params),
                                                                 strict=True)),
             "compiles": fit.compile_counts.get("train"),
         }
@@ -118,8 +100,8 @@ def memory_and_equivalence(args) -> dict:
                            and row["held_adam_nu_bytes_per_device"] == own)
         row["equivalence_ok"] = row["max_loss_rel_diff_vs_single"] <= 1e-5
         for name, balance in (("spmd_packed_rows", False), ("spmd_balance", True)):
-            spmd, *_ = _fit(strategies.GPipe(p, 4, devices=jax.devices()[:p]),
-                            SeedMLP(p, packed=True, balance=balance), 1, args.batch)
+            spmd, *_ = fit_seed_mlp(strategies.GPipe(p, 4, devices=jax.devices()[:p]), p, 1,
+                                    args.batch, balance=balance)
             packed = spmd.state.params["packed_float32"]
             row[f"{name}_param_bytes_per_device"] = sorted(
                 {s.data.nbytes for s in packed.addressable_shards})
@@ -129,7 +111,7 @@ def memory_and_equivalence(args) -> dict:
 
 def copies(args) -> dict:
     p, m = 3, 4
-    fit, *_ = _fit(strategies.GPipe(p, m, mpmd=True), SeedMLP(p), 1, args.batch)
+    fit, *_ = fit_seed_mlp(strategies.GPipe(p, m, mpmd=True), p, 1, args.batch, packed=False)
     program = fit.compiled_train_step
     b = args.batch // m
     boundary = [(s, s + 1, b * DIMS[s + 1] * 4) for s in range(p - 1)]
@@ -152,8 +134,8 @@ def copies(args) -> dict:
 def device_memory(args) -> dict:
     out = {}
     for remat in (False, True):
-        fit, *_ = _fit(strategies.GPipe(3, 4, mpmd=True, remat=remat), SeedMLP(3), 1,
-                       args.memory_batch)
+        fit, *_ = fit_seed_mlp(strategies.GPipe(3, 4, mpmd=True, remat=remat), 3, 1,
+                               args.memory_batch, packed=False)
         out[f"remat={remat}"] = fit.compiled_train_step.device_bytes()
     return {"global_batch": args.memory_batch, "per_device": out}
 
@@ -172,7 +154,8 @@ def schedule(args, p) -> dict:
     rows = []
     for m in args.microbatches:
         b = args.microbatch_size
-        fit, *_, data = _fit(strategies.GPipe(p, m, mpmd=True), SeedMLP(p), 1, m * b)
+        fit, *_, data = fit_seed_mlp(strategies.GPipe(p, m, mpmd=True), p, 1, m * b,
+                                     packed=False)
         program = fit.compiled_train_step
         unit = program.simulate(lambda seg: float(seg.stage is not None))
         stage_segments = [sum(1 for s in program.segments if s.stage is not None
@@ -255,16 +238,13 @@ def timed_bubble(args) -> dict:
     times = time_round_robin(fits, args.rounds, args.timed_steps, whole=True)
     for r in rows:
         r.update(times[r["microbatches"]])
-    alpha, gamma = fit_bubble(rows, p)
+    summary = bubble_summary(rows, p)
     bound = gpipe_precision()
-    error = max(r["bubble_abs_error"] for r in rows)
     return {"gpipe_precision_pipeline_stages_p4": bound,
-            "within_gpipe_precision": None if bound is None else error <= bound,
+            "within_gpipe_precision": (None if bound is None
+                                       else summary["max_bubble_abs_error"] <= bound),
             "stages": p, "microbatch_size": b, "width": width, "depth": args.timed_depth,
-            "rounds": args.rounds, "steps_per_round": args.timed_steps, "fit_alpha_s": alpha,
-            "fit_gamma_s_per_iteration": gamma,
-            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
-            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows),
+            "rounds": args.rounds, "steps_per_round": args.timed_steps, **summary,
             "rows": rows}
 
 

@@ -96,13 +96,15 @@ def batches(steps, batch, seed=0):
             for _ in range(steps)]
 
 
-def _fit(strategy, stages, steps, batch, balance=False):
+def fit_seed_mlp(strategy, stages, steps, batch, balance=False, packed=True):
+    """Trains `SeedMLP(stages, balance, packed)` for `steps` steps of `batch` examples:
+    (fit, module, losses, parameters as numpy, the batches)."""
     losses = []
     log = jl.callbacks.LambdaCallback(
         on_log=lambda fit, module, metrics, step: losses.append(metrics["loss"]))
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
-    module = SeedMLP(stages, balance)
+    module = SeedMLP(stages, balance, packed)
     data = batches(steps, batch)
     fit.fit(module, data)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
@@ -154,10 +156,11 @@ def balanced(args) -> dict:
     data 2 × pipe 3 (10 steps each, batch `--batch`): loss against SingleDevice, parameter and
     Adam bytes held per device (from the shards), compiled memory and collectives per device."""
     out = {"jax": jax.__version__, "cpus": os.cpu_count(), "runs": {}}
-    _, _, ref, _, _ = _fit(strategies.SingleDevice(), 3, args.steps, args.batch)
+    _, _, ref, _, _ = fit_seed_mlp(strategies.SingleDevice(), 3, args.steps, args.batch)
     for name, balance in (("padded rows", False), ("balance=True", True)):
-        fit, module, losses, _, _ = _fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]), 3,
-                                         args.steps, args.batch, balance=balance)
+        fit, module, losses, _, _ = fit_seed_mlp(
+            strategies.GPipe(3, 4, devices=jax.devices()[:6]), 3, args.steps, args.batch,
+            balance=balance)
         ma = fit.compiled_train_step.memory_analysis()
         packed = fit.state.params["packed_float32"]
         mu = fit.state.opt_state[0].mu["packed_float32"]
@@ -185,9 +188,9 @@ def equivalence(args) -> dict:
         (4, "Hybrid(data 2 x pipe 4, microbatches=4), 4 stages",
          strategies.Hybrid({"data": 2, "pipe": 4}, microbatches=4)),
     ):
-        _, _, ref_losses, ref_params, _ = _fit(strategies.SingleDevice(), stages, args.steps,
-                                               args.batch)
-        fit, module, losses, params, _ = _fit(strategy, stages, args.steps, args.batch)
+        _, _, ref_losses, ref_params, _ = fit_seed_mlp(strategies.SingleDevice(), stages,
+                                                       args.steps, args.batch)
+        fit, module, losses, params, _ = fit_seed_mlp(strategy, stages, args.steps, args.batch)
         loss_rel = float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)))
         param_abs = max(float(np.max(np.abs(a - b))) for a, b in
                         zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True))
@@ -219,7 +222,7 @@ def activation_memory(args) -> dict:
     out = {"global_batch": args.memory_batch, "layouts": {}}
     for stages, name, make in layouts:
         for remat in ((False,) if name == "SingleDevice" else (False, True)):
-            fit, *_ = _fit(make(remat), stages, 1, args.memory_batch)
+            fit, *_ = fit_seed_mlp(make(remat), stages, 1, args.memory_batch)
             ma = fit.compiled_train_step.memory_analysis()
             out["layouts"][f"{name}, remat={remat}"] = {
                 "temp_bytes_per_device": int(ma.temp_size_in_bytes),
@@ -347,6 +350,15 @@ def fit_bubble(rows, p, iterations=None) -> tuple[float, float]:
     return float(alpha), float(gamma)
 
 
+def bubble_summary(rows, p, iterations=None) -> dict:
+    """`fit_bubble` over `rows`, and what the JSON reports of it: the fitted line and the
+    largest bubble error and timing residual over the rows."""
+    alpha, gamma = fit_bubble(rows, p, iterations)
+    return {"fit_alpha_s": alpha, "fit_gamma_s_per_iteration": gamma,
+            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
+            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows)}
+
+
 def time_round_robin(fits: dict, rounds: int, steps: int, whole: bool = False) -> dict:
     """Step seconds per configuration, timed round robin (one step in flight): each round
     times `steps` steps of every configuration in turn (after one untimed warm step), so that
@@ -366,7 +378,7 @@ def schedule(args, p) -> dict:
     rows, fits = [], {}
     for m in args.microbatches:
         b = args.microbatch_size
-        fit, _, _, _, data = _fit(strategies.GPipe(p, m, devices=devices), stages, 1, m * b)
+        fit, _, _, _, data = fit_seed_mlp(strategies.GPipe(p, m, devices=devices), stages, 1, m * b)
         fits[m] = (fit, fit.strategy.put_batch(data[0], fit.session.train_batch_shardings))
         stats = schedule_stats(fit.compiled_train_step.as_text())
         width = DIMS[1]  # the widest stage output: 512
@@ -386,13 +398,8 @@ def schedule(args, p) -> dict:
     times = time_round_robin(fits, args.rounds, args.timing_steps)
     for r in rows:
         r.update(times[r["microbatches"]])
-    alpha, gamma = fit_bubble(rows, p)
     return {"stages": p, "microbatch_size": args.microbatch_size, "rounds": args.rounds,
-            "steps_per_round": args.timing_steps, "fit_alpha_s": alpha,
-            "fit_gamma_s_per_iteration": gamma,
-            "max_bubble_abs_error": max(r["bubble_abs_error"] for r in rows),
-            "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows),
-            "rows": rows}
+            "steps_per_round": args.timing_steps, **bubble_summary(rows, p), "rows": rows}
 
 
 def main(argv=None) -> dict:

@@ -137,12 +137,12 @@ def check_strategy_devices(strategy: Any, chosen: list[jax.Device] | None) -> No
         )
 
 
-def device_groups(leaves: Sequence[Any]) -> list[list[int]]:
-    """Indices of `leaves` grouped by the devices their arrays live on, for helpers that run
+def device_groups(leaves: Sequence[Any]) -> dict[frozenset | None, list[int]]:
+    """Indices of `leaves` by the devices their arrays live on (the key), for helpers that run
     one jitted call over a tree: one group when every array shares a mesh (each SPMD
     strategy), one per device under `GPipe(mpmd=True)`, whose stages' arrays sit on their own
     devices (a jitted call cannot take arrays of different devices). Non-arrays join the first
-    group."""
+    group (key None when there is no array)."""
     groups: dict = {}
     loose = []
     for i, x in enumerate(leaves):
@@ -150,6 +150,8 @@ def device_groups(leaves: Sequence[Any]) -> list[list[int]]:
             groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
         else:
             loose.append(i)
-    out = list(groups.values()) or [[]]
-    out[0] = sorted(out[0] + loose)
-    return out
+    if not groups:
+        return {None: loose}
+    first = next(iter(groups))
+    groups[first] = sorted(groups[first] + loose)
+    return groups

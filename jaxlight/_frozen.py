@@ -91,7 +91,7 @@ def _fingerprints(tree: Any) -> Any:
     """Every leaf's fingerprint, one jitted call per group of leaves on the same devices."""
     leaves, treedef = jax.tree.flatten(tree)
     out = [None] * len(leaves)
-    for group in device_groups(leaves):
+    for group in device_groups(leaves).values():
         for i, h in zip(group, _fingerprint_list([leaves[i] for i in group]), strict=True):
             out[i] = h
     return jax.tree.unflatten(treedef, out)

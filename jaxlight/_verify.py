@@ -92,19 +92,9 @@ def _digest_stack(leaves: list) -> jax.Array:
 _digests = jax.jit(_digest_stack)
 
 
-def _paired(copy_groups, digest_groups, copied, digested):
-    """The copy and digest groups of the same devices side by side (one jitted call each)."""
-    def key(group, leaves):
-        arrays = [leaves[i] for i in group if isinstance(leaves[i], jax.Array)]
-        return frozenset(arrays[0].sharding.device_set) if arrays else None
-
-    copies = {key(g, copied): g for g in copy_groups}
-    digests = {key(g, digested): g for g in digest_groups}
-    return [(copies.get(k, []), digests.get(k, [])) for k in dict.fromkeys([*copies, *digests])]
-
-
 def _digests_by_device(leaves: list) -> list[tuple[list[int], jax.Array]]:
-    return [(idx, _digests([leaves[i] for i in idx])) for idx in device_groups(leaves)]
+    return [(idx, _digests([leaves[i] for i in idx]))
+            for idx in device_groups(leaves).values()]
 
 
 def _collect(parts: list[tuple[list[int], jax.Array]], n: int) -> np.ndarray:
@@ -157,9 +147,11 @@ def snapshot_with_digests(tree: Any) -> tuple[Any, PendingDigests]:
     leaves, treedef = jax.tree.flatten(tree)
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     paths, digested = _flat(tree)
+    copy_groups = device_groups([leaves[i] for i in arrays])
+    digest_groups = device_groups(digested)
     parts = []
-    for ci, di in _paired(device_groups([leaves[i] for i in arrays]), device_groups(digested),
-                          [leaves[i] for i in arrays], digested):
+    for key in dict.fromkeys([*copy_groups, *digest_groups]):  # the same devices side by side
+        ci, di = copy_groups.get(key, []), digest_groups.get(key, [])
         copies, values = _copies_and_digests([leaves[arrays[j]] for j in ci],
                                              [digested[j] for j in di])
         for j, y in zip(ci, copies, strict=True):

@@ -31,6 +31,22 @@ STAGE_PREFIX = "jaxlight_stage_"
 STAGE_MODULES = "stage_modules"
 
 
+def _entry(key) -> Any:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+def stage_index(path) -> int | None:
+    """The stage a state leaf belongs to (`.../stage_modules/<s>/...`), or None."""
+    names = [_entry(k) for k in path]
+    for i, name in enumerate(names[:-1]):
+        if name == STAGE_MODULES and isinstance(names[i + 1], int):
+            return names[i + 1]
+    return None
+
+
 @dataclasses.dataclass
 class MpmdConfig:
     """What `Stages` needs while `GPipe(mpmd=True)` traces a step.
@@ -134,4 +150,4 @@ def run_mpmd(modules: list, remat: Any, config: MpmdConfig, x: Any) -> Any:
 
 
 __all__ = ["STAGE_MODULES", "STAGE_PREFIX", "MpmdConfig", "active_mpmd", "mpmd_context",
-           "run_mpmd", "stage_call"]
+           "run_mpmd", "stage_call", "stage_index"]

@@ -11,8 +11,9 @@ import jax
 
 from jaxlight._errors import JaxlightError
 from jaxlight._layout import axes_of
+from jaxlight.nn._mpmd import stage_index
 from jaxlight.strategies._base import Strategy
-from jaxlight.strategies._mpmd import MpmdGPipe, stage_index
+from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._paths import place
 from jaxlight.strategies._rules import DEFAULT_RULES
 from jaxlight.strategies._spmd import FSDP, DataParallel, Hybrid, SingleDevice

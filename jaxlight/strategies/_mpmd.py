@@ -23,7 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxlight._errors import ConfigurationError
 from jaxlight._layout import require_divisible
-from jaxlight.nn._mpmd import STAGE_MODULES, MpmdConfig, mpmd_context
+from jaxlight.nn._mpmd import STAGE_MODULES, MpmdConfig, mpmd_context, stage_index
 from jaxlight.nn._pipeline import bubble_fraction
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd_runtime import MpmdProgram
@@ -32,22 +32,6 @@ from jaxlight.strategies._pipelined import (
     check_microbatches_arg,
     warn_few_microbatches,
 )
-
-
-def _entry(key) -> Any:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return key
-
-
-def stage_index(path) -> int | None:
-    """The stage a state leaf belongs to (`.../stage_modules/<s>/...`), or None."""
-    names = [_entry(k) for k in path]
-    for i, name in enumerate(names[:-1]):
-        if name == STAGE_MODULES and isinstance(names[i + 1], int):
-            return names[i + 1]
-    return None
 
 
 class MpmdGPipe(Strategy):
@@ -214,4 +198,4 @@ class MpmdGPipe(Strategy):
         return program
 
 
-__all__ = ["MpmdGPipe", "stage_index"]
+__all__ = ["MpmdGPipe"]

@@ -28,6 +28,7 @@ No collectives are compiled: the only communication is the copies, which `transf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -41,6 +42,7 @@ from jax.extend import core as jex_core
 from jaxlight._errors import ConfigurationError
 from jaxlight._flops import compiled_flops
 from jaxlight.nn._mpmd import STAGE_PREFIX
+from jaxlight.strategies._roofline import bytes_accessed
 
 _STAGE = re.compile(STAGE_PREFIX + r"(\d+)")
 #: A value every device holds (replicated inputs, constants): placed on no one device.
@@ -420,20 +422,20 @@ class MpmdProgram:
                 ready[key] = end
         return {"makespan": max(free), "busy": busy}
 
+    @functools.cached_property
+    def _costs(self) -> dict[int, tuple[float, float]]:
+        """Per executable (by id): FLOPs (loops counted in full) and bytes accessed."""
+        return {id(e): (compiled_flops(e).flops, bytes_accessed(e) or 0.0)
+                for e in self._executables}
+
     def device_costs(self) -> list[dict[str, float]]:
         """Per device, per call: FLOPs and bytes accessed, summed over the executables it runs
-        (each as often as it runs; loops counted in full)."""
-        per = {}
-        for e in self._executables:
-            costs = e.cost_analysis()
-            costs = (costs[0] if costs else {}) if isinstance(costs, list | tuple) else costs
-            per[id(e)] = (compiled_flops(e).flops, float((costs or {}).get("bytes accessed", 0)))
+        (each as often as it runs)."""
         out = [{"flops": 0.0, "bytes_accessed": 0.0} for _ in self.devices]
         for seg in self.segments:
-            flops, accessed = per[id(seg.executable)]
+            flops, accessed = self._costs[id(seg.executable)]
             out[seg.device]["flops"] += flops
             out[seg.device]["bytes_accessed"] += accessed
-        self._costs = per
         return out
 
     def roofline_seconds(self, peak_flops: float, memory_bandwidth: float,
@@ -441,8 +443,6 @@ class MpmdProgram:
         """The step's makespan (`simulate`) with each segment taking its roofline time (FLOPs
         at `peak_flops` or bytes at `memory_bandwidth`, the slower) and each copy its bytes at
         `link_bandwidth`: the pipeline's bubble and copies included."""
-        if not hasattr(self, "_costs"):
-            self.device_costs()
         costs = self._costs
 
         def cost(seg):

@@ -27,7 +27,7 @@ import jax
 from jaxlight._errors import ConfigurationError
 from jaxlight._hlo import collectives, summarize
 from jaxlight._layout import is_axes, require_divisible
-from jaxlight.nn._mpmd import STAGE_MODULES
+from jaxlight.nn._mpmd import stage_index
 from jaxlight.nn._pipeline import (
     PipelineConfig,
     bubble_fraction,
@@ -143,8 +143,7 @@ class Pipelined:
         stacked = [(jax.tree_util.keystr(path), leaf.shape[0])
                    for (path, axes), leaf in zip(flat_axes, flat_params, strict=True)
                    if axes and axes[0] == LAYERS]
-        if not stacked and any(f"'{STAGE_MODULES}'" in jax.tree_util.keystr(path)
-                               for path, _ in flat_axes):
+        if not stacked and any(stage_index(path) is not None for path, _ in flat_axes):
             return  # a Stages(packed=False): the step stacks its stages' rows itself
         if not stacked:
             raise ConfigurationError(
