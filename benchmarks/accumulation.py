@@ -75,7 +75,8 @@ def main(argv=None):
         }
     note = ("k counts microbatches of Microbatches(k) (one loader batch split in k); k=0 rows "
             "are the plain step without the callback. Traffic is the ring-algorithm bytes per "
-            "device per optimizer step (jaxlight._hlo), loop bodies counted once per iteration.")
+            "device per optimizer step (jaxlight.analysis._hlo), loop bodies counted once per "
+            "iteration.")
     write_result("accumulation", {"benchmark": "accumulation", "global_batch": args.batch,
                                   "rows": rows, "summary": summary, "note": note}, args.out)
 

@@ -148,7 +148,7 @@ def main() -> None:
         # Restore cost: resume the async run's last checkpoint for one more step.
         fit = jl.Fit(make_strategy(), max_steps=args.steps + 1, enable_progress_bar=False,
                      enable_model_summary=False, logger=False)
-        from jaxlight._checkpoint import restore_training
+        from jaxlight.checkpoint._restore import restore_training
 
         fit.session.setup(Module(args.width, args.layers))
         start = time.perf_counter()

@@ -185,7 +185,7 @@ def main(argv=None):
         return {"device_metrics": figures, "static": monitor.static}
 
     def peak_table():
-        from jaxlight._flops import device_peak_entry, device_peak_flops
+        from jaxlight.analysis._flops import device_peak_entry, device_peak_flops
 
         return {"device_kind": device.device_kind, "peak_flops": device_peak_flops(device),
                 "entry": device_peak_entry(device)}

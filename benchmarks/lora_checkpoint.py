@@ -63,7 +63,7 @@ def main() -> None:
     from flax import nnx
 
     import jaxlight as jl
-    from jaxlight._checkpoint import CheckpointWriter
+    from jaxlight.checkpoint._restore import CheckpointWriter
     from jaxlight.recipes import sft
 
     model = {"num_layers": args.layers, "embed_dim": args.embed, "num_heads": args.heads,

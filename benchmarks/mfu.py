@@ -153,7 +153,7 @@ def main(argv=None):
     flops = monitor.flops_per_step
     peak = args.peak_flops
     if peak is None:
-        from jaxlight._flops import device_peak_flops
+        from jaxlight.analysis._flops import device_peak_flops
 
         peak = device_peak_flops(device)
     n_dev = len(fit.strategy.mesh.devices.flat)

@@ -39,7 +39,7 @@ def flops_stack(args) -> list[dict]:
 
     import jaxlight as jl
     from jaxlight import callbacks, strategies
-    from jaxlight._flops import compiled_flops
+    from jaxlight.analysis._flops import compiled_flops
 
     B, D = args.batch, args.width
 
@@ -89,7 +89,7 @@ def flops_stack(args) -> list[dict]:
 
 def flops_lm(args) -> dict:
     import jaxlight as jl
-    from jaxlight._flops import compiled_flops
+    from jaxlight.analysis._flops import compiled_flops
 
     vocab, d, layers, heads, mlp, T, B = 512, 256, 4, 8, 1024, 128, 8
     module = lm_module(vocab=vocab, embed=d, layers=layers, heads=heads, mlp=mlp)

@@ -25,7 +25,8 @@ Four measurements on 8 simulated CPU devices, one `jaxlight.nn.TransformerLM`:
     python benchmarks/pipeline.py                      # everything, writes results/pipeline.json
     python benchmarks/pipeline.py --only schedule --microbatches 1 2 4 8 16
 
-Collectives come from `jaxlight.strategies._pipelined.schedule_stats` over `jaxlight._hlo`, a
+Collectives come from `jaxlight.strategies._pipelined.schedule_stats` over
+`jaxlight.analysis._hlo`, a
 loop-aware reader of `compiled.as_text()` (a collective in a while body counts once per
 iteration, from XLA's recorded trip count).
 """

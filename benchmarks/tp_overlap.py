@@ -6,7 +6,7 @@ on 8 simulated CPU devices, in alternating rounds. Reported per configuration:
 
 - the median step time (steady state: the first --warmup steps of each round dropped) and the
   train-step compile time;
-- the compiled step's collectives per kind (`jaxlight._hlo`: executions per step, with loop
+- the compiled step's collectives per kind (`jaxlight.analysis._hlo`: executions per step, with loop
   trip counts, and ring traffic bytes per device), and those of the dense layers: all-reduces
   within tp groups whose origin is a matmul (synchronous) against the rings' collective-permutes
   (overlap), which should move the same bytes;
@@ -40,7 +40,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
-from jaxlight import _hlo, nn, strategies  # noqa: E402
+from jaxlight import nn, strategies  # noqa: E402
+from jaxlight.analysis import _hlo  # noqa: E402
 from jaxlight.callbacks import Callback  # noqa: E402
 
 NOTE = ("8 simulated CPU devices share the host's cores and run collectives synchronously: "

@@ -1,7 +1,6 @@
 """jaxlight: a PyTorch-Lightning-style training framework for JAX and Flax NNX."""
 
 from jaxlight import callbacks, data, distributed, nn, schedules, strategies
-from jaxlight._checkpoint import load_checkpoint
 from jaxlight._errors import (
     CheckpointError,
     ConfigurationError,
@@ -16,11 +15,12 @@ from jaxlight._errors import (
     UserStepError,
 )
 from jaxlight._fit import Fit, StepOutput
-from jaxlight._module import TrainModule
-from jaxlight._state import TrainState
 from jaxlight._version import __version__ as __version__
 from jaxlight.callbacks._finders import Tuner
+from jaxlight.checkpoint._restore import load_checkpoint
 from jaxlight.data._datamodule import DataModule
+from jaxlight.module._module import TrainModule
+from jaxlight.state._state import TrainState
 
 __all__ = [
     "CheckpointError",

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from jaxlight import _cache
 from jaxlight._errors import ConfigurationError
+from jaxlight._fit import _cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

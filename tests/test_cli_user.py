@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxlight._ckpt_paths import complete_steps, read_meta
 from jaxlight._cli import main, run
+from jaxlight.checkpoint._paths import complete_steps, read_meta
 
 QUIET = ["--enable-progress-bar", "false", "--enable-model-summary", "false", "--logger", "none"]
 

@@ -17,7 +17,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps, read_meta
+from jaxlight.checkpoint._restore import complete_steps, read_meta
 from jaxlight.data._datamodule import datamodule_state
 from tests.models import Classifier, classification_data
 

@@ -15,11 +15,11 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight._errors import JaxlightError
-from jaxlight._hparams import AttributeDict
-from jaxlight._layout import activation_sharding, constrain
 from jaxlight.callbacks._logdir import require
+from jaxlight.hparams._hparams import AttributeDict
 from jaxlight.nn._layers import annotated_param, apply_rope
 from jaxlight.nn._scan import remat_policy
+from jaxlight.sharding._layout import activation_sharding, constrain
 
 ROOT = pathlib.Path(jl.__file__).parent
 

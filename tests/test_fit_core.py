@@ -15,11 +15,11 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import restore_training
 from jaxlight._fit import FitConfig, LoopState
-from jaxlight._preemption import PreemptionHandler
+from jaxlight._fit._preemption import PreemptionHandler
 from jaxlight.callbacks._base import Callback, Logger
 from jaxlight.callbacks._nonfinite import GuardedState, NonFiniteState, skip_nonfinite
+from jaxlight.checkpoint._restore import restore_training
 from tests.models import Classifier, classification_data
 
 

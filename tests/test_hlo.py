@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxlight._hlo import KINDS, collectives, summarize
+from jaxlight.analysis._hlo import KINDS, collectives, summarize
 
 SYNTHETIC = """\
 HloModule jit_step, num_partitions=8

@@ -9,7 +9,7 @@ import yaml
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import read_meta
+from jaxlight.checkpoint._restore import read_meta
 from tests.callbacks.wandb_records import find_runs, read_run
 from tests.models import Classifier, classification_data
 

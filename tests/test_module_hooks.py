@@ -15,8 +15,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._module_hooks import ModuleHooks
 from jaxlight.callbacks._base import HostHooks
+from jaxlight.module._hooks import ModuleHooks
 from tests.models import Classifier, classification_data
 
 HOOKS = sorted(n for n, f in inspect.getmembers(HostHooks, inspect.isfunction)

@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._optim import ScheduleState, scheduler_state
+from jaxlight.schedules._scheduler import ScheduleState, scheduler_state
 from tests.models import Classifier, classification_data
 
 BATCH = 32

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import jaxlight as jl
-from jaxlight._porting import check_module
+from jaxlight.module._porting import check_module
 from tests.models import Classifier
 
 GUIDE = "docs/porting.md"

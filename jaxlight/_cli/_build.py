@@ -13,8 +13,8 @@ import optax
 from jaxlight import callbacks, strategies
 from jaxlight._cli._target import import_object
 from jaxlight._errors import ConfigurationError, ShardingError, suggest
-from jaxlight._state import model_spec
 from jaxlight.callbacks._base import Logger
+from jaxlight.state._state import model_spec
 from jaxlight.strategies._rules import MESH_FORMS
 from jaxlight.strategies._rules import parse_mesh_shape as _parse_mesh_shape
 

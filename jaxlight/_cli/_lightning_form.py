@@ -39,9 +39,9 @@ from jaxlight._cli._aliases import ALIASES, translate_argv, translate_file
 from jaxlight._cli._config_file import load_config_file
 from jaxlight._cli._target import import_object, register, same_target
 from jaxlight._errors import ConfigurationError, suggest
-from jaxlight._module import TrainModule
-from jaxlight._porting import TRAINER_ARGS
 from jaxlight.data._datamodule import DataModule
+from jaxlight.module._module import TrainModule
+from jaxlight.module._porting import TRAINER_ARGS
 from jaxlight.optim.torch import TORCH_PATHS, TorchLRScheduler, TorchOptimizer
 from jaxlight.recipes._base import apply_overrides, flatten, type_name
 

@@ -23,7 +23,7 @@ from jaxlight._errors import (
     TrainingStopped,
     suggest,
 )
-from jaxlight._launch import main as launch_main
+from jaxlight.distributed._launch import main as launch_main
 
 
 def _top_help() -> str:

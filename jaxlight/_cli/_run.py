@@ -16,7 +16,6 @@ import yaml
 
 from jaxlight import Fit
 from jaxlight import callbacks as cbs
-from jaxlight._ckpt_paths import resolve_checkpoint
 from jaxlight._cli import _predict
 from jaxlight._cli._build import build_strategy, parse_mesh_shape, size_bare_strategy
 from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
@@ -25,8 +24,9 @@ from jaxlight._cli._save_config import SaveConfigCallback
 from jaxlight._cli._target import is_target
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._fit._hooks import loggers_into_callbacks
-from jaxlight._module import TrainModule
+from jaxlight.checkpoint._paths import resolve_checkpoint
 from jaxlight.data._datamodule import DataModule, defines
+from jaxlight.module._module import TrainModule
 from jaxlight.optim.torch import configure_optimizers
 from jaxlight.recipes._base import Recipe, apply_overrides
 

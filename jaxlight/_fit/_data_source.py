@@ -15,8 +15,8 @@ from typing import Any
 
 from jaxlight import distributed as _distributed
 from jaxlight._errors import ConfigurationError
-from jaxlight._porting import GUIDE, unknown_keywords
 from jaxlight.data._datamodule import LOADERS, META_KEY, DataModule, defines
+from jaxlight.module._porting import GUIDE, unknown_keywords
 
 #: Lightning's keyword names for the data arguments, and jaxlight's for each stage.
 LIGHTNING_KEYWORDS = {"train_dataloaders": "train_data", "val_dataloaders": "val_data",

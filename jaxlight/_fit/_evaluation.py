@@ -8,7 +8,7 @@ the data-parallel degree divides is sharded like a training batch; any other (a 
 batch: 100 examples on 8 devices end with 4) is given whole to every device, which all compute
 the same result (`_step.build_eval_step(sharded=False)`). Results are exact either way: scalar
 means weighted by each batch's examples (or `self.log(batch_size=...)`), clu metrics merged on
-device (`jaxlight._eval_totals`), read once at the end.
+device (`jaxlight.metrics._eval_totals`), read once at the end.
 
 With several processes, the processes agree on each batch's per-process row counts (one small
 host exchange per evaluation batch); unequal shares of a last batch are gathered onto every
@@ -27,16 +27,16 @@ import jax
 import jax.experimental.multihost_utils
 import numpy as np
 
-from jaxlight import _eval_totals
 from jaxlight import distributed as _distributed
 from jaxlight._errors import DataError, StepOutputError
 from jaxlight._fit._config import FitConfig, batch_limit
 from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session
-from jaxlight._state import TrainState
-from jaxlight._user_step import tracing_for
 from jaxlight.data._convert import check_iterable, numpy_batches
+from jaxlight.metrics import _eval_totals
+from jaxlight.state._state import TrainState
+from jaxlight.step._user_step import tracing_for
 
 _END = -1  # a process whose data ran out, in the per-batch row-count exchange
 

@@ -14,27 +14,27 @@ from typing import Any
 
 import jax
 
-from jaxlight import _cache, _plan
 from jaxlight import distributed as _distributed
 from jaxlight import strategies as _strategies
-from jaxlight._checkpoint import load_checkpoint, restore_training
-from jaxlight._devices import check_strategy_devices, select_devices
 from jaxlight._errors import ConfigurationError
+from jaxlight._fit import _cache, _plan
 from jaxlight._fit._config import FitConfig, epoch_length
 from jaxlight._fit._data_source import DataSource, refuse_keywords
 from jaxlight._fit._evaluation import Evaluator
 from jaxlight._fit._hooks import Hooks, MetricLog, assemble_callbacks, loggers_into_callbacks
 from jaxlight._fit._loop_state import LoopState
+from jaxlight._fit._preemption import PreemptionHandler
 from jaxlight._fit._resume import adopt_checkpoint
 from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._fit._view import FitView
-from jaxlight._module import TrainModule
-from jaxlight._porting import check_module, refuse_fit_kwargs
-from jaxlight._preemption import PreemptionHandler
 from jaxlight.callbacks._base import Callback
+from jaxlight.checkpoint._restore import load_checkpoint, restore_training
 from jaxlight.data._datamodule import DataModule
 from jaxlight.data._feed import TrainFeed
+from jaxlight.distributed._devices import check_strategy_devices, select_devices
+from jaxlight.module._module import TrainModule
+from jaxlight.module._porting import check_module, refuse_fit_kwargs
 
 
 class Fit(FitView):
@@ -42,7 +42,8 @@ class Fit(FitView):
 
     Args:
         strategy: a `jaxlight.strategies` object or alias (`"auto"`, `"single"`, `"dp"`, ...).
-        devices: the devices to use (`jaxlight._devices`): None / "auto" / -1 for all, N for
+        devices: the devices to use (`jaxlight.distributed._devices`): None / "auto" / -1 for all,
+        N for
             the first N of each process, a list of device indices or `jax.Device`s. The
             strategy's mesh spans only these; the rest stay idle.
         max_steps: optimizer steps to take; None means "until max_epochs".
@@ -79,7 +80,7 @@ class Fit(FitView):
             when the loop needs it. None (the default): 2, or 0 for batches already in memory
             (an `ArrayLoader` or `DataLoader`, a list of batches), read faster than a thread
             hands them over.
-        compilation_cache: where compiled steps persist across runs (`jaxlight._cache`): None
+        compilation_cache: where compiled steps persist across runs (`jaxlight._fit._cache`): None
             (`$JAXLIGHT_COMPILATION_CACHE`, JAX's own setting, else ~/.cache/jaxlight/xla), a
             directory, True (the default directory) or False (off). Process-wide.
 
@@ -197,7 +198,7 @@ class Fit(FitView):
     def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
         """Compiles the training step for `example_batch` without running it; reports costs.
 
-        Returns a `jaxlight._plan.Plan`: per parameter shape, spec and bytes per device; per
+        Returns a `jaxlight._fit._plan.Plan`: per parameter shape, spec and bytes per device; per
         device argument/output/temp bytes; per step collectives by kind with bytes. Prints the
         table when `verbose`.
 

@@ -108,7 +108,7 @@ def _monitors(cb: Callback) -> bool:
 
 class Hooks:
     """Calls a hook on every callback, in list order, with `(fit, module, *args)`, and the
-    module's own hook of that name (`jaxlight._module_hooks`) with `(*args)`, in Lightning's
+    module's own hook of that name (`jaxlight.module._hooks`) with `(*args)`, in Lightning's
     order: callbacks first, then the module, except for `MODULE_FIRST` and `MONITORS_LAST`."""
 
     def __init__(self, fit, callbacks: list[Callback]):

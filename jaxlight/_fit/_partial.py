@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxlight import _batch
 from jaxlight._errors import DataError, ShardingError
 from jaxlight._fit._session import Session, abstract_global_batch
+from jaxlight.sharding import _batch
 
 
 class PartialStep:

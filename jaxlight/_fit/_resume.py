@@ -6,11 +6,11 @@ import os
 
 import jax
 
-from jaxlight._checkpoint import Restored
-from jaxlight._ckpt_paths import CheckpointLocation, default_dirpath
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._session import Session
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
+from jaxlight.checkpoint._paths import CheckpointLocation, default_dirpath
+from jaxlight.checkpoint._restore import Restored
 from jaxlight.data._feed import TrainFeed
 
 

@@ -4,7 +4,7 @@ One `Session` per `Fit`. `setup(module)` fixes the module's abstract spec, the o
 the state's shardings (once per module); every step kind is compiled at most once through it
 (`compile_train_step`, `compile_predict_step`; `compile_eval_step` once per batch shape),
 counted in `compile_counts` and timed in `compile_times`. It also holds the current `TrainState`.
-The plan (`jaxlight._plan`), `ModelSummary` and checkpoint restore read it through these
+The plan (`jaxlight._fit._plan`), `ModelSummary` and checkpoint restore read it through these
 public names.
 """
 
@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight import _batch, _eval_totals, _metrics
 from jaxlight import strategies as _strategies
 from jaxlight._errors import ConfigurationError
-from jaxlight._module import TrainModule
-from jaxlight._optim import ScheduleUpdate
-from jaxlight._state import TrainState, make_init_fn, model_spec, split_model
-from jaxlight._step import build_eval_step, build_params_transform, build_predict_step
 from jaxlight.callbacks._base import StepTransform
+from jaxlight.metrics import _eval_totals, _metrics
+from jaxlight.module._module import TrainModule
 from jaxlight.optim import build_optimizer, build_train_step  # named & manual optimizers too
+from jaxlight.schedules._configure import ScheduleUpdate
+from jaxlight.sharding import _batch
+from jaxlight.state._state import TrainState, make_init_fn, model_spec, split_model
+from jaxlight.step._step import build_eval_step, build_params_transform, build_predict_step
 
 
 def abstract_global_batch(batch: Any) -> Any:
@@ -144,7 +145,8 @@ class Session:
 
     @property
     def spec(self):
-        """The module's abstract spec (`jaxlight._state.ModelSpec`): graphdefs, abstract state,
+        """The module's abstract spec (`jaxlight.state._state.ModelSpec`): graphdefs, abstract
+        state,
         logical axes, frozen mask."""
         return self._spec
 

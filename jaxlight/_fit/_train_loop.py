@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxlight import _batch
 from jaxlight._errors import DataError, TrainingStopped
 from jaxlight._fit._config import (
     FitConfig,
@@ -34,13 +33,14 @@ from jaxlight._fit._hooks import Hooks, MetricLog
 from jaxlight._fit._loop_state import LoopState
 from jaxlight._fit._partial import PartialStep
 from jaxlight._fit._session import Session, abstract_global_batch
-from jaxlight._metrics import EpochAccumulator
-from jaxlight._microbatch import GroupTransfer, stack_batches
-from jaxlight._user_step import tracing_for
 from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher, prefetch_depth
+from jaxlight.metrics._metrics import EpochAccumulator
+from jaxlight.sharding import _batch
+from jaxlight.step._microbatch import GroupTransfer, stack_batches
+from jaxlight.step._user_step import tracing_for
 
 #: Steps dispatched to the device that the host has not waited for, at most (module docstring).
 MAX_IN_FLIGHT = 2

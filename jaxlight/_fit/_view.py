@@ -12,13 +12,13 @@ from typing import Any
 import jax
 
 from jaxlight import strategies as _strategies
-from jaxlight._ckpt_paths import CheckpointLocation
 from jaxlight._fit._config import validates_after_step, validation_interval
 from jaxlight._fit._resume import checkpoint_locations
 from jaxlight._fit._session import Session
-from jaxlight._state import TrainState
 from jaxlight.callbacks._accumulation import batches_per_step
+from jaxlight.checkpoint._paths import CheckpointLocation
 from jaxlight.data._feed import TrainFeed
+from jaxlight.state._state import TrainState
 
 
 class FitView:

@@ -78,7 +78,7 @@ class GradientAccumulation(Microbatches):
     `batch_idx` and `limit_train_batches` count loader batches.
 
     jaxlight keeps it one compiled step with one gradient collective: the loop stacks the k
-    batches (`jaxlight._microbatch.stack_batches`) and the step scans them as `Microbatches`
+    batches (`jaxlight.step._microbatch.stack_batches`) and the step scans them as `Microbatches`
     scans microbatches (the short last group is padded with zero-weight copies, so no second
     step is compiled). `on_train_batch_start`/`on_train_batch_end` run once per optimizer step,
     with the group's last batch and its `batch_idx` (Lightning calls them for every batch).

@@ -12,7 +12,7 @@ from jaxlight._errors import ConfigurationTypeError
 class StepTransform:
     """The pieces a callback may contribute to the compiled training step (identity by default).
 
-    `jaxlight/_step.py` composes them, and nothing else does, in this order (innermost first):
+    `jaxlight/step/_step.py` composes them, and nothing else does, in this order (innermost first):
     `transform_params` at state creation; `transform_loss_for_step` (`transform_loss`),
     `transform_grad`,
     `gradient_computation`, then the strategy's reduction, `process_gradients`,

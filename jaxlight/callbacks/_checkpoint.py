@@ -10,10 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._ckpt_paths import default_dirpath
-from jaxlight._ckpt_writer import CheckpointWriter, join_best
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
+from jaxlight.checkpoint._paths import default_dirpath
+from jaxlight.checkpoint._writer import CheckpointWriter, join_best
 
 
 def _positive_or_none(name: str, value: Any) -> None:

@@ -2,7 +2,8 @@
 `LearningRateFinder`, `BatchSizeFinder`).
 
 The learning-rate sweep is a short fit of its own: the module's optimizer, built at a unit
-learning rate, has its updates multiplied by the sweep's rate (`jaxlight._optim.Scheduler`,
+learning rate, has its updates multiplied by the sweep's rate
+(`jaxlight.schedules._scheduler.Scheduler`,
 the way every jaxlight schedule is applied: Adam, SGD and AdamW updates are linear in the
 rate), computed inside the one compiled step from the step counter. Its losses reach the host
 one step late, as every logged metric does, so the early stop comes a step after Lightning's
@@ -32,8 +33,9 @@ from jaxlight._errors import (
     MissingDependency,
     ShardingError,
 )
-from jaxlight._optim import Scheduler, as_transformation
 from jaxlight.callbacks._base import Callback, StepTransform
+from jaxlight.schedules._configure import as_transformation
+from jaxlight.schedules._scheduler import Scheduler
 
 __all__ = ["BatchSizeFinder", "LRFinder", "LearningRateFinder", "Tuner", "search_batch_size"]
 

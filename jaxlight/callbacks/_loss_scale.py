@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._optim import one_state_of, states_of
+from jaxlight.schedules._scheduler import one_state_of, states_of
 
 
 class LossScaleState(NamedTuple):

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxlight._optim import Scheduler, current_factor, states_of
 from jaxlight.callbacks._base import Callback
 from jaxlight.optim._named import NamedOptimizers, named_optimizers
+from jaxlight.schedules._scheduler import Scheduler, current_factor, states_of
 
 #: Hyperparameter names read from `optax.inject_hyperparams` states.
 LR_NAMES = ("learning_rate", "lr", "step_size")

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._optim import one_state_of, states_of
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._loss_scale import LossScaleState, ScaledState
+from jaxlight.schedules._scheduler import one_state_of, states_of
 
 
 class NonFiniteState(NamedTuple):

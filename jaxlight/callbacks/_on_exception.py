@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxlight._ckpt_writer import CheckpointWriter
 from jaxlight.callbacks._base import Callback
+from jaxlight.checkpoint._writer import CheckpointWriter
 
 __all__ = ["OnExceptionCheckpoint"]
 

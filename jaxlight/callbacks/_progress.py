@@ -8,9 +8,9 @@ from typing import Any
 
 import jax
 
-from jaxlight._batch import len_or_none
 from jaxlight._errors import ConfigurationError
 from jaxlight.callbacks._base import Callback
+from jaxlight.sharding._batch import len_or_none
 
 
 def total_steps(fit) -> int | None:

@@ -36,11 +36,11 @@ import optax
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError, JaxlightWarning
-from jaxlight._optim import current_factor, one_state_of, states_of
 from jaxlight.callbacks._accumulation import GradientAccumulationScheduler, batches_per_step
 from jaxlight.callbacks._base import Callback
 from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules, visit_closures
 from jaxlight.callbacks._weight_averaging import AvgFn, swa_average
+from jaxlight.schedules._scheduler import current_factor, one_state_of, states_of
 
 __all__ = ["SWAState", "StochasticWeightAveraging", "optimizer_steps_per_epoch"]
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._flops import FlopCount, compiled_flops, device_peak_flops
+from jaxlight.analysis._flops import FlopCount, compiled_flops, device_peak_flops
 from jaxlight.callbacks._base import Callback
 
 _GIB = float(2**30)
@@ -42,7 +42,7 @@ class ThroughputMonitor(Callback):
       batch this process loads, and multiplied by the number of processes);
     - FLOPs per step: `module.flops_per_batch(batch)` when the module declares them (model
       FLOPs of the global batch); otherwise the compiled step's `cost_analysis()` with every
-      loop body counted once per iteration (`jaxlight._flops.compiled_flops`), summed over
+      loop body counted once per iteration (`jaxlight.analysis._flops.compiled_flops`), summed over
       the mesh's devices. The compiled count is what the devices execute: recomputation
       (remat) included, and work every device repeats (the optimizer update of replicated
       parameters under data parallelism) counted on each;

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._optim import one_state_of, states_of
 from jaxlight.callbacks._base import Callback
+from jaxlight.schedules._scheduler import one_state_of, states_of
 
 __all__ = ["EMAWeightAveraging", "WeightAveraging", "average_parameters"]
 

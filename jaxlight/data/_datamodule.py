@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from jaxlight._errors import CheckpointError, ConfigurationError
-from jaxlight._hparams import HyperparametersMixin
+from jaxlight.hparams._hparams import HyperparametersMixin
 
 __all__ = ["LOADERS", "META_KEY", "DataModule", "datamodule_state", "defines"]
 

@@ -19,7 +19,6 @@ to mesh axes.
 | `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
 """
 
-from jaxlight._layout import constrain
 from jaxlight.nn._layers import (
     ATTENTION_IMPLEMENTATIONS,
     MLP,
@@ -47,6 +46,7 @@ from jaxlight.nn.pretrained import (
     generate,
     save_pretrained,
 )
+from jaxlight.sharding._layout import constrain
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",

@@ -59,7 +59,6 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._layout import activation_sharding
 from jaxlight.nn._context_attention import _after
 from jaxlight.nn._pipeline import (
     PipelineConfig,
@@ -70,6 +69,7 @@ from jaxlight.nn._pipeline import (
     split_batch,
 )
 from jaxlight.nn._scan import scan_layers
+from jaxlight.sharding._layout import activation_sharding
 
 
 @jax.custom_vjp

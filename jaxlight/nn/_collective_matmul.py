@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxlight._errors import ShardingError
-from jaxlight._layout import rule_axes
+from jaxlight.sharding._layout import rule_axes
 
 #: Rules put in front of the defaults by `TensorParallel(overlap=True)`: the residual stream
 #: (and every other activation named `activation_embed`) is sharded over `tp` on its width.

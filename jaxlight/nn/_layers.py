@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError, DataError, DataTypeError
-from jaxlight._layout import constrain
 from jaxlight.nn._collective_matmul import active_collective_matmul
 from jaxlight.nn._context_attention import active_context_parallel
+from jaxlight.sharding._layout import constrain
 
 Shape = int | Sequence[int]
 

@@ -57,9 +57,9 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight._layout import activation_sharding
 from jaxlight.nn._context_attention import check_context_length
 from jaxlight.nn._scan import LAYERS, scan_layers
+from jaxlight.sharding._layout import activation_sharding
 
 
 @dataclasses.dataclass

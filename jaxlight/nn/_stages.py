@@ -54,7 +54,6 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._layout import activation_sharding
 from jaxlight.nn._mpmd import STAGE_MODULES, active_mpmd, run_mpmd
 from jaxlight.nn._pipeline import (
     PipelineConfig,
@@ -64,6 +63,7 @@ from jaxlight.nn._pipeline import (
     split_batch,
 )
 from jaxlight.nn._scan import LAYERS, remat_policy
+from jaxlight.sharding._layout import activation_sharding
 
 #: Rows of the packed parameters are padded to a multiple of this (FSDP splits the flat axis).
 PAD = 128

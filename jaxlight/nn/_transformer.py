@@ -15,7 +15,6 @@ import optax
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight._layout import constrain
 from jaxlight.nn._layers import (
     MLP,
     Dense,
@@ -26,6 +25,7 @@ from jaxlight.nn._layers import (
 )
 from jaxlight.nn._stacked import Stacked, remat_policy
 from jaxlight.nn._stages import Stages
+from jaxlight.sharding._layout import constrain
 
 
 @dataclasses.dataclass(frozen=True)

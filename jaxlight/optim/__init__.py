@@ -4,7 +4,7 @@
 (`_named`); with `automatic_optimization = False`, `training_step(self, model, batch, opt)`
 sequences their updates inside the one compiled step (`_manual`). `build_optimizer` and
 `build_train_step` are what the fit's session calls: they hand everything else to
-`jaxlight._step`.
+`jaxlight.step._step`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 import optax
 
-from jaxlight import _step
 from jaxlight.optim._manual import Optimizers, build_manual_step
 from jaxlight.optim._named import NamedOptimizers, named_optimizers, resolve
+from jaxlight.step import _step
 
 __all__ = ["NamedOptimizers", "Optimizers", "build_optimizer", "build_train_step",
            "is_manual", "named_optimizers"]
@@ -29,7 +29,7 @@ def is_manual(module: Any) -> bool:
 
 
 def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransformation, Any]:
-    """`jaxlight._step.build_optimizer`, reading named optimizers too (see `resolve`)."""
+    """`jaxlight.step._step.build_optimizer`, reading named optimizers too (see `resolve`)."""
     tx, scheduler, named = resolve(module)
     if is_manual(module):
         # Only observers see it (LearningRateMonitor); build_manual_step refuses the rest.
@@ -61,6 +61,6 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
 
 def build_train_step(module, graphdef, tx, callbacks: Sequence, strategy, frozen: Any = None,
                      log_spec=None):
-    """`jaxlight._step.build_train_step`, or the manual-optimization step."""
+    """`jaxlight.step._step.build_train_step`, or the manual-optimization step."""
     build = build_manual_step if is_manual(module) else _step.build_train_step
     return build(module, graphdef, tx, callbacks, strategy, frozen=frozen, log_spec=log_spec)

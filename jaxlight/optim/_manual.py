@@ -32,11 +32,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight import _frozen, _metrics
 from jaxlight._errors import ConfigurationError, StepOutputError, suggest
-from jaxlight._step import check_scalar_metrics, split_loss_output
-from jaxlight._user_step import call_user_step
+from jaxlight.metrics import _metrics
 from jaxlight.optim._named import NamedOptimizers, named_optimizers
+from jaxlight.state import _frozen
+from jaxlight.step._step import check_scalar_metrics, split_loss_output
+from jaxlight.step._user_step import call_user_step
 
 GUIDE = "docs/models.md (section 'Several optimizers')"
 

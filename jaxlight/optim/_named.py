@@ -31,10 +31,10 @@ import jax
 import optax
 from flax import nnx
 
-from jaxlight import _optim
 from jaxlight._errors import ConfigurationError, suggest
-from jaxlight._state import abstract_model
 from jaxlight.optim._select import owner_labels
+from jaxlight.schedules import _configure, _scheduler
+from jaxlight.state._state import abstract_model
 
 #: Keys of one named optimizer's dict.
 KEYS = ("name", "params", "optimizer", "lr_scheduler", "monitor")
@@ -51,13 +51,13 @@ class NamedOptimizers:
     Attributes:
         names: the optimizer names, in the order configure_optimizers gave them.
         txs: name -> optax transformation (its scheduler's factor included).
-        schedulers: name -> its `lr_scheduler` (`jaxlight._optim.Scheduler`) or None.
+        schedulers: name -> its `lr_scheduler` (`jaxlight.schedules._scheduler.Scheduler`) or None.
         labels: per parameter (a pure dict like the train state's params), its optimizer's name.
     """
 
     names: tuple[str, ...]
     txs: dict[str, optax.GradientTransformation]
-    schedulers: dict[str, _optim.Scheduler | None]
+    schedulers: dict[str, _scheduler.Scheduler | None]
     labels: Any
 
     def mask(self, name: str) -> Any:
@@ -70,7 +70,7 @@ class NamedOptimizers:
         _REGISTRY[tx.update] = self
         return tx
 
-    def scheduler(self, where: str) -> _optim.Scheduler | None:
+    def scheduler(self, where: str) -> _scheduler.Scheduler | None:
         """The one scheduler the loop runs between steps (see `check_schedulers`)."""
         found = [s for s in self.schedulers.values() if s is not None]
         check_schedulers(found, where)
@@ -148,11 +148,11 @@ def read_named(out: list, module: Any, where: str) -> NamedOptimizers:
         if "optimizer" not in entry:
             raise ConfigurationError(f"{at} ({name!r}) has no 'optimizer' (an optax "
                                      "transformation such as optax.adam(1e-3)).")
-        single = {k: v for k, v in entry.items() if k in _optim.OPTIMIZER_KEYS}
-        tx, scheduler = _optim.resolve_output(single, f"{where}[{name!r}]")
+        single = {k: v for k, v in entry.items() if k in _configure.OPTIMIZER_KEYS}
+        tx, scheduler = _configure.resolve_output(single, f"{where}[{name!r}]")
         if scheduler is not None and scheduler.name is None:
             scheduler = dataclasses.replace(scheduler, name=f"lr-{name}")
-            tx = scheduler.wrap(_optim.as_transformation(single["optimizer"]))
+            tx = scheduler.wrap(_configure.as_transformation(single["optimizer"]))
         names.append(name)
         txs[name], schedulers[name], bindings[name] = tx, scheduler, entry["params"]
     _, _, params_state, _ = abstract_model(module)
@@ -170,7 +170,7 @@ def single_named(tx: optax.GradientTransformation, scheduler, module: Any) -> Na
                            labels)
 
 
-def resolve(module: Any) -> tuple[optax.GradientTransformation, _optim.Scheduler | None,
+def resolve(module: Any) -> tuple[optax.GradientTransformation, _scheduler.Scheduler | None,
                                    NamedOptimizers | None]:
     """Reads `configure_optimizers()`: one optax transformation, Lightning's dict, or named
     optimizers. Returns `(tx, scheduler, named)`; `named` is None for a single optimizer under
@@ -183,7 +183,7 @@ def resolve(module: Any) -> tuple[optax.GradientTransformation, _optim.Scheduler
         return named.transformation(), named.scheduler(where), named
     if isinstance(out, list | tuple) and len(out) == 1:
         out = out[0]
-    tx, scheduler = _optim.resolve_output(out, where)
+    tx, scheduler = _configure.resolve_output(out, where)
     if not manual:
         return tx, scheduler, None
     named = single_named(tx, scheduler, module)

@@ -2,7 +2,7 @@
 
 A post-training module builds `PolicyAndReference(policy, reference)` in `configure_model` and
 sets `trainable = POLICY`. Everything else follows from how jaxlight treats parameters a module
-does not train (`jaxlight/_frozen.py`): the reference's weights ride in `TrainState.rest`,
+does not train (`jaxlight/state/_frozen.py`): the reference's weights ride in `TrainState.rest`,
 sharded by the same rules as the policy's (same logical axes or paths, so the same layout), get
 no gradient and no optimizer slot, and checkpoints record only their shape, dtype and
 fingerprint; on resume `configure_model` rebuilds them from their source (a pretrained

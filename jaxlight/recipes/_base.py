@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jaxlight._errors import ConfigurationError, suggest
-from jaxlight._module import TrainModule
+from jaxlight.module._module import TrainModule
 
 
 def option(default: Any, help: str) -> Any:  # noqa: A002 - `help` reads best at the call site

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxlight import distributed
 from jaxlight._errors import ConfigurationError
-from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
     DecoderLM,
     Tokenizer,

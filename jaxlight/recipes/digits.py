@@ -27,8 +27,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.module._module import TrainModule
 from jaxlight.nn import Stacked
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 

@@ -38,8 +38,8 @@ from flax import nnx
 
 from jaxlight import distributed, posttrain
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
     DecoderLM,
     Tokenizer,

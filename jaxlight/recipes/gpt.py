@@ -48,10 +48,10 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxlight import distributed
-from jaxlight._cache import cache_home
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight._module import TrainModule
+from jaxlight._fit._cache import cache_home
 from jaxlight.data import ArrayLoader, RecordSource, write_records
+from jaxlight.module._module import TrainModule
 from jaxlight.nn import TransformerConfig, TransformerLM
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 

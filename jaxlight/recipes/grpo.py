@@ -51,7 +51,7 @@ from flax import nnx
 
 from jaxlight import posttrain
 from jaxlight._errors import ConfigurationError, DataError, MissingAttributeError
-from jaxlight._module import TrainModule
+from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
     DecoderLM,
     Tokenizer,

@@ -49,8 +49,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight._errors import CheckpointError, ConfigurationError
-from jaxlight._module import TrainModule
 from jaxlight.data import ArrayLoader
+from jaxlight.module._module import TrainModule
 from jaxlight.nn import TransformerLM
 from jaxlight.recipes import gpt
 from jaxlight.recipes._base import Recipe, RecipeData, option, section

@@ -15,8 +15,8 @@ abstractly, no parameter materialized) and the first batch's shapes, Auto:
    exceed the memory budget;
 3. compiles the survivors' training steps ahead of time on abstract inputs, least sharded
    first, and reads per-device bytes from `compiled.memory_analysis()` (arguments + outputs +
-   temporaries - aliased), FLOPs (`jaxlight._flops`, loops counted in full), bytes accessed
-   (`cost_analysis()`) and collective traffic from the HLO (`jaxlight._hlo`);
+   temporaries - aliased), FLOPs (`jaxlight.analysis._flops`, loops counted in full), bytes accessed
+   (`cost_analysis()`) and collective traffic from the HLO (`jaxlight.analysis._hlo`);
 4. predicts each step's time with a roofline per device kind (`DEVICE_TABLE`,
    `jaxlight/strategies/_roofline.py`):
    `max(FLOPs / peak, bytes accessed / memory bandwidth) + sum(collective traffic / bandwidth
@@ -44,8 +44,8 @@ from typing import Any
 import jax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._flops import compiled_flops
-from jaxlight._hlo import collectives
+from jaxlight.analysis._flops import compiled_flops
+from jaxlight.analysis._hlo import collectives
 from jaxlight.distributed._agreement import agree_max
 from jaxlight.strategies._auto_candidates import (
     Candidate,

@@ -10,8 +10,8 @@ import math
 import jax
 
 from jaxlight._errors import JaxlightError
-from jaxlight._layout import axes_of
 from jaxlight.nn._mpmd import stage_index
+from jaxlight.sharding._layout import axes_of
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._paths import place

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxlight._errors import NotSetUpError
-from jaxlight._layout import require_divisible
-from jaxlight._microbatch import accumulate_locally
+from jaxlight.sharding._layout import require_divisible
+from jaxlight.step._microbatch import accumulate_locally
 
 
 class Strategy(abc.ABC):

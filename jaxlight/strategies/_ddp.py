@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._microbatch import accumulate_locally
-from jaxlight._replica_rng import replica_draws
+from jaxlight.sharding._replica_rng import replica_draws
+from jaxlight.step._microbatch import accumulate_locally
 from jaxlight.strategies._base import Strategy
 
 #: The pmap axis name (`lax.pmean(x, AXIS)` inside the step).
@@ -237,7 +237,8 @@ class DDP(Strategy):
 
     def gradient_fn(self, grad_fn: Callable) -> Callable:
         """`grad_fn` per replica, each drawing its own rows of the single-device random draws
-        (`jaxlight._replica_rng`): without it every replica would draw the same dropout mask."""
+        (`jaxlight.sharding._replica_rng`): without it every replica would draw the same dropout
+        mask."""
         drawn = replica_draws(grad_fn, AXIS)
 
         def per_replica_grad_fn(params, rest, batch):

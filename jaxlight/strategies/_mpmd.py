@@ -22,9 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._layout import require_divisible
 from jaxlight.nn._mpmd import STAGE_MODULES, MpmdConfig, mpmd_context, stage_index
 from jaxlight.nn._pipeline import bubble_fraction
+from jaxlight.sharding._layout import require_divisible
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd_runtime import MpmdProgram
 from jaxlight.strategies._pipelined import (

@@ -40,7 +40,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._flops import compiled_flops
+from jaxlight.analysis._flops import compiled_flops
 from jaxlight.nn._mpmd import STAGE_PREFIX
 from jaxlight.strategies._roofline import bytes_accessed
 

@@ -4,7 +4,8 @@
 axes `partition_spec` maps to mesh axes, and says where they came from:
 
 1. a parameter's own annotation (`nnx.with_partitioning`), unless `override_annotations`;
-2. else the first path rule (`jaxlight._layout.match_path`) found in the parameter's `keystr`
+2. else the first path rule (`jaxlight.sharding._layout.match_path`) found in the parameter's
+`keystr`
    path within its collection (`['blocks'][0]['attn']['query']['kernel']`, the path `Fit.plan`
    shows) with one axis per dimension;
 3. else nothing: the strategy's fallback (FSDP shards the largest divisible dimension, the
@@ -27,7 +28,7 @@ from typing import Any
 import jax
 
 from jaxlight._errors import JaxlightWarning
-from jaxlight._layout import match_path
+from jaxlight.sharding._layout import match_path
 from jaxlight.strategies._rules import ACTIVATION_NAMES, MESH_AXES, PathRule
 
 #: The collections of the train state whose arrays path rules place, by their own paths.

@@ -25,8 +25,7 @@ from typing import Any
 import jax
 
 from jaxlight._errors import ConfigurationError
-from jaxlight._hlo import collectives, summarize
-from jaxlight._layout import is_axes, require_divisible
+from jaxlight.analysis._hlo import collectives, summarize
 from jaxlight.nn._mpmd import stage_index
 from jaxlight.nn._pipeline import (
     PipelineConfig,
@@ -35,6 +34,7 @@ from jaxlight.nn._pipeline import (
     schedule_iterations,
 )
 from jaxlight.nn._scan import LAYERS
+from jaxlight.sharding._layout import is_axes, require_divisible
 
 PIPE = "pipe"
 
@@ -227,7 +227,8 @@ class Pipelined:
 def schedule_stats(hlo_text: str) -> dict[str, Any]:
     """Reads the pipeline schedule back from a compiled step's HLO (`compiled.as_text()`).
 
-    Uses `jaxlight._hlo.collectives`, which counts an instruction inside a `while` body once
+    Uses `jaxlight.analysis._hlo.collectives`, which counts an instruction inside a `while` body
+    once
     per iteration (XLA's `known_trip_count`). The schedule's loops are where its permutes are:
     one collective-permute in the forward loop body and one in the backward loop body, each
     executed once per iteration.
@@ -240,7 +241,7 @@ def schedule_stats(hlo_text: str) -> dict[str, Any]:
         `schedule_permute_bytes`: those of the permutes inside loops (run more than once per
         step: the schedule's), without the one-off permutes XLA uses elsewhere (the
         interleaved schedule's relayout of the stack);
-        `other_collectives`: `jaxlight._hlo.summarize` totals of the other kinds.
+        `other_collectives`: `jaxlight.analysis._hlo.summarize` totals of the other kinds.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -147,7 +147,7 @@ def predicted_step_seconds(flops: float, accessed: float | None, collectives: Se
     Args:
         flops: FLOPs per device and step (loops counted in full).
         accessed: bytes accessed per device and step (`cost_analysis()`), or None.
-        collectives: the step's collectives (`jaxlight._hlo.collectives`).
+        collectives: the step's collectives (`jaxlight.analysis._hlo.collectives`).
         strategy: the layout's strategy, set up (its mesh says which links a group crosses).
         spec: the device kind's figures.
     """

@@ -32,7 +32,8 @@ matches. A key that is a plain name (letters, digits, `_`) names a logical axis;
 or an `re.compile(...)` pattern, is a path rule. A path rule gives a parameter its logical axes
 (parameters with annotations keep theirs unless the strategy has `override_annotations=True`),
 which then map to mesh axes through the logical rows of the same table: one lookup
-(`jaxlight._layout.partition_spec`) places every array. Ready-made path rules for stock Flax NNX
+(`jaxlight.sharding._layout.partition_spec`) places every array. Ready-made path rules for stock
+Flax NNX
 layers are in `jaxlight.strategies.rules`.
 """
 
@@ -48,9 +49,9 @@ import yaml
 
 from jaxlight._errors import ConfigurationError, suggest
 
-# The lookup and the activation constraints live in the leaf `jaxlight._layout` (jaxlight.nn
-# uses them too); they are re-exported here, next to the rules they read.
-from jaxlight._layout import (  # noqa: F401
+# The lookup and the activation constraints live in the leaf `jaxlight.sharding._layout`
+# (jaxlight.nn uses them too); they are re-exported here, next to the rules they read.
+from jaxlight.sharding._layout import (  # noqa: F401
     PathRule,
     activation_sharding,
     axes_of,

@@ -18,18 +18,18 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxlight._errors import ConfigurationError, ShardingError
-from jaxlight._layout import axes_of, partition_spec, spmd_context
-from jaxlight._microbatch import (
-    accumulate_locally,
-    accumulate_per_replica,
-    param_layout,
-    traced_param_specs,
-)
 from jaxlight.nn._collective_matmul import OVERLAP_RULES, overlapped
 from jaxlight.nn._context_attention import (
     DEFAULT_CONTEXT_ALGORITHM,
     check_context_algorithm,
     context_parallel,
+)
+from jaxlight.sharding._layout import axes_of, partition_spec, spmd_context
+from jaxlight.step._microbatch import (
+    accumulate_locally,
+    accumulate_per_replica,
+    param_layout,
+    traced_param_specs,
 )
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._paths import Placement, place, warn_unused
@@ -209,7 +209,7 @@ class SpmdStrategy(Strategy):
         """Microbatched `grad_fn` whose gradient collective runs once per step, not per microbatch.
 
         The scan runs per data-parallel replica inside `jax.shard_map` (manual over the batch
-        axes, automatic over `tp`) and one fp32 psum follows it (`jaxlight._microbatch`).
+        axes, automatic over `tp`) and one fp32 psum follows it (`jaxlight.step._microbatch`).
         Without batch axes (one device, pure tensor parallelism) it is a plain scan. With
         `sync_every_microbatch` it is a plain scan over the global batch: XLA gathers and
         reduces per microbatch and parameters and accumulator stay sharded (FSDP's memory).

@@ -36,7 +36,7 @@ A set that matches no parameter of the model warns once (not once per rule).
 
 from __future__ import annotations
 
-from jaxlight._layout import PathRule
+from jaxlight.sharding._layout import PathRule
 
 __all__ = ["NNX", "NNX_ATTENTION", "NNX_EMBED", "NNX_MLP", "NNX_NORM", "SETS"]
 

@@ -61,7 +61,7 @@ def test_16_mixed_matches_fp32_within_fp16_tolerance():
 
 
 def test_16_mixed_dots_are_float16():
-    from jaxlight._step import build_train_step
+    from jaxlight.step._step import build_train_step
 
     fit = jl.Fit("single", max_steps=1, precision="16-mixed", enable_progress_bar=False,
                  logger=False)

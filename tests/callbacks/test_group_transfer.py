@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxlight._microbatch import Accumulated, GroupTransfer, stack_batches
+from jaxlight.step._microbatch import Accumulated, GroupTransfer, stack_batches
 
 
 def _batches(n: int, rows: int = 3):

@@ -17,7 +17,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._preemption import Preempted
+from jaxlight._fit._preemption import Preempted
 from tests.models import Classifier, classification_data
 
 

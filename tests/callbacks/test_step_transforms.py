@@ -16,8 +16,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
-from jaxlight._hlo import summarize
-from jaxlight._microbatch import accumulate_locally
+from jaxlight.analysis._hlo import summarize
+from jaxlight.step._microbatch import accumulate_locally
 from tests.models import Classifier, classification_data
 
 FP32_RTOL = 1e-5
@@ -285,7 +285,7 @@ def _lowered_text(strategy, cbs) -> str:
     optimizes, so the dtype policy is checked where it is decided; accelerators keep it."""
     import jax
 
-    from jaxlight._step import build_train_step
+    from jaxlight.step._step import build_train_step
 
     fit, _ = _fit(strategy, cbs)
     module = Net()

@@ -11,8 +11,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._optim import states_of
 from jaxlight.callbacks._swa import SWAState
+from jaxlight.schedules._scheduler import states_of
 
 
 class Lin(jl.TrainModule):

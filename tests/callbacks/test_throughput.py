@@ -12,7 +12,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
-from jaxlight._flops import compiled_flops, device_peak_flops
+from jaxlight.analysis._flops import compiled_flops, device_peak_flops
 from jaxlight.callbacks._lr_monitor import find_schedules
 from tests.models import Classifier, classification_data
 

@@ -13,8 +13,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._optim import states_of
 from jaxlight.callbacks._weight_averaging import AveragingState
+from jaxlight.schedules._scheduler import states_of
 
 
 class Lin(jl.TrainModule):

@@ -16,7 +16,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps
+from jaxlight.checkpoint._restore import complete_steps
 from tests.checkpoint._common import loader, make_fit
 from tests.checkpoint._proc import Child
 from tests.models import Classifier

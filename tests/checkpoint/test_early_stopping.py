@@ -5,7 +5,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import read_meta
+from jaxlight.checkpoint._restore import read_meta
 from tests.checkpoint._common import loader, make_fit
 from tests.models import Classifier, classification_data
 

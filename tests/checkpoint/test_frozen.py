@@ -12,9 +12,9 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps, read_meta
-from jaxlight._state import model_spec
+from jaxlight.checkpoint._restore import complete_steps, read_meta
 from jaxlight.recipes import sft
+from jaxlight.state._state import model_spec
 from tests.checkpoint._common import AnnotatedClassifier, assert_bitwise, make_fit, make_strategy
 from tests.recipes._small import TINY_LM
 

@@ -11,7 +11,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps, read_meta
+from jaxlight.checkpoint._restore import complete_steps, read_meta
 from tests.checkpoint._common import (
     AnnotatedClassifier,
     DropoutClassifier,
@@ -138,7 +138,7 @@ def test_top_k_by_monitored_metric_and_best_and_last(tmp_path):
         assert record_ == {"name": "val_loss", "value": logged[step], "mode": "max"}
     assert ckpt.best_step == 2 and ckpt.best_model_score == logged[2]
 
-    from jaxlight._checkpoint import resolve_checkpoint
+    from jaxlight.checkpoint._restore import resolve_checkpoint
 
     assert resolve_checkpoint(fit, "best") == os.path.abspath("ckpt/2")
     assert resolve_checkpoint(fit, "last") == os.path.abspath("ckpt/10")
@@ -174,7 +174,7 @@ def test_nonfinite_monitored_value_never_replaces_a_good_checkpoint(tmp_path):
     assert math.isfinite(read_meta(f"ckpt/{best}")["monitor"]["value"])
     assert complete_steps("ckpt") == [best, 8]  # the best (finite) and the last (NaN)
     assert math.isnan(read_meta("ckpt/8")["monitor"]["value"])
-    from jaxlight._checkpoint import resolve_checkpoint
+    from jaxlight.checkpoint._restore import resolve_checkpoint
 
     assert resolve_checkpoint(fit, "best") == os.path.abspath(f"ckpt/{best}")
     model = jl.load_checkpoint(resolve_checkpoint(fit, "best"), Classifier())

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps
-from jaxlight._preemption import Preempted
+from jaxlight._fit._preemption import Preempted
+from jaxlight.checkpoint._restore import complete_steps
 from tests.checkpoint._common import SlowBatches, assert_bitwise, loader, make_fit, params_of
 from tests.checkpoint._proc import Child
 from tests.models import Classifier
@@ -69,7 +69,7 @@ def test_sigusr1_finishes_the_step_checkpoints_and_exits(tmp_path):
 def test_sigterm_to_one_of_two_processes_checkpoints_the_same_step_on_both(tmp_path):
     # 2 processes x 4 devices, FSDP over all 8: each process writes its own shards. Only rank 1
     # gets SIGTERM; JAX's coordination service makes both save the same step and exit.
-    from jaxlight._launch import child_env, free_port
+    from jaxlight.distributed._launch import child_env, free_port
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     port, ckpt_dir = free_port(), str(tmp_path / "ckpt")

@@ -4,8 +4,8 @@ from Python and from the command line, in an empty folder (the requeue path)."""
 import os
 
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps
 from jaxlight._cli import main, run
+from jaxlight.checkpoint._restore import complete_steps
 from tests.checkpoint._common import loader, make_fit
 from tests.models import Classifier
 

@@ -6,7 +6,7 @@ import signal
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps
+from jaxlight.checkpoint._restore import complete_steps
 from tests.checkpoint._common import assert_bitwise, loader, make_fit, params_of
 from tests.checkpoint._proc import Child
 from tests.models import Classifier

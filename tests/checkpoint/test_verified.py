@@ -13,7 +13,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import complete_steps
+from jaxlight.checkpoint._restore import complete_steps
 from tests.checkpoint._common import assert_bitwise, make_fit, params_of
 from tests.models import Classifier, classification_data
 
@@ -127,7 +127,7 @@ def test_the_save_snapshot_keeps_values_shardings_and_digests():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxlight import _verify
+    from jaxlight.checkpoint import _verify
 
     mesh = jax.make_mesh((4, 2), ("data", "model"))
     rng = np.random.default_rng(0)

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("grain")
 
-from jaxlight._launch import child_env, free_port  # noqa: E402
+from jaxlight.distributed._launch import child_env, free_port  # noqa: E402
 from tests.checkpoint._proc import Child, kill_leftovers  # noqa: E402
 from tests.data import _grain  # noqa: E402
 

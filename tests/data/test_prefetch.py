@@ -9,7 +9,7 @@ import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight._checkpoint import read_meta
+from jaxlight.checkpoint._restore import read_meta
 from jaxlight.data._prefetch import prefetch_depth
 from tests.checkpoint._common import assert_bitwise, loader, make_fit, params_of
 from tests.models import Classifier, classification_data

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-from jaxlight._launch import child_env, free_port
+from jaxlight.distributed._launch import child_env, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,8 +14,8 @@ import pytest
 import jaxlight as jl
 from jaxlight import ConfigurationError, distributed
 from jaxlight._cli import main as cli_main
-from jaxlight._launch import child_env
-from jaxlight._launch import main as launch_main
+from jaxlight.distributed._launch import child_env
+from jaxlight.distributed._launch import main as launch_main
 
 TORCHRUN = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "3", "WORLD_SIZE": "4",
             "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxlight import nn
-from jaxlight._state import model_spec
+from jaxlight.state._state import model_spec
 
 
 def test_dense_tuple_features_and_axes():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxlight import nn
-from jaxlight._state import model_spec
+from jaxlight.state._state import model_spec
 
 
 class Block(nnx.Module):
@@ -72,7 +72,7 @@ def test_num_layers_must_be_positive():
 
 def test_remat_policy_sets_what_the_backward_pass_recomputes():
     """Compiled FLOPs of a gradient: "none" < "dots" < "full" (full recomputes the matmuls)."""
-    from jaxlight._flops import compiled_flops
+    from jaxlight.analysis._flops import compiled_flops
 
     class MatBlock(nnx.Module):
         def __init__(self, rngs):

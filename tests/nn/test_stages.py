@@ -11,8 +11,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
-from jaxlight._state import model_spec
-from jaxlight._step import build_optimizer
+from jaxlight.state._state import model_spec
+from jaxlight.step._step import build_optimizer
 from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data

@@ -12,7 +12,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
-from jaxlight._hlo import collectives
+from jaxlight.analysis._hlo import collectives
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
 from tests.pipeline_runs import kill_at, logged_fit
 

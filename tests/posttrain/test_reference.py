@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, posttrain
-from jaxlight._checkpoint import complete_steps, read_meta
+from jaxlight.checkpoint._restore import complete_steps, read_meta
 from tests.checkpoint._common import assert_bitwise, make_fit
 from tests.strategies.lm import TinyLM, token_batches
 

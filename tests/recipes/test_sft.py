@@ -99,7 +99,7 @@ def test_lora_fine_tuning_raises_exact_match_and_freezes_the_base():
 def test_full_fine_tuning_without_lora_trains_every_parameter():
     import optax
 
-    from jaxlight._state import model_spec
+    from jaxlight.state._state import model_spec
 
     _, config = small("sft", **{"lora.rank": 0})
     module = sft.FineTuner(model=vars(config.model), lora_rank=0)

@@ -19,7 +19,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, schedules
-from jaxlight._optim import states_of
+from jaxlight.schedules._scheduler import states_of
 
 CASES = json.loads((pathlib.Path(__file__).parent / "torch_plateau.json").read_text())["cases"]
 

@@ -17,8 +17,8 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import nn, strategies
 from jaxlight._fit import abstract_global_batch
-from jaxlight._state import model_spec
-from jaxlight._step import build_optimizer
+from jaxlight.state._state import model_spec
+from jaxlight.step._step import build_optimizer
 from tests.models import Classifier, classification_data
 from tests.strategies.lm import TinyLM, token_batches
 

@@ -22,11 +22,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
-from jaxlight import _hlo, callbacks, strategies
-from jaxlight._state import model_spec
-from jaxlight._step import build_optimizer
+from jaxlight import callbacks, strategies
+from jaxlight.analysis import _hlo
 from jaxlight.nn import causal_attention
 from jaxlight.nn._context_attention import context_parallel
+from jaxlight.state._state import model_spec
+from jaxlight.step._step import build_optimizer
 from jaxlight.strategies._auto_candidates import enumerate_candidates
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.pipeline_runs import kill_child_at

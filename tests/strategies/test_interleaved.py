@@ -9,10 +9,10 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
-from jaxlight._state import model_spec
-from jaxlight._step import build_optimizer
 from jaxlight.nn._circular import relayout_plan
 from jaxlight.nn._pipeline import bubble_fraction, schedule_iterations
+from jaxlight.state._state import model_spec
+from jaxlight.step._step import build_optimizer
 from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import StageMLP, stage_data

@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec
 
 import jaxlight as jl
 from jaxlight import strategies
-from jaxlight._layout import logical_to_spec, partition_spec, rule_axes
+from jaxlight.sharding._layout import logical_to_spec, partition_spec, rule_axes
 from jaxlight.strategies._rules import DEFAULT_RULES, fill_mesh_shape, parse_mesh_shape
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import nn, strategies
-from jaxlight._hlo import collectives, summarize
+from jaxlight.analysis._hlo import collectives, summarize
 from jaxlight.callbacks import Callback
 from jaxlight.strategies.rules import NNX
 
@@ -401,8 +401,8 @@ def test_mesh_axes_and_aliases_work_as_names():
 
 
 def test_auto_considers_tensor_parallelism_from_path_rules():
-    from jaxlight._state import model_spec
-    from jaxlight._step import build_optimizer
+    from jaxlight.state._state import model_spec
+    from jaxlight.step._step import build_optimizer
 
     module = Classify()
     spec = model_spec(module, build_optimizer(module, [])[0], 0)

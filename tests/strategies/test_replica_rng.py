@@ -2,7 +2,7 @@
 
 DDP, FSDP's gather-once layout and accumulation under SPMD run the step once per replica on its
 rows. Every replica used to draw the same mask for its rows; now each draws its rows of the
-single-device draw (jaxlight/_replica_rng.py), so masks differ across replicas and the run
+single-device draw (jaxlight/sharding/_replica_rng.py), so masks differ across replicas and the run
 equals the single-device run with the same global batch and accumulation.
 
 The probe reads the masks back exactly: `w[p] -= lr · d loss / d w[p]` with a loss that picks

@@ -23,8 +23,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxlight as jl
-from jaxlight import _hlo, callbacks, strategies
+from jaxlight import callbacks, strategies
 from jaxlight._errors import ShardingError
+from jaxlight.analysis import _hlo
 from jaxlight.callbacks import Callback
 from jaxlight.nn import Dense
 from jaxlight.nn._collective_matmul import collective_matmul_context

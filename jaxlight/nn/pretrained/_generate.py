@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlight import distributed
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight._layout import constrain
 from jaxlight.nn.pretrained._model import DecoderLM, padded_positions
+from jaxlight.sharding._layout import constrain
 
 _CACHE = (None, "batch", None, "activation_heads", "activation_kv")
 

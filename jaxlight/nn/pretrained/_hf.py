@@ -27,10 +27,10 @@ from flax import nnx
 
 from jaxlight import distributed, strategies
 from jaxlight._errors import CheckpointError, ConfigurationError
-from jaxlight._state import TrainState, logical_names
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
+from jaxlight.state._state import TrainState, logical_names
 
 #: Files of a model directory that are the tokenizer and chat template (copied by
 #: `save_pretrained(..., tokenizer_from=...)`).

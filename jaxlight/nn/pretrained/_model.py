@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 
 from jaxlight._errors import DataError, DataTypeError
-from jaxlight._layout import constrain
 from jaxlight.nn._layers import Dense, Embed, annotated_param
 from jaxlight.nn._scan import LAYERS, remat_policy
 from jaxlight.nn._stacked import Stacked
 from jaxlight.nn.pretrained._config import DecoderConfig
+from jaxlight.sharding._layout import constrain
 
 _HEADS = ("batch", "length", "activation_heads", "activation_kv")
 

@@ -1,5 +1,5 @@
 """Parsing optimized HLO text (`compiled.as_text()`): computations, instructions, shapes,
-attributes and loop trip counts, for counting FLOPs (`jaxlight._flops`)."""
+attributes and loop trip counts, for counting FLOPs (`jaxlight.analysis._flops`)."""
 
 from __future__ import annotations
 

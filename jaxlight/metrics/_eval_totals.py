@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlight._errors import ConfigurationError, StepOutputError
-from jaxlight._metrics import LogCollector, as_scalar, is_mergeable
+from jaxlight.metrics._metrics import LogCollector, as_scalar, is_mergeable
 
 
 class EvalSpec:

@@ -7,16 +7,18 @@ from typing import Any
 import optax
 from flax import nnx
 
-from jaxlight import _checkpoint, _hparams, _metrics
 from jaxlight._errors import (
     ConfigurationError,
     MissingAttributeError,
     MissingMethodError,
     PortingError,
 )
-from jaxlight._module_hooks import ModuleHooks
-from jaxlight._porting import GUIDE
 from jaxlight.callbacks._base import Logger
+from jaxlight.checkpoint import _restore
+from jaxlight.hparams import _hparams
+from jaxlight.metrics import _metrics
+from jaxlight.module._hooks import ModuleHooks
+from jaxlight.module._porting import GUIDE
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -30,7 +32,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
     must not read host state that changes between steps.
 
     Hooks with Lightning's names (`on_train_epoch_end(self)`, `setup(self, stage)`, ...; see
-    `jaxlight._module_hooks`) run when defined here, after the callbacks' hooks of that name.
+    `jaxlight.module._hooks`) run when defined here, after the callbacks' hooks of that name.
 
     Constructor arguments are recorded as hyperparameters (`module.hparams`, attribute access
     like `module.hparams.lr`) without any call from the subclass; `self.save_hyperparameters()`
@@ -81,11 +83,11 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             >>> module = Classifier.load_from_checkpoint("checkpoints/100")  # doctest: +SKIP
             >>> logits = module.model(x)  # doctest: +SKIP
         """
-        step_dir = _checkpoint.resolve_checkpoint(None, path)
+        step_dir = _restore.resolve_checkpoint(None, path)
         if step_dir is None:
-            raise _checkpoint.CheckpointError(f"{path!r}: no checkpoint has been saved there yet.")
-        module = _hparams.rebuild(cls, _checkpoint.read_meta(step_dir), step_dir, hparams)
-        _checkpoint.load_checkpoint(step_dir, module, strategy)
+            raise _restore.CheckpointError(f"{path!r}: no checkpoint has been saved there yet.")
+        module = _hparams.rebuild(cls, _restore.read_meta(step_dir), step_dir, hparams)
+        _restore.load_checkpoint(step_dir, module, strategy)
         module.model.eval()
         return module
 
@@ -241,7 +243,8 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
 
     def __call__(self, *args, **kwargs):
         # Lightning's self(x) runs forward; here the model is the step's argument. Setup finds
-        # self(x) in the step's source (jaxlight._porting); this catches it where no source is.
+        # self(x) in the step's source (jaxlight.module._porting); this catches it where no source
+        # is.
         raise PortingError(
             f"{type(self).__name__}(...) was called, Lightning's self(x); a TrainModule holds no "
             f"model: call the model the step receives, model(x). See {GUIDE}."

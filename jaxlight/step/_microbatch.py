@@ -34,7 +34,8 @@ is the full-batch mean, and so is the gradient. Non-gradient variables (`rest`: 
 RNG counters) are threaded through the microbatches in order; per replica, floating ones are then
 averaged over replicas, so batch statistics are per-replica statistics as in DDP. Random draws
 inside the per-replica scan are each replica's rows of the single-device draw
-(`jaxlight._replica_rng`): dropout masks differ across replicas and microbatches exactly as on one
+(`jaxlight.sharding._replica_rng`): dropout masks differ across replicas and microbatches exactly
+as on one
 device.
 """
 
@@ -51,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxlight._layout import activation_sharding, axes_of, require_divisible
-from jaxlight._replica_rng import replica_draws
+from jaxlight.sharding._layout import activation_sharding, axes_of, require_divisible
+from jaxlight.sharding._replica_rng import replica_draws
 
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
 

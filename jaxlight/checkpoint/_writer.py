@@ -12,8 +12,9 @@ from typing import Any
 
 import jax
 
-from jaxlight import _frozen, _verify
-from jaxlight._ckpt_format import (
+from jaxlight._errors import CheckpointError, JaxlightWarning
+from jaxlight.checkpoint import _verify
+from jaxlight.checkpoint._format import (
     META_ITEM,
     STATE_ITEM,
     build_meta,
@@ -22,9 +23,9 @@ from jaxlight._ckpt_format import (
     state_tree,
     unwrap_keys,
 )
-from jaxlight._ckpt_guard import DirectoryLock, disk_fault
-from jaxlight._ckpt_paths import complete_steps
-from jaxlight._errors import CheckpointError, JaxlightWarning
+from jaxlight.checkpoint._guard import DirectoryLock, disk_fault
+from jaxlight.checkpoint._paths import complete_steps
+from jaxlight.state import _frozen
 
 
 def join_best(best: dict, step: int, value: float | None, k: int, mode: str) -> bool:

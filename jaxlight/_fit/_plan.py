@@ -6,7 +6,7 @@ strategy, callbacks and shardings) without running it, and reports:
 - per parameter: shape, dtype, PartitionSpec, bytes and bytes per device, and what placed it
   (its annotation, the path rule that matched it, or nothing);
 - per device: argument, output, temporary and aliased bytes (`compiled.memory_analysis()`);
-- per step: collectives by kind with their buffer and ring-traffic bytes (`jaxlight._hlo`).
+- per step: collectives by kind with their buffer and ring-traffic bytes (`jaxlight.analysis._hlo`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight._hlo import KINDS, Collective, collectives, summarize
-from jaxlight._layout import PathRule
+from jaxlight.analysis._hlo import KINDS, Collective, collectives, summarize
+from jaxlight.sharding._layout import PathRule
 from jaxlight.strategies._ddp import DDP
 from jaxlight.strategies._mpmd import MpmdGPipe
 
@@ -58,7 +58,7 @@ class Plan:
         opt_state_bytes_per_device: optimizer state one device holds.
         memory: per-device bytes from `compiled.memory_analysis()` (`argument`, `output`,
             `temp`, `alias`, `generated_code`).
-        collectives: every collective of the step (`jaxlight._hlo.Collective`).
+        collectives: every collective of the step (`jaxlight.analysis._hlo.Collective`).
         collective_totals: per kind: `count`, `buffer_bytes`, `traffic_bytes` per step.
         rules: the path rules named in `ParamPlan.rule` ("rules[2]" -> the rule, as text).
         unmatched: parameters with no annotation that no path rule matched (when the strategy

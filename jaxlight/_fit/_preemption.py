@@ -29,9 +29,9 @@ from typing import Any
 import jax
 
 from jaxlight import distributed
-from jaxlight._ckpt_paths import default_dirpath
-from jaxlight._ckpt_writer import CheckpointWriter
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
+from jaxlight.checkpoint._paths import default_dirpath
+from jaxlight.checkpoint._writer import CheckpointWriter
 
 #: The signals treated as a preemption notice.
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None))

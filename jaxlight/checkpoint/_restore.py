@@ -2,8 +2,8 @@
 
 The state is saved as every strategy sees it (`strategy.to_canonical`), so a checkpoint written
 under one strategy restores under any other: each process reads only the shards its target
-sharding needs. The on-disk layout is in `jaxlight._ckpt_format`; finding checkpoints in
-`_ckpt_paths`; saving in `_ckpt_writer`.
+sharding needs. The on-disk layout is in `jaxlight.checkpoint._format`; finding checkpoints in
+`_paths`; saving in `_writer`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from etils import epath
 from flax import nnx
 from jax.tree_util import keystr
 
-from jaxlight import _frozen, _hparams, _verify
 from jaxlight import strategies as _strategies
-from jaxlight._ckpt_format import (
+from jaxlight._errors import CheckpointError
+from jaxlight.checkpoint import _verify
+from jaxlight.checkpoint._format import (
     FORMAT_VERSION,
     STATE_ITEM,
     abstract_key_data,
@@ -31,7 +32,7 @@ from jaxlight._ckpt_format import (
     state_tree,
     wrap_keys,
 )
-from jaxlight._ckpt_paths import (
+from jaxlight.checkpoint._paths import (
     CheckpointLocation,
     complete_steps,
     default_dirpath,
@@ -39,9 +40,10 @@ from jaxlight._ckpt_paths import (
     read_meta,
     resolve_checkpoint,
 )
-from jaxlight._ckpt_writer import CheckpointWriter
-from jaxlight._errors import CheckpointError
-from jaxlight._state import TrainState, abstract_model, frozen_mask, logical_names
+from jaxlight.checkpoint._writer import CheckpointWriter
+from jaxlight.hparams import _hparams
+from jaxlight.state import _frozen
+from jaxlight.state._state import TrainState, abstract_model, frozen_mask, logical_names
 from jaxlight.strategies._base import Strategy
 
 __all__ = ["CheckpointError", "CheckpointLocation", "CheckpointWriter", "Restored",
@@ -140,7 +142,7 @@ def _restore(step_dir: str, target: dict, partial: bool, meta: dict) -> dict:
 
 
 def _saved_key(path: tuple) -> str:
-    """The keystr of a leaf's path as orbax's metadata names it (`_ckpt_format.normalized`:
+    """The keystr of a leaf's path as orbax's metadata names it (`_format.normalized`:
     namedtuple fields and dict keys as string keys)."""
     tu = jax.tree_util
     return keystr(tuple(tu.DictKey(p.name) if isinstance(p, tu.GetAttrKey)
@@ -183,7 +185,7 @@ class Restored:
 
     #: The step directory actually read (an older one when the named one was damaged).
     step_dir: str
-    #: The meta record (`jaxlight._ckpt_format.build_meta`).
+    #: The meta record (`jaxlight.checkpoint._format.build_meta`).
     meta: dict
     #: The train state in the session's layout.
     state: TrainState

@@ -1,8 +1,8 @@
 """Checkpoint format: what a jaxlight checkpoint holds, and the trees and records written.
 
-The checkpoint modules: `_ckpt_format` (this: layout, tree conversions, the meta record),
-`_ckpt_paths` (finding and resolving checkpoints), `_ckpt_writer` (saving with retention) and
-`_checkpoint` (restoring a fit's state, `load_checkpoint`).
+The checkpoint modules: `_format` (this: layout, tree conversions, the meta record), `_paths`
+(finding and resolving checkpoints), `_writer` (saving with retention) and `_restore`
+(restoring a fit's state, `load_checkpoint`).
 
 On-disk layout (docs/checkpoints.md): a checkpoint directory holds one subdirectory per saved
 step, written by an orbax `CheckpointManager` (each process writes its own shards; process 0
@@ -38,10 +38,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxlight import _hparams
-from jaxlight._state import TrainState
 from jaxlight._version import __version__
 from jaxlight.data._datamodule import META_KEY, datamodule_state
+from jaxlight.hparams import _hparams
+from jaxlight.state._state import TrainState
 
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1

@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any
 
-from jaxlight._hlo_text import (
+from jaxlight.analysis._hlo_text import (
     Instr,
     attr_ints,
     backend_config,

@@ -6,8 +6,9 @@ import dataclasses
 import os
 import warnings
 
-from jaxlight import _verify
-from jaxlight._ckpt_format import (
+from jaxlight._errors import CheckpointError
+from jaxlight.checkpoint import _verify
+from jaxlight.checkpoint._format import (
     DEFAULT_SUBDIR,
     META_ITEM,
     STATE_ITEM,
@@ -15,7 +16,6 @@ from jaxlight._ckpt_format import (
     is_finite,
     ocp,
 )
-from jaxlight._errors import CheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,7 +70,7 @@ def _where(module: Any, name: str) -> str:
 def _overrides(module: Any, name: str) -> bool:
     """Whether the module's class defines `name` itself (not jaxlight's TrainModule)."""
     for cls in type(module).__mro__:
-        if cls is object or cls.__module__ == "jaxlight._module":  # TrainModule's defaults
+        if cls is object or cls.__module__ == "jaxlight.module._module":  # TrainModule's defaults
             return False
         if name in vars(cls):
             return True

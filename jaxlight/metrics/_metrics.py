@@ -1,5 +1,5 @@
 """Metrics inside steps: `self.log` collected while a step is traced (exact evaluation totals
-built from them are in `jaxlight._eval_totals`).
+built from them are in `jaxlight.metrics._eval_totals`).
 
 What a step reports reaches the host in one of three forms:
 

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlight._devices import device_groups
 from jaxlight._errors import CheckpointError
-from jaxlight._state import build_model, split_model
+from jaxlight.distributed._devices import device_groups
+from jaxlight.state._state import build_model, split_model
 
 _SKIP = object()
 

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxlight._ckpt_format import normalized, ocp
-from jaxlight._devices import device_groups
 from jaxlight._errors import CheckpointError
+from jaxlight.checkpoint._format import normalized, ocp
 from jaxlight.distributed import gather
+from jaxlight.distributed._devices import device_groups
 
 #: The checkpoint item holding the digests (`<step>/checksums/metadata`, plain JSON).
 CHECKSUM_ITEM = "checksums"

@@ -39,12 +39,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight import _eval_totals, _frozen, _metrics, _optim
 from jaxlight._errors import StepOutputError
-from jaxlight._layout import activation_sharding
-from jaxlight._state import TrainState
-from jaxlight._user_step import call_user_step
+from jaxlight.metrics import _eval_totals, _metrics
 from jaxlight.nn._pipeline import any_batch_size
+from jaxlight.schedules import _configure
+from jaxlight.sharding._layout import activation_sharding
+from jaxlight.state import _frozen
+from jaxlight.state._state import TrainState
+from jaxlight.step._user_step import call_user_step
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
 GradFn = Callable[[Any, Any, Any], tuple[tuple[jax.Array, tuple[dict, Any]], Any]]
@@ -210,9 +212,9 @@ def build_optimizer(module, callbacks: Sequence) -> tuple[optax.GradientTransfor
     """The optimizer the step applies, and the `lr_scheduler` of configure_optimizers' dict.
 
     Returns `(tx, scheduler)`: `tx` includes the scheduler's factor and every callback's
-    `transform_optimizer`; `scheduler` is a `jaxlight._optim.Scheduler` or None.
+    `transform_optimizer`; `scheduler` is a `jaxlight.schedules._scheduler.Scheduler` or None.
     """
-    tx, scheduler = _optim.resolve(module)
+    tx, scheduler = _configure.resolve(module)
     for cb in callbacks:
         tx = cb.transform_optimizer(tx)
     return tx, scheduler

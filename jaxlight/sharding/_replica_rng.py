@@ -3,7 +3,7 @@ that one device would make for the whole batch.
 
 Some gradient layouts run the user's step once per data-parallel replica on that replica's rows:
 DDP (`pmap`), FSDP's gather-once layout and gradient accumulation under SPMD (`shard_map`, see
-`jaxlight._microbatch`). The model's RNG keys (an `nnx.Rngs` stream in `rest`) are the same on
+`jaxlight.step._microbatch`). The model's RNG keys (an `nnx.Rngs` stream in `rest`) are the same on
 every replica, so without help every replica would draw the same dropout mask for its rows.
 
 JAX's threefry (partitionable, the default) gives element `i` of a draw of shape `(n, ...)` the

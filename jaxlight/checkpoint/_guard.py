@@ -18,8 +18,8 @@ import time
 import warnings
 
 from jaxlight import distributed as _distributed
-from jaxlight._ckpt_paths import complete_steps
 from jaxlight._errors import CheckpointError, JaxlightWarning
+from jaxlight.checkpoint._paths import complete_steps
 
 # -- disk faults ------------------------------------------------------------------------------
 
