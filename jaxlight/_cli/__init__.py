@@ -24,6 +24,8 @@ recipe's defaults, then `--preset`), then `--config` files and flags in order.
 
 `--devices N` simulates N CPU devices. XLA reads `XLA_FLAGS` once, when JAX starts its backend,
 so the flag is written into the environment before anything touches a device.
+
+The top layer (23 of docs/architecture.md): may import anything; nothing imports it.
 """
 
 from jaxlight._cli._aliases import ALIASES

@@ -1,6 +1,9 @@
 """The fit core: `Fit` (a facade) over a session, a loop state, a training loop and an evaluator.
 
 See docs/architecture.md for how the parts fit together.
+
+May import every folder below it (layer 20 of docs/architecture.md); only the public
+`jaxlight` names, the recipes and the CLI import it.
 """
 
 from jaxlight._fit._config import FitConfig

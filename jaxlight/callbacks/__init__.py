@@ -1,4 +1,8 @@
-"""Callbacks: host-side hooks with Lightning's names and step-transforming pieces."""
+"""Callbacks: host-side hooks with Lightning's names and step-transforming pieces.
+
+May import `checkpoint`, `optim`, `schedules`, `sharding`, `analysis`, `distributed` and the root
+modules (layer 17 of docs/architecture.md); the module and the fit sit above.
+"""
 
 from jaxlight._errors import MissingAttributeError
 from jaxlight.callbacks._accumulation import (

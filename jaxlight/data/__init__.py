@@ -6,6 +6,8 @@ process, this process's share on many), or a `DataModule` that builds them per s
 torch tensors, converted without copies. `DataLoader` is `ArrayLoader` with torch's defaults
 (no shuffling, the last partial batch kept). The loop reads through `TrainFeed` (positions for exact
 resume) and `Prefetcher` (batches on the devices ahead of the step). See docs/data.md.
+
+May import `hparams`, `distributed` and the root modules (layer 15 of docs/architecture.md).
 """
 
 from jaxlight.data._array import ArrayLoader

@@ -34,6 +34,8 @@ Example:
     >>> config = jl.distributed.initialize()   # no launcher variables: one process
     >>> config.num_processes
     1
+
+May import only the root modules (layer 2 of docs/architecture.md): every other folder may use it.
 """
 
 from jaxlight._errors import DistributedError

@@ -17,6 +17,10 @@ to mesh axes.
 | `TransformerLM` | all of the above |
 | `StagedTransformerLM` | `TransformerLM` as `Stages`: embedding, blocks, head in the pipeline |
 | `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
+
+The building blocks (`nn/_*.py`) may import `sharding` and the root modules; this `__init__`
+also re-exports `nn.pretrained`'s names, so it sits above `strategies` (layer 13 of
+docs/architecture.md), and lower layers import `nn`'s modules, never the package.
 """
 
 from jaxlight.nn._layers import (

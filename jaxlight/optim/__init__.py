@@ -5,6 +5,9 @@
 sequences their updates inside the one compiled step (`_manual`). `build_optimizer` and
 `build_train_step` are what the fit's session calls: they hand everything else to
 `jaxlight.step._step`.
+
+May import `step`, `schedules`, `state`, `metrics` and the root modules (layer 14 of
+docs/architecture.md).
 """
 
 from __future__ import annotations

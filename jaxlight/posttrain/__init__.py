@@ -4,6 +4,8 @@ The losses are pure functions of log-probabilities (Tunix's semantics and defaul
 against `tunix.rl.algo_core` and `tunix.sft.dpo` by `tests/posttrain/`), for use inside a
 `TrainModule.training_step`; `PolicyAndReference` with `trainable = POLICY` puts a frozen
 reference in the same compiled step, outside the optimizer state and the checkpoints.
+
+May import `nn.pretrained` and the root modules (layer 19 of docs/architecture.md).
 """
 
 from jaxlight.posttrain._dpo import DPO_LOSSES, dpo_loss

@@ -18,6 +18,9 @@ Example:
     ['digits', 'gpt', 'sft', 'dpo', 'grpo']
     >>> recipes.get("digits").config().model.hidden
     256
+
+May import everything below the CLI, the public `jaxlight` names included (layer 22 of
+docs/architecture.md).
 """
 
 from __future__ import annotations

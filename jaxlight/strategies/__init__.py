@@ -17,6 +17,9 @@ device's memory; otherwise the search described in `Auto` (docs/strategies.md).
 
 `strategies.rules` holds ready-made path rules for stock Flax NNX layers
 (`rules=strategies.rules.NNX`), so models without annotations shard by parameter name.
+
+May import `step` (microbatch scans), `nn`'s building blocks, `sharding`, `analysis`,
+`distributed` and the root modules (layer 11 of docs/architecture.md).
 """
 
 from __future__ import annotations

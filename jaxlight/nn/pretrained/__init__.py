@@ -7,6 +7,9 @@
 `from_pretrained(path, strategy)` reads config.json and the safetensors files straight into the
 strategy's shards, `save_pretrained(model, path)` writes them back, and `generate` samples with
 a key/value cache. See docs/pretrained.md.
+
+May import `strategies`, `state`, `nn`'s building blocks, `sharding`, `distributed` and the root
+modules (layer 12 of docs/architecture.md).
 """
 
 from jaxlight.nn.pretrained._config import (
