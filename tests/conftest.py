@@ -6,11 +6,13 @@ import tempfile
 
 # The suite is dominated by XLA compiling small programs; LLVM's optimizations of the CPU code
 # cost more than they save here (2.5x faster on tests/strategies/test_equivalence.py). HLO
-# passes (sharding, collectives) are unaffected; benchmarks do not use this file.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-).strip()
+# passes (sharding, collectives) are unaffected; benchmarks do not use this file. Each flag is
+# added once: pytest-xdist's workers inherit the environment this file already set.
+_FLAGS = os.environ.get("XLA_FLAGS", "").split()
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+    if not any(f.split("=")[0] == _flag.split("=")[0] for f in _FLAGS):
+        _FLAGS.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_FLAGS)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,6 +36,25 @@ import pytest  # noqa: E402
 def _chdir_tmp(tmp_path, monkeypatch):
     """Default log and checkpoint directories land in the test's temporary folder."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _xla_flags_unchanged():
+    """A test must leave XLA_FLAGS as it found it. XLA reads the variable once per process, so a
+    change does nothing here, but every process a later test starts inherits it: a leftover
+    `--xla_force_host_platform_device_count=4` gave later SIGKILL-resume children 4 devices
+    instead of 8, and 1-ulp different gradients, in whichever order put the change first
+    (pytest-xdist's file order did)."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    after = os.environ.get("XLA_FLAGS")
+    if after != before:
+        os.environ.pop("XLA_FLAGS", None)
+        if before is not None:
+            os.environ["XLA_FLAGS"] = before
+        pytest.fail(f"the test changed XLA_FLAGS from {before!r} to {after!r}; processes started "
+                    "by later tests would inherit it. Set it in a subprocess's env instead, or "
+                    "restore it (monkeypatch.setenv).", pytrace=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 import yaml
 
@@ -94,10 +95,14 @@ def test_devices_flag_sets_xla_flags_before_jax_starts():
 
 
 def test_devices_flag_after_jax_started_is_refused(capsys):
+    jax.devices()  # JAX has started in this process, whichever test ran before
+    flags = os.environ["XLA_FLAGS"]
     assert main(["devices", "--devices", "4"]) == 2
     err = _err(capsys)
     assert "--devices 4 asked for 4 devices per process but this process has 8 cpu" in err
     assert "fresh process" in err
+    # Refused, it leaves the environment as it was: processes started later still get 8.
+    assert os.environ["XLA_FLAGS"] == flags
 
 
 def test_launch_is_dispatched(capsys):

@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     `JaxlightError` except the two below, printed as `jaxlight: error: ...`), 1 for a run that
     failed (`DistributedError`, `TrainingStopped`), 141 when stdout's reader went away."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # `--devices N` writes XLA_FLAGS for this process's JAX; called in a process that goes on
+    # (a test, a notebook), main leaves the variable as it found it for the processes started
+    # after it (a leftover device count gave them other devices and other numbers).
+    flags = os.environ.get("XLA_FLAGS")
     try:
         status = _dispatch(argv)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
@@ -70,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JaxlightError as err:
         print(f"jaxlight: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        if flags is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags
 
 
 def _dispatch(argv: list[str]) -> int:
