@@ -11,13 +11,14 @@ from jaxlight.callbacks._accumulation import (
     Microbatches,
 )
 from jaxlight.callbacks._base import Callback, LambdaCallback
+from jaxlight.callbacks._batch_size_finder import BatchSizeFinder
 from jaxlight.callbacks._checkpoint import ModelCheckpoint
 from jaxlight.callbacks._clipping import GradientClipping
 from jaxlight.callbacks._csv import CSVLogger
 from jaxlight.callbacks._early_stopping import EarlyStopping
-from jaxlight.callbacks._finders import BatchSizeFinder, LearningRateFinder
 from jaxlight.callbacks._finetuning import BackboneFinetuning, BaseFinetuning
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
+from jaxlight.callbacks._lr_finder import LearningRateFinder
 from jaxlight.callbacks._lr_monitor import LearningRateMonitor
 from jaxlight.callbacks._mlflow import MLFlowLogger
 from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState

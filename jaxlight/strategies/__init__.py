@@ -36,14 +36,8 @@ from jaxlight.strategies._gpipe import GPipe
 from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._roofline import DEVICE_TABLE, DeviceSpec
 from jaxlight.strategies._rules import DEFAULT_RULES
-from jaxlight.strategies._spmd import (
-    FSDP,
-    DataParallel,
-    Hybrid,
-    SingleDevice,
-    SpmdStrategy,
-    TensorParallel,
-)
+from jaxlight.strategies._sharded import FSDP, Hybrid, TensorParallel
+from jaxlight.strategies._spmd import DataParallel, SingleDevice, SpmdStrategy
 
 __all__ = [
     "ALIASES",

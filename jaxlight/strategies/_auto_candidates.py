@@ -16,7 +16,8 @@ from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd import MpmdGPipe
 from jaxlight.strategies._paths import place
 from jaxlight.strategies._rules import DEFAULT_RULES
-from jaxlight.strategies._spmd import FSDP, DataParallel, Hybrid, SingleDevice
+from jaxlight.strategies._sharded import FSDP, Hybrid
+from jaxlight.strategies._spmd import DataParallel, SingleDevice
 
 
 def divisors(n: int) -> list[int]:

@@ -13,7 +13,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight.callbacks._finders import LRFinder, step_bytes
+from jaxlight.callbacks._batch_size_finder import step_bytes
+from jaxlight.callbacks._lr_finder import LRFinder
 
 
 class MLP(jl.TrainModule):

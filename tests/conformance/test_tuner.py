@@ -16,7 +16,8 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-from jaxlight.callbacks._finders import LRFinder, search_batch_size
+from jaxlight.callbacks._batch_size_finder import search_batch_size
+from jaxlight.callbacks._lr_finder import LRFinder
 from tests.conformance import _data2_problem as _problem
 from tests.conformance._cases import assert_sequence, claim, departure
 
