@@ -3,9 +3,9 @@
 While `jaxlight.strategies.GPipe(mpmd=True)` traces a step, `Stages.__call__` splits its input
 into the strategy's m microbatches and calls stage s on each as a `jax.jit` function named
 `jaxlight_stage_<s>`, taking that stage's own parameters (`Stages(..., packed=False)` keeps them
-as separate arrays). The strategy's runtime (`jaxlight.strategies._mpmd_runtime`) finds those
-calls in the traced step, forward and transposed, and runs each on its stage's device: the
-stage's parameters live there and nowhere else.
+as separate arrays). The strategy's tracer (`jaxlight.strategies._mpmd_trace`) finds those
+calls in the traced step, forward and transposed, and its runtime (`_mpmd_runtime`) runs each
+on its stage's device: the stage's parameters live there and nowhere else.
 """
 
 from __future__ import annotations

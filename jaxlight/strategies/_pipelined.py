@@ -12,7 +12,7 @@ device holds its stage's parameters and optimizer state); what it adds is
 - after tracing, a refusal if no `Stacked` block ran the schedule (the stack was built but its
   layers were called some other way).
 
-It lives apart from `_gpipe.py` so that `Hybrid` (in `_spmd.py`) can use it without an import
+It lives apart from `_gpipe.py` so that `Hybrid` (in `_sharded.py`) can use it without an import
 cycle. It keeps no state between calls: `compile` makes a fresh `PipelineConfig` for the step
 it traces and reads its call counter back.
 """
