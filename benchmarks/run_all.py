@@ -1,13 +1,14 @@
-"""Runs every benchmark on 8 simulated CPU devices; writes JSON, PNG charts and the README table.
+"""Runs every benchmark on 8 simulated CPU devices; writes JSON, PNG charts and docs/benchmarks.md.
 
     python benchmarks/run_all.py                 # all of them (make bench)
     python benchmarks/run_all.py --only overhead,memory
-    python benchmarks/run_all.py --skip-run      # charts and table from existing JSON
+    python benchmarks/run_all.py --skip-run      # charts and table from the committed JSON
 
 Each benchmark is its own script (flags, JSON on stdout, `benchmarks/results/<name>.json`); this
 driver runs them one after another (the machine's two cores are shared, so nothing runs in
 parallel), then reads the JSON back, draws `benchmarks/results/<name>.png` and rewrites the
-table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of README.md.
+table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of docs/benchmarks.md
+(the README links that page).
 """
 
 from __future__ import annotations
@@ -710,26 +711,31 @@ def table() -> str:
     return "\n".join(lines + accelerator_rows())
 
 
-def update_readme(text: str) -> None:
-    path = os.path.join(ROOT, "README.md")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        readme = f.read()
+#: The page holding the table (linked from README.md and docs/index.md).
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+
+
+def update_page(text: str) -> None:
+    """Writes `text` between the page's markers (a new page with just a title if it is missing)."""
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     block = f"{start}\n{text}\n{end}"
-    if start in readme and end in readme:
-        readme = readme[: readme.index(start)] + block + readme[readme.index(end) + len(end):]
+    page = "# Benchmarks\n"
+    if os.path.exists(PAGE):
+        with open(PAGE) as f:
+            page = f.read()
+    if start in page and end in page:
+        page = page[: page.index(start)] + block + page[page.index(end) + len(end):]
     else:
-        readme = readme.rstrip() + "\n\n## Benchmarks\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(readme)
+        page = page.rstrip() + "\n\n" + block + "\n"
+    with open(PAGE, "w") as f:
+        f.write(page)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHMARKS))
-    p.add_argument("--skip-run", action="store_true", help="only charts and table")
+    p.add_argument("--skip-run", action="store_true",
+                   help="only charts and the table, from the JSON in benchmarks/results/")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per benchmark")
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
@@ -751,7 +757,7 @@ def main(argv=None):
             print(f"   {status[name]}", flush=True)
     charts()
     text = table()
-    update_readme(text)
+    update_page(text)
     print(text)
     print(json.dumps({"status": status}))
     if any(s["returncode"] != 0 for s in status.values()):
