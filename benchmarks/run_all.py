@@ -56,6 +56,7 @@ BENCHMARKS = {
     "auto": [],
     "startup": [],
     "cli_startup": [],
+    "startup_imports": ["--imports"],
     "prefetch": [],
     "gpt_input": [],
     "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
@@ -73,6 +74,7 @@ SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
            "overhead_accumulate_interleaved": "overhead",
            "overhead_ema": "overhead", "overhead_ema_interleaved": "overhead",
            "overhead_swa": "overhead", "pretrained_load": "pretrained",
+           "startup_imports": "startup",
            "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
 
@@ -509,6 +511,28 @@ def summarize_startup(r):
                      f"{m['cold']['first_step_cpu_s'] / m['off']['first_step_cpu_s']:.3f}; "
                      f"{cpu / m['off']['first_step_cpu_s']:.3f}", "≤ 1; < 1", None))
     return rows
+
+
+def summarize_startup_imports(r):
+    m, ratio, load = r["median"], r["new_over_old"], r["loadavg_median"]
+    base = r["what"].split(" at ")[1].split()[0]
+    where = f"old = {base}; load average {load['new']:.1f} on {r['cpu_cores']} cores"
+    jax_new, jax_old = (r["import_jaxlight_loads_jax"][s] for s in ("new", "old"))
+    fit_s = m["new"]["import_fit_s"]
+    return [
+        (f"`jaxlight --help`, process start to exit, new / old ({m['new']['help_s']:.2f} s / "
+         f"{m['old']['help_s']:.2f} s; {where})", f"{m['new']['help_s']:.2f} s", "≤ 0.5 s",
+         m["new"]["help_s"] <= r["targets_s"]["help_s"]),
+        (f"`import jaxlight` alone, new / old ({m['new']['import_bare_s']:.3f} s / "
+         f"{m['old']['import_bare_s']:.2f} s); imports JAX: new {'yes' if jax_new else 'no'}, "
+         f"old {'yes' if jax_old else 'no'}", f"{m['new']['import_bare_s']:.3f} s", "no JAX",
+         not jax_new),
+        (f"a plain fit's imports (`jaxlight.Fit`, `TrainModule`, `callbacks`, the default "
+         f"callbacks), new / old ({fit_s:.2f} s / {m['old']['import_fit_s']:.2f} s, ×"
+         f"{ratio['import_fit_s']:.3f}; CPU ×{ratio['import_fit_cpu_s']:.3f}; `import jax, "
+         f"flax.nnx, optax` alone {m['new']['jax_flax_optax_s']:.2f} s; {where})",
+         f"{fit_s:.2f} s", "≤ 1.1 s (quiet machine)", fit_s <= r["targets_s"]["import_fit_s"]),
+    ]
 
 
 def summarize_prefetch(r):
