@@ -1,13 +1,14 @@
-"""Runs every benchmark on 8 simulated CPU devices; writes JSON, PNG charts and the README table.
+"""Runs every benchmark on 8 simulated CPU devices; writes JSON, PNG charts and docs/benchmarks.md.
 
     python benchmarks/run_all.py                 # all of them (make bench)
     python benchmarks/run_all.py --only overhead,memory
-    python benchmarks/run_all.py --skip-run      # charts and table from existing JSON
+    python benchmarks/run_all.py --skip-run      # charts and table from the committed JSON
 
 Each benchmark is its own script (flags, JSON on stdout, `benchmarks/results/<name>.json`); this
 driver runs them one after another (the machine's two cores are shared, so nothing runs in
 parallel), then reads the JSON back, draws `benchmarks/results/<name>.png` and rewrites the
-table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of README.md.
+table between the `<!-- bench:start -->` and `<!-- bench:end -->` markers of docs/benchmarks.md
+(the README links that page).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ BENCHMARKS = {
     "auto": [],
     "startup": [],
     "cli_startup": [],
+    "startup_imports": ["--imports"],
     "prefetch": [],
     "gpt_input": [],
     "checkpoint": ["--devices", "1", "--strategy", "single", "--width", "1024", "--layers", "4"],
@@ -72,6 +74,7 @@ SCRIPTS = {"overhead_log": "overhead", "overhead_accumulate": "overhead",
            "overhead_accumulate_interleaved": "overhead",
            "overhead_ema": "overhead", "overhead_ema_interleaved": "overhead",
            "overhead_swa": "overhead", "pretrained_load": "pretrained",
+           "startup_imports": "startup",
            "pretrained_sample": "pretrained", "pretrained_lora_step": "pretrained"}
 
 
@@ -510,6 +513,28 @@ def summarize_startup(r):
     return rows
 
 
+def summarize_startup_imports(r):
+    m, ratio, load = r["median"], r["new_over_old"], r["loadavg_median"]
+    base = r["what"].split(" at ")[1].split()[0]
+    where = f"old = {base}; load average {load['new']:.1f} on {r['cpu_cores']} cores"
+    jax_new, jax_old = (r["import_jaxlight_loads_jax"][s] for s in ("new", "old"))
+    fit_s = m["new"]["import_fit_s"]
+    return [
+        (f"`jaxlight --help`, process start to exit, new / old ({m['new']['help_s']:.2f} s / "
+         f"{m['old']['help_s']:.2f} s; {where})", f"{m['new']['help_s']:.2f} s", "≤ 0.5 s",
+         m["new"]["help_s"] <= r["targets_s"]["help_s"]),
+        (f"`import jaxlight` alone, new / old ({m['new']['import_bare_s']:.3f} s / "
+         f"{m['old']['import_bare_s']:.2f} s); imports JAX: new {'yes' if jax_new else 'no'}, "
+         f"old {'yes' if jax_old else 'no'}", f"{m['new']['import_bare_s']:.3f} s", "no JAX",
+         not jax_new),
+        (f"a plain fit's imports (`jaxlight.Fit`, `TrainModule`, `callbacks`, the default "
+         f"callbacks), new / old ({fit_s:.2f} s / {m['old']['import_fit_s']:.2f} s, ×"
+         f"{ratio['import_fit_s']:.3f}; CPU ×{ratio['import_fit_cpu_s']:.3f}; `import jax, "
+         f"flax.nnx, optax` alone {m['new']['jax_flax_optax_s']:.2f} s; {where})",
+         f"{fit_s:.2f} s", "≤ 1.1 s (quiet machine)", fit_s <= r["targets_s"]["import_fit_s"]),
+    ]
+
+
 def summarize_prefetch(r):
     rows = []
     for pattern, m in r["median"].items():
@@ -710,26 +735,31 @@ def table() -> str:
     return "\n".join(lines + accelerator_rows())
 
 
-def update_readme(text: str) -> None:
-    path = os.path.join(ROOT, "README.md")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        readme = f.read()
+#: The page holding the table (linked from README.md and docs/index.md).
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+
+
+def update_page(text: str) -> None:
+    """Writes `text` between the page's markers (a new page with just a title if it is missing)."""
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     block = f"{start}\n{text}\n{end}"
-    if start in readme and end in readme:
-        readme = readme[: readme.index(start)] + block + readme[readme.index(end) + len(end):]
+    page = "# Benchmarks\n"
+    if os.path.exists(PAGE):
+        with open(PAGE) as f:
+            page = f.read()
+    if start in page and end in page:
+        page = page[: page.index(start)] + block + page[page.index(end) + len(end):]
     else:
-        readme = readme.rstrip() + "\n\n## Benchmarks\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(readme)
+        page = page.rstrip() + "\n\n" + block + "\n"
+    with open(PAGE, "w") as f:
+        f.write(page)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=None, help="comma-separated subset of " + ",".join(BENCHMARKS))
-    p.add_argument("--skip-run", action="store_true", help="only charts and table")
+    p.add_argument("--skip-run", action="store_true",
+                   help="only charts and the table, from the JSON in benchmarks/results/")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per benchmark")
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(BENCHMARKS)
@@ -751,7 +781,7 @@ def main(argv=None):
             print(f"   {status[name]}", flush=True)
     charts()
     text = table()
-    update_readme(text)
+    update_page(text)
     print(text)
     print(json.dumps({"status": status}))
     if any(s["returncode"] != 0 for s in status.values()):

@@ -25,14 +25,32 @@ recipe's defaults, then `--preset`), then `--config` files and flags in order.
 `--devices N` simulates N CPU devices. XLA reads `XLA_FLAGS` once, when JAX starts its backend,
 so the flag is written into the environment before anything touches a device.
 
+`jaxlight`, `jaxlight -h` and `jaxlight --help` print the top-level help from `_help`, which
+imports no JAX, so it appears at once; every other command goes to `_main.main`. The names below
+are resolved on first use (PEP 562: `__getattr__` imports them with `importlib.import_module`
+from the table `_PUBLIC`), so importing the package costs nothing until one is used.
+
 The top layer (23 of docs/architecture.md): may import anything; nothing imports it.
 """
 
-from jaxlight._cli._aliases import ALIASES
-from jaxlight._cli._build import build_callbacks, build_loggers, build_strategy, parse_mesh_shape
-from jaxlight._cli._config_file import load_config_file
-from jaxlight._cli._main import main
-from jaxlight._cli._run import RunResult, run
+import importlib as _importlib
+import sys as _sys
+from collections.abc import Sequence as _Sequence
+
+from jaxlight._cli import _help
+from jaxlight._errors import MissingAttributeError as _MissingAttributeError
+
+#: Public name -> the module defining it (imported on first use).
+_PUBLIC = {
+    "ALIASES": "jaxlight._cli._aliases",
+    "build_callbacks": "jaxlight._cli._build",
+    "build_loggers": "jaxlight._cli._build",
+    "build_strategy": "jaxlight._cli._build",
+    "parse_mesh_shape": "jaxlight._cli._build",
+    "load_config_file": "jaxlight._cli._config_file",
+    "RunResult": "jaxlight._cli._run",
+    "run": "jaxlight._cli._run",
+}
 
 __all__ = [
     "ALIASES",
@@ -45,3 +63,27 @@ __all__ = [
     "parse_mesh_shape",
     "run",
 ]
+
+
+def main(argv: _Sequence[str] | None = None) -> int:
+    """The `jaxlight` console script (`jaxlight._cli._main.main`, whose exit statuses it keeps).
+    The top-level help is printed from `_help` without importing JAX, unless the recipes are
+    already loaded (a recipe registered in this process is then listed, as `_main` lists it)."""
+    args = list(_sys.argv[1:] if argv is None else argv)
+    if _help.is_top_help(args) and "jaxlight.recipes" not in _sys.modules:
+        return _help.print_top_help(args)
+    return _importlib.import_module("jaxlight._cli._main").main(args)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise _MissingAttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    hidden = {"_PUBLIC", "_importlib", "_sys", "_Sequence", "_MissingAttributeError",
+              "__getattr__", "__dir__"}
+    return sorted({*globals(), *__all__} - hidden)

@@ -2,40 +2,57 @@
 
 May import `checkpoint`, `optim`, `schedules`, `sharding`, `analysis`, `distributed` and the root
 modules (layer 17 of docs/architecture.md); the module and the fit sit above.
+
+The callbacks are resolved on first use (PEP 562: `__getattr__` imports each from its module with
+`importlib.import_module`, through the table `_PUBLIC`), so a fit loads the callbacks it uses and
+not the loggers, finders and profilers it does not; `from jaxlight.callbacks import
+WandbLogger` works as before.
 """
 
+import importlib as _importlib
+
 from jaxlight._errors import MissingAttributeError
-from jaxlight.callbacks._accumulation import (
-    GradientAccumulation,
-    GradientAccumulationScheduler,
-    Microbatches,
-)
-from jaxlight.callbacks._base import Callback, LambdaCallback
-from jaxlight.callbacks._batch_size_finder import BatchSizeFinder
-from jaxlight.callbacks._checkpoint import ModelCheckpoint
-from jaxlight.callbacks._clipping import GradientClipping
-from jaxlight.callbacks._csv import CSVLogger
-from jaxlight.callbacks._early_stopping import EarlyStopping
-from jaxlight.callbacks._finetuning import BackboneFinetuning, BaseFinetuning
 from jaxlight.callbacks._lightning_names import NOT_IN_JAXLIGHT, missing
-from jaxlight.callbacks._lr_finder import LearningRateFinder
-from jaxlight.callbacks._lr_monitor import LearningRateMonitor
-from jaxlight.callbacks._mlflow import MLFlowLogger
-from jaxlight.callbacks._nonfinite import NonFiniteGuard, NonFiniteState
-from jaxlight.callbacks._on_exception import OnExceptionCheckpoint
-from jaxlight.callbacks._precision import MixedPrecision
-from jaxlight.callbacks._prediction_writer import BasePredictionWriter
-from jaxlight.callbacks._profiler import Profiler
-from jaxlight.callbacks._progress import TQDMProgressBar
-from jaxlight.callbacks._rich import RichModelSummary, RichProgressBar, RichProgressBarTheme
-from jaxlight.callbacks._spike import SpikeDetection, TrainingSpikeException
-from jaxlight.callbacks._summary import ModelSummary
-from jaxlight.callbacks._swa import StochasticWeightAveraging
-from jaxlight.callbacks._tensorboard import TensorBoardLogger
-from jaxlight.callbacks._throughput import DeviceStatsMonitor, ThroughputMonitor
-from jaxlight.callbacks._timer import Timer
-from jaxlight.callbacks._wandb import WandbLogger
-from jaxlight.callbacks._weight_averaging import EMAWeightAveraging, WeightAveraging
+
+#: Public name -> the module defining it (imported on first use, PEP 562: `__getattr__`).
+_PUBLIC = {
+    "GradientAccumulation": "jaxlight.callbacks._accumulation",
+    "GradientAccumulationScheduler": "jaxlight.callbacks._accumulation",
+    "Microbatches": "jaxlight.callbacks._accumulation",
+    "Callback": "jaxlight.callbacks._base",
+    "LambdaCallback": "jaxlight.callbacks._base",
+    "ModelCheckpoint": "jaxlight.callbacks._checkpoint",
+    "GradientClipping": "jaxlight.callbacks._clipping",
+    "CSVLogger": "jaxlight.callbacks._csv",
+    "EarlyStopping": "jaxlight.callbacks._early_stopping",
+    "BatchSizeFinder": "jaxlight.callbacks._batch_size_finder",
+    "LearningRateFinder": "jaxlight.callbacks._lr_finder",
+    "BackboneFinetuning": "jaxlight.callbacks._finetuning",
+    "BaseFinetuning": "jaxlight.callbacks._finetuning",
+    "LearningRateMonitor": "jaxlight.callbacks._lr_monitor",
+    "MLFlowLogger": "jaxlight.callbacks._mlflow",
+    "NonFiniteGuard": "jaxlight.callbacks._nonfinite",
+    "NonFiniteState": "jaxlight.callbacks._nonfinite",
+    "OnExceptionCheckpoint": "jaxlight.callbacks._on_exception",
+    "MixedPrecision": "jaxlight.callbacks._precision",
+    "BasePredictionWriter": "jaxlight.callbacks._prediction_writer",
+    "Profiler": "jaxlight.callbacks._profiler",
+    "TQDMProgressBar": "jaxlight.callbacks._progress",
+    "RichModelSummary": "jaxlight.callbacks._rich",
+    "RichProgressBar": "jaxlight.callbacks._rich",
+    "RichProgressBarTheme": "jaxlight.callbacks._rich",
+    "SpikeDetection": "jaxlight.callbacks._spike",
+    "TrainingSpikeException": "jaxlight.callbacks._spike",
+    "ModelSummary": "jaxlight.callbacks._summary",
+    "StochasticWeightAveraging": "jaxlight.callbacks._swa",
+    "TensorBoardLogger": "jaxlight.callbacks._tensorboard",
+    "DeviceStatsMonitor": "jaxlight.callbacks._throughput",
+    "ThroughputMonitor": "jaxlight.callbacks._throughput",
+    "Timer": "jaxlight.callbacks._timer",
+    "WandbLogger": "jaxlight.callbacks._wandb",
+    "EMAWeightAveraging": "jaxlight.callbacks._weight_averaging",
+    "WeightAveraging": "jaxlight.callbacks._weight_averaging",
+}
 
 __all__ = [
     "BackboneFinetuning",
@@ -78,7 +95,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(_importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # the next access is a plain attribute
+        return value
     # Lightning's names jaxlight lacks: say what to use instead (an AttributeError still).
     if name in NOT_IN_JAXLIGHT:
         raise missing(name)
     raise MissingAttributeError(f"module 'jaxlight.callbacks' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    hidden = {"_PUBLIC", "_importlib", "__getattr__", "__dir__"}
+    return sorted({*globals(), *__all__} - hidden)

@@ -20,9 +20,15 @@ to mesh axes.
 
 The building blocks (`nn/_*.py`) may import `sharding` and the root modules; this `__init__`
 also re-exports `nn.pretrained`'s names, so it sits above `strategies` (layer 13 of
-docs/architecture.md), and lower layers import `nn`'s modules, never the package.
+docs/architecture.md), and lower layers import `nn`'s modules, never the package. Those
+names are resolved on first use (PEP 562: `__getattr__` imports `jaxlight.nn.pretrained` with
+`importlib.import_module`), so importing a building block does not load the pretrained
+families; `from jaxlight.nn import from_pretrained` works as before.
 """
 
+import importlib as _importlib
+
+from jaxlight._errors import MissingAttributeError as _MissingAttributeError
 from jaxlight.nn._layers import (
     ATTENTION_IMPLEMENTATIONS,
     MLP,
@@ -42,15 +48,12 @@ from jaxlight.nn._transformer import (
     TransformerLM,
     lm_loss,
 )
-from jaxlight.nn.pretrained import (
-    DecoderConfig,
-    DecoderLM,
-    Tokenizer,
-    from_pretrained,
-    generate,
-    save_pretrained,
-)
 from jaxlight.sharding._layout import constrain
+
+#: `nn.pretrained`'s names, imported on first use (PEP 562, `__getattr__` below): a plain fit
+#: imports `nn`'s building blocks and never pays for the Hugging Face families.
+_PRETRAINED = ("DecoderConfig", "DecoderLM", "Tokenizer", "from_pretrained", "generate",
+               "save_pretrained")
 
 __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
@@ -78,3 +81,18 @@ __all__ = [
     "lm_loss",
     "save_pretrained",
 ]
+
+
+def __getattr__(name: str):
+    if name in _PRETRAINED:
+        value = getattr(_importlib.import_module("jaxlight.nn.pretrained"), name)
+        globals()[name] = value
+        return value
+    if name == "pretrained":
+        return _importlib.import_module("jaxlight.nn.pretrained")
+    raise _MissingAttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    hidden = {"_PRETRAINED", "_importlib", "_MissingAttributeError", "__getattr__", "__dir__"}
+    return sorted({*globals(), *__all__, "pretrained"} - hidden)

@@ -1,0 +1,57 @@
+"""`jaxlight`, `jaxlight -h`, `jaxlight --help` and `jaxlight help`: the top-level help, printed
+without importing JAX or any of jaxlight that does, so that it appears at once.
+
+`TOP_HELP` is the text `jaxlight._cli._main` builds from its command table and the recipes'
+summaries (which needs the recipes, hence JAX); tests/test_cli_help.py fails when the two drift
+apart. Imports only the standard library (layer 23 of docs/architecture.md, as `_cli/`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: The arguments answered here: the top-level help (no argument prints it too, exit status 2).
+HELP_ARGS = ("-h", "--help", "help")
+
+TOP_HELP = """\
+usage: jaxlight <command> [recipe | PATH.py:Module --data PATH.py:Data] [options]   \
+(jaxlight --version)
+
+commands:
+  fit       train a recipe or your module (then report its final validation metrics)
+  validate  run the validation data through a model (from --ckpt_path)
+  test      run the test data through a model (from --ckpt_path)
+  predict   run predict_step over the prediction data (from --ckpt_path); --output saves it
+  generate  sample from a Hugging Face model directory (Llama 3, Qwen 2/3, Gemma 3) with a \
+key/value cache: jaxlight generate PATH --prompt TEXT
+  devices   print devices, process index and count, and the mesh a strategy builds
+  launch    start N local processes of a command (multi-process training on one machine)
+
+recipes (jaxlight fit <recipe> --help lists every option and its default):
+  digits    residual MLP on scikit-learn's 8x8 digits (offline); ~98% validation accuracy
+  gpt       byte-level transformer LM on the Python standard library; reports bits per byte
+  sft       fine-tune (LoRA by default) a gpt model to reverse words; exact match before/after
+  dpo       DPO of a pretrained Hugging Face model against a frozen copy; held-out reward \
+accuracy before/after
+  grpo      GRPO of a pretrained Hugging Face model on string reversal (verifiable rewards), KL \
+to a frozen reference; held-out greedy reward before/after"""
+
+
+def is_top_help(argv: list[str]) -> bool:
+    """Whether `argv` (the arguments after `jaxlight`) asks for the top-level help only."""
+    return not argv or argv[0] in HELP_ARGS
+
+
+def print_top_help(argv: list[str]) -> int:
+    """Prints the help; the exit status `jaxlight._cli._main.main` gives (2 without arguments,
+    141 when stdout's reader went away, as for `jaxlight --help | head -1`)."""
+    try:
+        print(TOP_HELP)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, what a Unix tool killed by SIGPIPE reports
+    return 0 if argv else 2
