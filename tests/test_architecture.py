@@ -49,10 +49,13 @@ def _imports(name: str, path: pathlib.Path, modules) -> list[tuple[str, int, boo
                 base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
                        for a in node.names]
+        elif (isinstance(node, ast.Constant) and node.value in modules
+              and path.name == "__init__.py"):
+            targets = [node.value]  # a lazy name's module (a PEP 562 table) is an import too
         else:
             continue
-        found += [(t, node.lineno, id(node) in local) for t in targets
-                  if t in modules and t != name]
+        found += [(t, node.lineno, id(node) in local and not isinstance(node, ast.Constant))
+                  for t in targets if t in modules and t != name]
     return found
 
 
