@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxlight import callbacks
-from jaxlight._cli._build import callback_call, logger_calls, split_calls
+from jaxlight._cli._build import callback_calls, logger_calls
 from jaxlight._cli._target import class_path_spec, register
 from jaxlight._errors import ConfigurationError
 
@@ -66,7 +66,7 @@ def _as_class(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _callback_values(text: str) -> list[dict[str, Any]]:
     """`--callbacks "EarlyStopping(monitor='val_loss'), x.py:Mine(n=2)"` as `class_path`s."""
-    return [_as_class(*callback_call(part)) for part in split_calls(text)]
+    return [_as_class(cls, kwargs) for cls, kwargs in callback_calls(text)]
 
 
 def option(key: str, value: str) -> list[tuple[str, Any]]:
