@@ -160,8 +160,8 @@ def config_target(argv: Sequence[str]) -> str | None:
 
 
 def _parser(command: str, description: str):
-    """The sections every run command has: `--config`, `--seed_everything`, `trainer` (`Fit`'s
-    signature), `--ckpt_path` and jaxlight's `--mesh_shape` and `--checkpoint_*`."""
+    """The sections every run command starts with: `--config`, `--seed_everything` and
+    `trainer` (`Fit`'s signature)."""
     # jsonargparse (with its type-hint machinery) loads only when a run command is parsed:
     # `jaxlight --help`, `devices` and `generate` start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
@@ -184,6 +184,12 @@ def _parser(command: str, description: str):
                              "draws one (as Lightning) and prints it, false uses 0")
     parser.add_class_arguments(Fit, "trainer", instantiate=False, fail_untyped=False,
                                sub_configs=True, skip={"seed"})
+    return parser
+
+
+def _add_tail(parser) -> None:
+    """The keys every run command ends with: `--ckpt_path` and jaxlight's `--mesh_shape` and
+    `--checkpoint_*`."""
     parser.add_argument("--mesh_shape", type=Any, default=None,
                         help="jaxlight: the mesh of strategies.Hybrid: '{\"data\": 2, \"fsdp\": "
                              "4}', 'data=2,fsdp=4' or the Tunix form '[[4,2],[\"fsdp\",\"tp\"]]' "
@@ -201,7 +207,6 @@ def _parser(command: str, description: str):
     parser.add_argument("--ckpt_path", type=str | None, default=None,
                         help="checkpoint to resume from (fit) or to run (validate, test, "
                              "predict): a path, 'last', 'best' or 'none'")
-    return parser
 
 
 def build_parser(command: str, model_cls: type, data_cls: Any | None):
@@ -221,6 +226,7 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
                                        "configure_optimizers, as in LightningCLI)")
     parser.add_subclass_arguments(TorchLRScheduler, "lr_scheduler", required=False,
                                   help="torch's StepLR or ExponentialLR (with --optimizer)")
+    _add_tail(parser)
     return parser
 
 
@@ -249,6 +255,7 @@ def build_recipe_parser(command: str, recipe, preset: str | None):
         action.help = helps.get(action.dest) or action.help
     # A recipe's runs repeat by default (seed 0, as `Fit`'s), where LightningCLI draws one.
     parser.set_defaults(seed_everything=0)
+    _add_tail(parser)
     return parser
 
 
@@ -274,8 +281,8 @@ def _parse_args(parser, items, modules, spec: str, extras) -> tuple[Any, Notes]:
 def parse_recipe(command: str, name: str, argv: Sequence[str]):
     """Parses `jaxlight <command> <recipe>` in LightningCLI's form: (parser, config, extras,
     recipe, notes); the config is None for `--help`."""
-    items, extras = read_command_line(argv)
     recipe = recipes.get(name)
+    items, extras = read_command_line(argv)
     parser = build_recipe_parser(command, recipe, extras["preset"])
     cfg, notes = _parse_args(parser, items, {}, name, extras)
     return parser, cfg, extras, recipe, notes

@@ -17,7 +17,7 @@ from jaxlight import Fit
 from jaxlight import callbacks as cbs
 from jaxlight._cli import _predict
 from jaxlight._cli._build import build_strategy, parse_mesh_shape, size_bare_strategy
-from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
+from jaxlight._cli._devices import describe_devices, join_job
 from jaxlight._cli._lightning_form import parse, parse_recipe, printed_config, recipe_config
 from jaxlight._cli._save_config import save_config_callbacks
 from jaxlight._cli._target import is_target
@@ -76,10 +76,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             "predict saves its outputs (--output FILE.npz).")
     _check_options(cfg)
     _predict.check_output_path(extras["output"])
-    # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
-    initialize_distributed()
-    if extras["devices"] is not None:
-        check_device_count(int(extras["devices"]))
+    join_job(None if extras["devices"] is None else int(extras["devices"]))
     ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
     seed = _seed(cfg)
     strategy_name = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else None
