@@ -11,12 +11,11 @@ same way.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from jaxlight import callbacks
-from jaxlight._cli._build import callback_call, logger_calls, split_calls
+from jaxlight._cli._build import callback_calls, logger_calls
 from jaxlight._cli._target import class_path_spec, register
 from jaxlight._errors import ConfigurationError
 
@@ -67,46 +66,35 @@ def _as_class(cls: type, kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _callback_values(text: str) -> list[dict[str, Any]]:
     """`--callbacks "EarlyStopping(monitor='val_loss'), x.py:Mine(n=2)"` as `class_path`s."""
-    return [_as_class(*callback_call(part)) for part in split_calls(text)]
+    return [_as_class(cls, kwargs) for cls, kwargs in callback_calls(text)]
 
 
-def translate_argv(argv: Sequence[str]) -> list[str]:
-    """The command line with each earlier option in its parser key (and value); dotted options
-    get underscores (`--model.num-layers` is `--model.num_layers`)."""
-    out: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if not token.startswith("--") or token == "--":
-            out.append(token)
-            i += 1
-            continue
-        name, eq, inline = token[2:].partition("=")
-        key = new_key(name) if "." not in name else None
-        if key is None:
-            if "." in name and not name.endswith("+"):
-                section, _, field = name.rpartition(".")
-                name = f"{section}.{field.replace('-', '_')}"
-            out.append(f"--{name}{eq}{inline}")
-            i += 1
-            continue
-        if key == "print_config":
-            out.append(f"--{key}{eq}{inline}")
-            i += 1
-            continue
-        if eq:
-            value, i = inline, i + 1
-        elif i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-        else:
-            raise ConfigurationError(f"--{name} needs a value.")
-        if key == "trainer.logger":
-            out += [f"--{key}", json.dumps(_logger_value(value))]
-        elif key == "trainer.callbacks":
-            out += [f"--trainer.callbacks+={json.dumps(v)}" for v in _callback_values(value)]
-        else:
-            out += [f"--{key}", value]
-    return out
+def option(key: str, value: str) -> list[tuple[str, Any]]:
+    """An earlier option (its parser `key`, from `new_key`) and its value as the parser's
+    options: `--logger` becomes `--trainer.logger`'s classes, `--callbacks` appends to
+    `--trainer.callbacks+`, each as `class_path`/`init_args`."""
+    if key == "trainer.logger":
+        return [(f"--{key}", _logger_value(value))]
+    if key == "trainer.callbacks":
+        return [("--trainer.callbacks+", v) for v in _callback_values(value)]
+    return [(f"--{key}", value)]
+
+
+HELP = ("jaxlight's own options:\n"
+        "  --data PATH.py:NAME      your module's data (a DataModule, or a function returning "
+        "one)\n"
+        "  --devices N              simulate N CPU devices (set before JAX starts)\n"
+        "  --preset NAME            a recipe's named defaults\n"
+        "  --output FILE.npz        predict: save the predictions\n"
+        "  --save_config_kwargs M   LightningCLI's save_config_kwargs, e.g. "
+        "'{\"overwrite\": true}'\n"
+        "  --save_config_callback null   save no config.yaml (LightningCLI's "
+        "save_config_callback=None)\n\n"
+        "jaxlight's earlier options, read as these keys:\n"
+        + "".join(f"  --{old} = --{new}\n" for old, new in ALIASES.items())
+        + "--logger takes csv,wandb,tensorboard or none (call form for arguments, e.g. "
+        "\"wandb(project='demo')\");\n--callbacks \"EarlyStopping(monitor='val_loss'), "
+        "file.py:Mine(n=2)\" appends to --trainer.callbacks.\n")
 
 
 def _section_class(name: str, value: Mapping[str, Any], extras: dict[str, Any]) -> dict:

@@ -206,8 +206,7 @@ def build_loggers(text: str | None) -> list | None:
     """Logger callbacks from `csv,wandb,...`; None when no logger is wanted."""
     if text is None or text.strip().lower() in ("", "none", "false", "off"):
         return None
-    return [_call(cls, [], kwargs, f"--logger {cls.__name__}")
-            for cls, kwargs in logger_calls(text)]
+    return [cls(**kwargs) for cls, kwargs in logger_calls(text)]
 
 
 def build_callbacks(text: str | None) -> list:
@@ -217,31 +216,29 @@ def build_callbacks(text: str | None) -> list:
     as the module and data are: `"sampler.py:ImageSampler(num_samples=4)"` or
     `"package.module:ImageSampler"`.
     """
-    if not text:
-        return []
-    return [_call(cls, [], kwargs, f"--callbacks {part}")
-            for part in split_calls(text) for cls, kwargs in [callback_call(part)]]
+    return [cls(**kwargs) for cls, kwargs in callback_calls(text or "")]
 
 
-def callback_call(part: str) -> tuple[type, dict]:
-    """The class and keyword arguments of one callback in call form (`EarlyStopping(...)`,
-    `PATH.py:Name(...)`)."""
-    valid = [n for n in getattr(callbacks, "__all__", ()) if n not in ("Callback",)]
-    head, paren, rest = part.partition("(")
-    if ":" in head:  # PATH.py:Name(...) or package.module:Name(...)
-        cls = import_object(head.strip(), "--callbacks")
-        _, args, kwargs = _parse_call("cls" + paren + rest, f"--callbacks {part!r}:")
-        if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
-            raise ConfigurationError(
-                f"--callbacks {head.strip()!r} is {type(cls).__name__} {cls!r}, not a "
-                "subclass of jaxlight.callbacks.Callback."
-            )
-    else:
-        name, args, kwargs = _parse_call(part, "--callbacks")
-        cls = getattr(callbacks, name, None)
-        if cls is None or not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
-            raise ConfigurationError(
-                f"unknown callback {name!r}; jaxlight.callbacks has {valid}."
-                f"{suggest(name, valid)} Your own callback class: PATH.py:Name(...)."
-            )
-    return cls, _bind(cls, args, kwargs, f"--callbacks {part}")
+def callback_calls(text: str) -> list[tuple[type, dict]]:
+    """The classes and keyword arguments of callbacks in call form (`EarlyStopping(...)`,
+    `PATH.py:Name(...)`), checked against their signatures."""
+    out = []
+    for part in split_calls(text):
+        head, paren, rest = part.partition("(")
+        if ":" in head:  # PATH.py:Name(...) or package.module:Name(...)
+            cls = import_object(head.strip(), "--callbacks")
+            _, args, kwargs = _parse_call("cls" + paren + rest, f"--callbacks {part!r}:")
+            if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+                raise ConfigurationError(
+                    f"--callbacks {head.strip()!r} is {type(cls).__name__} {cls!r}, not a "
+                    "subclass of jaxlight.callbacks.Callback.")
+        else:
+            name, args, kwargs = _parse_call(part, "--callbacks")
+            cls = getattr(callbacks, name, None)
+            if not (inspect.isclass(cls) and issubclass(cls, callbacks.Callback)):
+                valid = [n for n in getattr(callbacks, "__all__", ()) if n != "Callback"]
+                raise ConfigurationError(
+                    f"unknown callback {name!r}; jaxlight.callbacks has {valid}."
+                    f"{suggest(name, valid)} Your own callback class: PATH.py:Name(...).")
+        out.append((cls, _bind(cls, args, kwargs, f"--callbacks {part}")))
+    return out

@@ -48,9 +48,22 @@ def simulate_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={n}".strip()
 
 
-def initialize_distributed() -> None:
-    """Joins a multi-process run when the environment describes one (the launcher's, SLURM...)."""
+def join_job(devices: int | None) -> None:
+    """Joins a multi-process run when the environment describes one (the launcher's, SLURM...;
+    a no-op alone) and checks the `--devices` count, before anything else starts JAX."""
     distributed.initialize()
+    if devices is not None:
+        check_device_count(devices)
+
+
+def parse_command(parser: Parser, argv: Sequence[str]):
+    """A small command's options (`jaxlight devices`, `generate`: `--devices` among them,
+    `--mesh_shape` as `--mesh-shape`), and the job joined."""
+    args, unknown = parser.parse_known_args(normalize_argv(argv))
+    if unknown:
+        unknown_option_error(parser, unknown)
+    join_job(args.devices)
+    return args
 
 
 def check_device_count(n: int) -> None:
@@ -112,10 +125,5 @@ def devices_command(argv: Sequence[str]) -> None:
                         "(default: none)")
     parser.add_argument("--devices", type=int, default=None,
                         help="simulate this many CPU devices (default: as XLA_FLAGS says)")
-    args, unknown = parser.parse_known_args(normalize_argv(argv))
-    if unknown:
-        unknown_option_error(parser, unknown)
-    initialize_distributed()
-    if args.devices is not None:
-        check_device_count(args.devices)
+    args = parse_command(parser, argv)
     _print_devices(args.strategy, args.mesh_shape)

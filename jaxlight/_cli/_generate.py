@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxlight._cli._build import build_strategy
-from jaxlight._cli._devices import check_device_count, initialize_distributed
-from jaxlight._cli._options import COMMANDS, Parser, normalize_argv, unknown_option_error
+from jaxlight._cli._devices import parse_command
+from jaxlight._cli._options import COMMANDS, Parser
 from jaxlight._errors import ConfigurationError
 from jaxlight.nn.pretrained import Tokenizer, from_pretrained, generate
 
@@ -36,12 +36,7 @@ def generate_command(argv: Sequence[str]) -> list[str]:
                         help="mesh for strategies.Hybrid, e.g. '[[4,2],[\"fsdp\",\"tp\"]]'")
     parser.add_argument("--devices", type=int, default=None,
                         help="simulate this many CPU devices (default: as XLA_FLAGS says)")
-    args, unknown = parser.parse_known_args(normalize_argv(argv))
-    if unknown:
-        unknown_option_error(parser, unknown)
-    initialize_distributed()
-    if args.devices is not None:
-        check_device_count(args.devices)
+    args = parse_command(parser, argv)
     strategy = build_strategy(args.strategy or ("hybrid" if args.mesh_shape else "single"),
                               args.mesh_shape)
     if not hasattr(strategy, "spec_for"):

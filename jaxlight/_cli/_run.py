@@ -12,15 +12,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import yaml
 
 from jaxlight import Fit
 from jaxlight import callbacks as cbs
 from jaxlight._cli import _predict
 from jaxlight._cli._build import build_strategy, parse_mesh_shape, size_bare_strategy
-from jaxlight._cli._devices import check_device_count, describe_devices, initialize_distributed
+from jaxlight._cli._devices import describe_devices, join_job
 from jaxlight._cli._lightning_form import parse, parse_recipe, printed_config, recipe_config
-from jaxlight._cli._save_config import SaveConfigCallback
+from jaxlight._cli._save_config import save_config_callbacks
 from jaxlight._cli._target import is_target
 from jaxlight._errors import CheckpointError, ConfigurationError
 from jaxlight._fit._hooks import loggers_into_callbacks
@@ -77,10 +76,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             "predict saves its outputs (--output FILE.npz).")
     _check_options(cfg)
     _predict.check_output_path(extras["output"])
-    # Join a multi-process job (a no-op alone) before anything starts JAX's backend.
-    initialize_distributed()
-    if extras["devices"] is not None:
-        check_device_count(int(extras["devices"]))
+    join_job(None if extras["devices"] is None else int(extras["devices"]))
     ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
     seed = _seed(cfg)
     strategy_name = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else None
@@ -91,8 +87,9 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     callbacks, trainer["logger"] = loggers_into_callbacks(trainer.pop("logger"),
                                                           trainer.pop("callbacks"))
     callbacks += [*_checkpoint_callbacks(cfg),
-                  *_save_config(parser, cfg, extras, trainer, resuming=(
-                      command == "fit" and ckpt_path is not None))]
+                  *save_config_callbacks(printed_config(parser, cfg), extras,
+                                         trainer.get("fast_dev_run"),
+                                         resuming=command == "fit" and ckpt_path is not None)]
     if not from_recipe:
         config = cfg
         module, data = init.model, init.get("data")
@@ -114,7 +111,6 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
 
     fit = make_fit(trainer.pop("strategy"))  # refuses bad Fit options before anything builds
     ckpt_path = _eval_ckpt_path(command, recipe_name, fit, ckpt_path, untrained_on_purpose)
-    say = _printer()
     note = None
     if from_recipe:
         overrides = recipe.ckpt_overrides
@@ -127,20 +123,16 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             sized, note = size_bare_strategy(strategy_name, cfg.mesh_shape, module, seed)
             if sized is not None:
                 fit = make_fit(sized)
-    say(f"{command} {recipe.name}: strategy {fit.strategy.name}, {describe_devices()}")
+    _say(f"{command} {recipe.name}: strategy {fit.strategy.name}, {describe_devices()}")
     if note:
-        say(note)
+        _say(note)
     options = {"ckpt_path": ckpt_path, "seed": seed, "preset": extras["preset"]}
-    metrics: dict[str, Any] = {}
-    predictions = None
     try:
         if command == "fit":
-            _fit_command(recipe, config, options, fit, module, data, metrics, say)
-        elif command == "predict":
-            predictions = _predict_command(recipe, options, {"output": extras["output"]}, fit,
-                                           module, data, say)
+            metrics, predictions = _fit(recipe, config, ckpt_path, fit, module, data), None
         else:
-            _eval_command(command, recipe, options, fit, module, data, metrics, say)
+            metrics, predictions = _evaluate(command, recipe, ckpt_path, extras["output"], fit,
+                                             module, data)
     finally:
         for logger in fit.callbacks:  # one run per command: complete on disk when it returns
             finish = getattr(logger, "finish", None)
@@ -160,27 +152,6 @@ def _replace_optimizers(cfg, init, module) -> None:
         module.configure_optimizers = lambda: tx
     elif cfg.lr_scheduler is not None:
         raise ConfigurationError("--lr_scheduler needs --optimizer (as in LightningCLI).")
-
-
-def _save_config(parser, cfg, extras, trainer, resuming: bool) -> list:
-    """LightningCLI's `SaveConfigCallback` (not under `fast_dev_run`, as in Lightning):
-    `--save_config_kwargs '{"overwrite": true, "config_filename": "x.yaml"}'`, or
-    `--save_config_callback null` for none."""
-    which = extras["save_config_callback"]
-    if trainer.get("fast_dev_run") or (
-            which is not None and str(which).lower() in ("null", "none", "false")):
-        return []
-    if which is not None and which not in ("SaveConfigCallback",):
-        raise ConfigurationError(
-            f"--save_config_callback {which}: give null (save no config.yaml) or "
-            "SaveConfigCallback (the default).")
-    kwargs = yaml.safe_load(extras["save_config_kwargs"] or "{}") or {}
-    allowed = {"overwrite", "config_filename"}
-    if not isinstance(kwargs, dict) or set(kwargs) - allowed:
-        raise ConfigurationError(
-            f"--save_config_kwargs {extras['save_config_kwargs']}: give a mapping of "
-            f"{sorted(allowed)}, e.g. '{{\"overwrite\": true}}'.")
-    return [SaveConfigCallback(printed_config(parser, cfg), resuming=resuming, **kwargs)]
 
 
 def _checkpoint_callbacks(cfg) -> list:
@@ -265,15 +236,16 @@ class _LastValidation(cbs.Callback):
         self.metrics = {k: v for k, v in fit.callback_metrics.items() if k.startswith("val_")}
 
 
-def _fit_command(recipe, config, options, fit, module, data, metrics, say) -> None:
+def _fit(recipe, config, ckpt_path, fit, module, data) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
     # A resumed fit starts from the checkpoint, not from what before_fit would measure.
-    if recipe.before_fit is not None and options["ckpt_path"] is None:
+    if recipe.before_fit is not None and ckpt_path is None:
         before = recipe.before_fit(fit, module, data, config) or {}
         metrics.update({f"before_{k}": v for k, v in before.items()})
-        _report("before training", before, say)
+        _report("before training", before)
     last = next(cb for cb in fit.callbacks if isinstance(cb, _LastValidation))
     t0 = time.perf_counter()
-    fit.fit(module, ckpt_path=options["ckpt_path"], **_stage_data("fit", recipe, data))
+    fit.fit(module, ckpt_path=ckpt_path, **_stage_data("fit", recipe, data))
     metrics["train_seconds"] = time.perf_counter() - t0
     metrics["global_step"] = fit.global_step
     if _has_val(data):
@@ -285,50 +257,43 @@ def _fit_command(recipe, config, options, fit, module, data, metrics, say) -> No
             final = fit.validate(module, **_stage_data("validate", recipe, data))
         metrics.update(final)
         _report(f"final validation metrics (step {fit.global_step}, "
-                f"{metrics['train_seconds']:.1f} s)", final, say)
+                f"{metrics['train_seconds']:.1f} s)", final)
     if recipe.after_fit is not None:
         after = recipe.after_fit(fit, module, data, config) or {}
         metrics.update(after)
-        _report("after training", after, say)
+        _report("after training", after)
+    return metrics
 
 
-def _eval_command(command, recipe, options, fit, module, data, metrics, say) -> None:
-    if options["ckpt_path"] is None:
-        say(f"warning: --ckpt_path none: {command} evaluates the model as configure_model "
-            "initializes it, not a trained one")
-    method = fit.validate if command == "validate" else fit.test
-    result = method(module, ckpt_path=options["ckpt_path"], **_stage_data(command, recipe, data))
-    metrics.update(result)
-    _report(f"{command} metrics", result, say)
+def _evaluate(command, recipe, ckpt_path, output, fit, module, data):
+    """validate, test or predict: (metrics, predictions)."""
+    if ckpt_path is None:
+        verb = "runs" if command == "predict" else "evaluates"
+        _say(f"warning: --ckpt_path none: {command} {verb} the model as configure_model "
+             "initializes it, not a trained one")
+    stage = {"validate": fit.validate, "test": fit.test, "predict": fit.predict}[command]
+    result = stage(module, ckpt_path=ckpt_path, **_stage_data(command, recipe, data))
+    if command != "predict":
+        _report(f"{command} metrics", result)
+        return dict(result), None
+    arrays = _predict.collect(result)
+    for line in _predict.summarize(result, arrays):
+        _say(line)
+    if output:
+        _predict.save(output, arrays)
+        _say(f"saved {len(arrays)} arrays to {output}")
+    return {}, result
 
 
-def _predict_command(recipe, options, flags, fit, module, data, say) -> list[Any]:
-    if options["ckpt_path"] is None:
-        say("warning: --ckpt_path none: predict runs the model as configure_model initializes "
-            "it, not a trained one")
-    outputs = fit.predict(module, ckpt_path=options["ckpt_path"],
-                          **_stage_data("predict", recipe, data))
-    arrays = _predict.collect(outputs)
-    for line in _predict.summarize(outputs, arrays):
-        say(line)
-    if flags.get("output"):
-        _predict.save(flags["output"], arrays)
-        say(f"saved {len(arrays)} arrays to {flags['output']}")
-    return outputs
+def _say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, flush=True)
 
 
-def _printer():
-    def say(text: str) -> None:
-        if jax.process_index() == 0:
-            print(text, flush=True)
-
-    return say
-
-
-def _report(title: str, metrics: dict[str, Any], say) -> None:
+def _report(title: str, metrics: dict[str, Any]) -> None:
     if not metrics:
         return
-    say(f"{title}:")
+    _say(f"{title}:")
     width = max(len(k) for k in metrics)
     for key, value in metrics.items():
         if isinstance(value, float):
@@ -337,7 +302,7 @@ def _report(title: str, metrics: dict[str, Any], say) -> None:
             shown = "\n" + "\n".join(f"    | {line}" for line in value.splitlines())
         else:
             shown = str(value)
-        say(f"  {key:<{width}}  {shown}")
+        _say(f"  {key:<{width}}  {shown}")
 
 
 def _ckpt_path(cfg) -> tuple[str | None, bool]:

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import yaml
 
 from jaxlight import callbacks as cbs
 from jaxlight._errors import ConfigurationError
@@ -80,3 +81,24 @@ class SaveConfigCallback(cbs.Callback):
 
     def on_predict_start(self, fit, module) -> None:
         self._save(fit)
+
+
+def save_config_callbacks(text: str, extras, fast_dev_run, resuming: bool) -> list:
+    """LightningCLI's `SaveConfigCallback` (not under `fast_dev_run`, as in Lightning):
+    `--save_config_kwargs '{"overwrite": true, "config_filename": "x.yaml"}'`, or
+    `--save_config_callback null` for none."""
+    which = extras["save_config_callback"]
+    if fast_dev_run or (
+            which is not None and str(which).lower() in ("null", "none", "false")):
+        return []
+    if which is not None and which not in ("SaveConfigCallback",):
+        raise ConfigurationError(
+            f"--save_config_callback {which}: give null (save no config.yaml) or "
+            "SaveConfigCallback (the default).")
+    kwargs = yaml.safe_load(extras["save_config_kwargs"] or "{}") or {}
+    allowed = {"overwrite", "config_filename"}
+    if not isinstance(kwargs, dict) or set(kwargs) - allowed:
+        raise ConfigurationError(
+            f"--save_config_kwargs {extras['save_config_kwargs']}: give a mapping of "
+            f"{sorted(allowed)}, e.g. '{{\"overwrite\": true}}'.")
+    return [SaveConfigCallback(text, resuming=resuming, **kwargs)]
