@@ -88,6 +88,7 @@ def _entries(path) -> list[str]:
     return [n for n in os.listdir(path) if not n.startswith(".") and not n.endswith("-atime")]
 
 
+@pytest.mark.slow
 def test_second_process_reads_every_step_from_the_cache(tmp_path):
     cache = str(tmp_path / "xla")
     # Two processes start on an empty directory at once: each compiles what it does not
@@ -116,6 +117,7 @@ def test_default_directory_and_environment(tmp_path):
     assert r["dir"] == str(moved) and _entries(moved)
 
 
+@pytest.mark.slow
 def test_off_writes_nothing(tmp_path):
     xdg = tmp_path / "xdg"
     r = _result(_spawn(False, {"XDG_CACHE_HOME": str(xdg)}))

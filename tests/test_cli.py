@@ -36,6 +36,7 @@ def _err(capsys) -> str:
 # -- running -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fit_digits_reports_final_validation_metrics(capsys):
     assert main(["fit", "digits", "--max-steps", "20", "--val-check-interval", "10",
                  "--seed", "3", *SMALL_DIGITS, *QUIET]) == 0
@@ -46,6 +47,7 @@ def test_fit_digits_reports_final_validation_metrics(capsys):
     assert os.path.isfile("jaxlight_logs/csv/version_0/metrics.csv")
 
 
+@pytest.mark.slow
 def test_options_reach_fit_and_recipe():
     result = run("fit", "digits", ["--max-steps", "3", "--log-every-n-steps", "1", "--seed", "7",
                                    "--strategy", "fsdp", "--logger", "none", "--optim.lr",
@@ -58,6 +60,7 @@ def test_options_reach_fit_and_recipe():
     assert result.metrics["global_step"] == 3
 
 
+@pytest.mark.slow
 def test_checkpoint_then_validate_and_resume(capsys):
     """--checkpoint-every-n-steps writes, `validate --ckpt-path` reads, `fit` resumes."""
     common = [*SMALL_DIGITS, *QUIET, "--logger", "none"]
@@ -327,6 +330,7 @@ def test_hybrid_without_mesh_is_refused(capsys):
     assert "--strategy hybrid needs a mesh: add --mesh-shape" in _err(capsys)
 
 
+@pytest.mark.slow
 def test_sft_checkpoints_rebuild_a_lora_base_and_skip_it_for_full_fine_tuning():
     """A LoRA checkpoint holds the adapters only: `validate` rebuilds the base as the fit did
     and refuses another base. A full fine-tuning checkpoint holds every weight: the base is

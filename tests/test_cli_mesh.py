@@ -51,6 +51,7 @@ def test_same_shapes_through_python_flag_and_yaml(tmp_path, shape, mesh):
         assert _mesh(build_strategy(cfg.trainer.strategy, cfg.mesh_shape)) == mesh
 
 
+@pytest.mark.slow
 def test_yaml_list_form_mesh_shape_trains(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text('mesh_shape: [[4, 2], ["fsdp", "tp"]]\nmax_steps: 3\n'

@@ -131,6 +131,7 @@ def test_bare_strategy_takes_the_largest_size_the_model_allows(recipe, kind, siz
         assert note.endswith("choose with --strategy 'tp(size=N, rules='NNX')'.")
 
 
+@pytest.mark.slow
 def test_bare_gpipe_trains_a_recipe_from_the_command_line(capsys):
     result = run("fit", "digits", ["--strategy", "gpipe", "--max-steps", "1", "--model.width",
                                    "16", "--model.hidden", "16", *QUIET])

@@ -121,7 +121,16 @@ def recording_fits(page: str):
         Fit.fit = original
 
 
-@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def trains(path: pathlib.Path) -> bool:
+    """Whether a page's code trains (a `.fit(` in a python block, `jaxlight fit` in a bash one):
+    such pages are the whole suite's tier; the pages that only build, parse or print are fast."""
+    return any((lang == "python" and ".fit(" in body)
+               or (lang == "bash" and re.search(r"\bjaxlight (fit|launch)\b", body))
+               for lang, body, _, _ in blocks(path.read_text()))
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if trains(p) else p
+                                  for p in PAGES], ids=[p.name for p in PAGES])
 def test_page_runs(path):
     PAGES_RUN.add(path.name)
     with recording_fits(path.name):
@@ -140,6 +149,7 @@ def model_signature(module) -> tuple:
     return type(module).__qualname__, tuple(leaves)
 
 
+@pytest.mark.slow
 def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch):
     """`Fit()` (strategy "auto") trains every module a page trains, whatever strategy the page
     chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included. Each

@@ -270,6 +270,7 @@ def test_log_outside_a_step_is_refused():
         Classifier().log("x", 1.0)
 
 
+@pytest.mark.slow
 def test_pipelined_short_last_batch_matches_single_device():
     """GPipe: a last batch that does not split into microbatches runs as a single one."""
     from jaxlight import strategies

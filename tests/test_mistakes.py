@@ -15,6 +15,7 @@ import pytest
 import jaxlight as jl
 from jaxlight import callbacks, strategies
 from jaxlight._errors import DataTypeError
+from jaxlight.schedules import _configure
 from tests.models import Classifier, classification_data
 
 
@@ -141,7 +142,7 @@ def test_7_a_learning_rate_schedule_in_the_factor_slot_warns_with_both_forms():
         _fit(max_steps=1).fit(_RateInFactorSlot(), _loader())
     with warnings.catch_warnings():  # a factor schedule (peak 1) is not judged
         warnings.simplefilter("error", jl.JaxlightWarning)
-        jl._optim.resolve(type("F", (Classifier,), {"configure_optimizers": lambda self: {
+        _configure.resolve(type("F", (Classifier,), {"configure_optimizers": lambda self: {
             "optimizer": optax.adam(1e-3),
             "lr_scheduler": {"scheduler": optax.cosine_decay_schedule(1.0, 100)}}})())
 

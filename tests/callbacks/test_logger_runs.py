@@ -44,6 +44,7 @@ def _tensorboard(root: str) -> dict[str, list[int]]:
     return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_cli_fit_is_one_run_and_a_resumed_fit_continues_it():
     loggers = ["--logger", "wandb,tensorboard"]
     # Validates at steps 2 and 4; the fit's validation at step 4 is the final report.

@@ -239,6 +239,7 @@ _TWO_PROCESS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_only_process_zero_writes(tmp_path):
     from tests.distributed._launch_util import run_processes
 

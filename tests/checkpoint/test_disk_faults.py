@@ -111,6 +111,7 @@ def test_a_checkpoint_directory_removed_mid_run_is_named_in_a_warning(tmp_path):
     assert complete_steps(ckpt_dir) == [6, 8]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_live_runs_directory_is_refused_and_a_killed_runs_lock_is_not(
         tmp_path):
     ckpt_dir = str(tmp_path / "ckpt")

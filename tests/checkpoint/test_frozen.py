@@ -68,6 +68,7 @@ def trained(tmp_path_factory):
     return module, fit, ckpt
 
 
+@pytest.mark.slow
 def test_lora_checkpoint_holds_only_the_adapters(trained):
     module, fit, ckpt = trained
     step_dir = os.path.abspath(os.path.join(ckpt, str(STEPS)))
@@ -92,6 +93,7 @@ def test_lora_checkpoint_holds_only_the_adapters(trained):
     assert embed["shape"] == list(BASE["embed"]["embedding"].shape) and embed["dtype"] == "float32"
 
 
+@pytest.mark.slow
 def test_load_checkpoint_rebuilds_the_base_and_matches_the_trained_model(trained):
     module, _, ckpt = trained
     step_dir = os.path.join(ckpt, str(STEPS))
@@ -108,6 +110,7 @@ def test_load_checkpoint_rebuilds_the_base_and_matches_the_trained_model(trained
     assert not np.array_equal(np.asarray(base_only.model(tokens)), np.asarray(loaded(tokens)))
 
 
+@pytest.mark.slow
 def test_resume_from_a_lora_checkpoint_is_bitwise_exact(trained):
     module, fit, ckpt = trained
     resumed = _tuner()
@@ -120,6 +123,7 @@ def test_resume_from_a_lora_checkpoint_is_bitwise_exact(trained):
                    jax.device_get(nnx.to_pure_dict(nnx.state(module.model))))
 
 
+@pytest.mark.slow
 def test_other_base_weights_are_refused_with_their_paths(trained):
     _, _, ckpt = trained
     # configure_model's own random base (no base_params): adapters trained for BASE would
@@ -132,6 +136,7 @@ def test_other_base_weights_are_refused_with_their_paths(trained):
                                       ckpt_path=os.path.join(ckpt, "2"))
 
 
+@pytest.mark.slow
 def test_another_lora_rank_is_refused_naming_paths_and_shapes(trained):
     _, _, ckpt = trained
     # Only the parameters differ (the frozen base in `rest` is the same): only they are named.

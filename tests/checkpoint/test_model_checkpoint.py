@@ -186,6 +186,7 @@ def test_nonfinite_monitored_value_never_replaces_a_good_checkpoint(tmp_path):
     assert complete_steps("ckpt2") == [other.best_step]
 
 
+@pytest.mark.slow
 def test_cross_strategy_restore_continues_the_loss_trajectory(tmp_path):
     losses = {}
 

@@ -66,6 +66,7 @@ def test_sigusr1_finishes_the_step_checkpoints_and_exits(tmp_path):
     assert_bitwise(params_of(module.model), params_of(reference.model))
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_checkpoints_the_same_step_on_both(tmp_path):
     # 2 processes x 4 devices, FSDP over all 8: each process writes its own shards. Only rank 1
     # gets SIGTERM; JAX's coordination service makes both save the same step and exit.

@@ -3,6 +3,8 @@ from Python and from the command line, in an empty folder (the requeue path)."""
 
 import os
 
+import pytest
+
 from jaxlight import callbacks
 from jaxlight._cli import main, run
 from jaxlight.checkpoint._restore import complete_steps
@@ -33,6 +35,7 @@ def test_last_under_a_relative_default_root_dir_resumes_and_validates(capsys):
     assert metrics["val_loss"] == expected["val_loss"]  # step 4's parameters, not a fresh init
 
 
+@pytest.mark.slow
 def test_cli_requeue_with_last_in_an_empty_folder(capsys):
     assert main(["fit", "digits", "--max-steps", "10", "--checkpoint-every-n-steps", "10",
                  *CLI]) == 0

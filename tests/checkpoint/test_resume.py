@@ -4,6 +4,8 @@ import os
 import re
 import signal
 
+import pytest
+
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.checkpoint._restore import complete_steps
@@ -55,6 +57,7 @@ def _check_killed_during_save(child, ckpt_dir, step):
     assert complete_steps(ckpt_dir) in ([step - 1], [step - 2, step - 1])
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
     single, dp, fsdp = (str(tmp_path / name) for name in ("single", "dp", "fsdp"))
     # The three first runs at once (independent processes; a 2-core machine runs two at once).

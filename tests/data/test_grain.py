@@ -110,14 +110,17 @@ def _kill_and_resume(kind: str, nprocs: int, tmp_path, records: str) -> None:
     assert order[:n] != sorted(order[:n])
 
 
+@pytest.mark.slow
 def test_grain_dataloader_resumes_bitwise_after_sigkill(tmp_path, records):
     _kill_and_resume("loader", 1, tmp_path, records)
 
 
+@pytest.mark.slow
 def test_grain_dataset_resumes_bitwise_after_sigkill_in_two_processes(tmp_path, records):
     _kill_and_resume("dataset", 2, tmp_path, records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["loader", "dataset"])
 def test_each_process_reads_only_its_share(tmp_path, records, kind):
     log = str(tmp_path / "reads")

@@ -19,6 +19,9 @@ import pytest
 from tests.distributed import _train_script as script
 from tests.distributed._launch_util import run_launcher, run_processes
 
+#: Real processes: the whole suite's tier (`make test-all`).
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "_train_script.py")
 SCENARIOS = os.path.join(HERE, "_scenarios.py")
@@ -68,6 +71,7 @@ def _assert_same_run(got: dict, want: dict, steps) -> None:
         np.testing.assert_allclose(got["params"][key], value, **TOL, err_msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_two_processes_match_one_process(multi, reference, name):
     _, runs = multi
@@ -190,6 +194,7 @@ def test_one_process_checkpoint_resumes_in_two_processes(multi, reference):
                          range(5, script.STEPS + 1))
 
 
+@pytest.mark.slow
 def test_bad_input_across_processes(tmp_path):
     names = ["versions", "devices", "batch_size", "data_length", "stop_on_one_process",
              "tp_everywhere", "mesh_size"]
@@ -239,6 +244,7 @@ def test_heterogeneous_job_is_refused_with_the_list():
                          r"process 1: 1 cpu device \(1 x cpu\)\)", r.stdout), r.output
 
 
+@pytest.mark.slow
 def test_missing_process_ends_with_a_clear_error_within_the_timeout():
     code = "import jaxlight; jaxlight.distributed.initialize()"
 
@@ -261,6 +267,7 @@ def test_missing_process_ends_with_a_clear_error_within_the_timeout():
                      r"nothing is listening there", r1.stderr)
 
 
+@pytest.mark.slow
 def test_launcher_stops_the_others_when_one_dies(tmp_path):
     done, _ = run_launcher(["--nprocs", "2", "--devices-per-proc", "1", "--timeout", "10",
                             "--grace", "1", "--", "python", SCENARIOS, str(tmp_path), "die"],
@@ -272,6 +279,7 @@ def test_launcher_stops_the_others_when_one_dies(tmp_path):
     assert "jaxlight launch: rank 1 failed (killed by SIGKILL); stopping rank 0." in done.stderr
 
 
+@pytest.mark.slow
 def test_dead_peer_ends_the_others_without_a_launcher(tmp_path):
     # Rank 1 dies; rank 0 (the coordinator, sleeping, in no collective) notices through JAX's
     # heartbeats within the 5 s timeout and terminates with JAX's diagnosis.

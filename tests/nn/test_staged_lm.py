@@ -36,6 +36,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_pipelined_lm_matches_single_device(runs):
     assert len(runs["single"]["losses"]) == STEPS
     np.testing.assert_allclose(runs["gpipe"]["losses"], runs["single"]["losses"], rtol=1e-5)
@@ -45,6 +46,7 @@ def test_pipelined_lm_matches_single_device(runs):
     assert runs["gpipe"]["fit"].compile_counts["train"] == 1
 
 
+@pytest.mark.slow
 def test_embedding_and_head_run_inside_the_schedule(runs):
     fit = runs["gpipe"]["fit"]
     p, m = 4, 4
@@ -62,6 +64,7 @@ def test_embedding_and_head_run_inside_the_schedule(runs):
     assert sizes[-1] == 4 * (c["embed_dim"] + c["embed_dim"] * c["vocab_size"])  # norm + head
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_pipeline_and_other_layouts(runs):
     path = os.path.join(runs["ckpt"], str(STEPS))
     for strategy in ("single", strategies.FSDP(min_shard_size=1)):
@@ -72,6 +75,7 @@ def test_checkpoints_move_between_pipeline_and_other_layouts(runs):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     # A child process trains the same run under GPipe(4, 4), saving every step, and is killed
     # by SIGKILL after step 6; resumed from its last checkpoint, the run ends on the
@@ -88,6 +92,7 @@ def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_same_function_as_transformer_lm():
     # The stages hold TransformerLM's weights in its order: with the same weights copied in,
     # the logits agree.

@@ -47,6 +47,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_stages_run_in_order_like_the_plain_layers():
     rngs = nnx.Rngs(0)
     layers = [nnx.Linear(6, 5, rngs=rngs), nnx.Linear(5, 3, rngs=rngs)]
@@ -58,6 +59,7 @@ def test_stages_run_in_order_like_the_plain_layers():
     assert stages.packed_float32.shape == (2, 128)  # 6·5+5 = 35 and 5·3+3 = 18, padded
 
 
+@pytest.mark.slow
 def test_gpipe_and_hybrid_match_single_device(runs):
     assert len(runs["single"]["losses"]) == STEPS
     _close(runs["gpipe"], runs["single"])
@@ -66,6 +68,7 @@ def test_gpipe_and_hybrid_match_single_device(runs):
         assert runs[name]["fit"].compile_counts["train"] == 1
 
 
+@pytest.mark.slow
 def test_each_device_holds_its_own_stage(runs):
     fit = runs["gpipe"]["fit"]
     packed = fit.state.params["packed_float32"]
@@ -86,6 +89,7 @@ def test_each_device_holds_its_own_stage(runs):
     assert mu.addressable_shards[0].data.shape == (1, width)
 
 
+@pytest.mark.slow
 def test_schedule_iterations_and_permute_bytes(runs):
     fit = runs["gpipe"]["fit"]
     p, m = 3, 4
@@ -97,6 +101,7 @@ def test_schedule_iterations_and_permute_bytes(runs):
     assert stats["collective_permute_bytes"] == 2 * (m + p - 1) * b * width * 4
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_gpipe_and_other_layouts(runs, tmp_path):
     expected = runs["gpipe"]["params"]
     path = os.path.join(runs["ckpt"], str(STEPS))
@@ -114,6 +119,7 @@ def test_checkpoints_move_between_gpipe_and_other_layouts(runs, tmp_path):
                                   ref["params"]["packed_float32"])
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("stages", ckpt, STEPS, 6)
@@ -142,6 +148,7 @@ def test_stage_with_other_state_or_not_a_module():
         nn.Stages([jax.nn.relu])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", [True, "dots"])
 def test_stage_remat_gives_the_same_gradients(remat):
     x = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)
@@ -162,6 +169,7 @@ def test_stage_remat_gives_the_same_gradients(remat):
         nn.Stages([nnx.Linear(2, 2, rngs=nnx.Rngs(0))], remat="most")
 
 
+@pytest.mark.slow
 def test_pipeline_remat_stores_less_and_trains_the_same(runs):
     # GPipe(remat=True) recomputes each device's stages in the backward pass (it was ignored by
     # Stages before: the compiled step kept every stage's activations).
@@ -184,6 +192,7 @@ def test_auto_offers_a_stages_model_the_gpipe_schedule_only():
     assert not any("repeats" in lay for lay in layouts), layouts
 
 
+@pytest.mark.slow
 def test_balanced_packing_holds_total_over_p_per_device(runs):
     # Stages(balance=True): the stages' parameters back to back, each pipeline device holding
     # total/p of them (and of the Adam slots) instead of the largest stage's row.

@@ -53,16 +53,19 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_mpmd_matches_single_device(runs):
     assert len(runs["mpmd"]["losses"]) == STEPS
     _close(runs["mpmd"], runs["single"])
     assert runs["mpmd"]["fit"].compile_counts["train"] == 1
 
 
+@pytest.mark.slow
 def test_unpacked_stages_match_under_spmd_gpipe_too(runs):
     _close(_fit(strategies.GPipe(3, M, devices=jax.devices()[:6])), runs["single"])
 
 
+@pytest.mark.slow
 def test_each_device_holds_exactly_its_own_stage(runs):
     fit, model = runs["mpmd"]["fit"], runs["mpmd"]["module"].model
     devices = fit.strategy.pipeline_devices
@@ -76,6 +79,7 @@ def test_each_device_holds_exactly_its_own_stage(runs):
     assert fit.state.step.sharding.device_set == {devices[0]}
 
 
+@pytest.mark.slow
 def test_copies_are_exactly_the_stage_boundaries(runs):
     """Per step: each boundary's activation forward and its gradient backward, once per
     microbatch, b·w·4 bytes each (no padding to the widest boundary), and the labels from the
@@ -93,6 +97,7 @@ def test_copies_are_exactly_the_stage_boundaries(runs):
     assert not collectives(fit.compiled_train_step.as_text())
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_mpmd_and_other_layouts(runs, tmp_path):
     expected = runs["mpmd"]["params"]
     path = os.path.join(runs["ckpt"], str(STEPS))
@@ -113,6 +118,7 @@ def test_checkpoints_move_between_mpmd_and_other_layouts(runs, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("stages_mpmd", ckpt, STEPS, 6)
@@ -125,6 +131,7 @@ def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_evaluation_prediction_and_eager_use_after_fit(runs):
     fit, module = runs["mpmd"]["fit"], runs["mpmd"]["module"]
     data = stage_data(10, seed=3)  # 10 examples: not a multiple of the 4 microbatches
@@ -141,6 +148,7 @@ class _Validated(StageMLP):
         return {"val_loss": loss, "val_logit_sum": logits.sum()}
 
 
+@pytest.mark.slow
 def test_validation_over_any_batch_size_equals_single_device(tmp_path):
     """Validation during fit and Fit.validate: batches of 24 (4 microbatches) and a short last
     one of 10 (one microbatch) give the single device's exact metrics."""
@@ -193,6 +201,7 @@ class _Plain(StageMLP):
         return nn.Stages([nnx.Linear(DIMS[0], DIMS[-1], rngs=rngs)], packed=True)
 
 
+@pytest.mark.slow
 def test_auto_weighs_the_program_per_device_and_can_pick_it(runs):
     """Auto lists `pipe=p mpmd` for a Stages(packed=False) model, compiles it (bytes of the
     busiest device, the pipeline's makespan at roofline costs), and trains it when chosen."""
@@ -239,6 +248,7 @@ def test_frozen_stage_is_rebuilt_on_its_device_when_resuming(tmp_path):
     {"precision": "bf16-mixed"},
     {"callbacks": [callbacks.EMAWeightAveraging(decay=0.9)]},
 ], ids=["clip", "bf16", "ema"])
+@pytest.mark.slow
 def test_step_transforms_match_single_device(options):
     """Callbacks that transform the step run inside the per-device programs unchanged."""
     losses = {}

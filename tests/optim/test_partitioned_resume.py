@@ -11,6 +11,7 @@ import signal
 import jax
 import numpy as np
 import optax
+import pytest
 
 from jaxlight import callbacks
 from tests.checkpoint._common import assert_bitwise, loader, make_fit, params_of
@@ -29,6 +30,7 @@ def _train(strategy, ckpt_dir=None):
     return fit, params_of(module.model)
 
 
+@pytest.mark.slow
 def test_partitioned_state_resumes_bitwise_after_sigkill_and_on_another_mesh(tmp_path):
     ckpt_dir = str(tmp_path / "fsdp")
     child = Child({"strategy": "fsdp", "dir": ckpt_dir, "max_steps": STEPS, "pause_at": 5,

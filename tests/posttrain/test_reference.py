@@ -76,6 +76,7 @@ def trained(tmp_path_factory):
     return module, fit, ckpt, recorder.metrics
 
 
+@pytest.mark.slow
 def test_reference_is_frozen_and_outside_the_optimizer(trained):
     module, fit, _, metrics = trained
     ref_sums = [metrics[s]["ref_logits"] for s in range(1, STEPS + 1)]
@@ -97,6 +98,7 @@ def test_reference_is_frozen_and_outside_the_optimizer(trained):
     assert any(any(s) for s in specs(fit.state.params["policy"]))  # FSDP really shards them
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_only_the_reference_fingerprint(trained):
     _, fit, ckpt, _ = trained
     step_dir = os.path.abspath(os.path.join(ckpt, str(STEPS)))
@@ -110,6 +112,7 @@ def test_checkpoint_holds_only_the_reference_fingerprint(trained):
     assert all(isinstance(r["fingerprint"], int) for r in frozen.values())
 
 
+@pytest.mark.slow
 def test_resume_rebuilds_the_reference_and_is_bitwise(trained):
     module, fit, ckpt, metrics = trained
     recorder = Recorder()
@@ -122,6 +125,7 @@ def test_resume_rebuilds_the_reference_and_is_bitwise(trained):
     assert recorder.metrics[STEPS] == metrics[STEPS]
 
 
+@pytest.mark.slow
 def test_another_reference_is_refused(trained):
     _, _, ckpt, _ = trained
     with pytest.raises(jl.CheckpointError, match=r"other frozen parameters(.|\n)*"
@@ -130,6 +134,7 @@ def test_another_reference_is_refused(trained):
                                     ckpt_path=os.path.join(ckpt, "2"))
 
 
+@pytest.mark.slow
 def test_without_adapters_is_the_lora_base():
     rngs = nnx.Rngs(0)
     base = nnx.Linear(4, 3, rngs=rngs)

@@ -32,6 +32,7 @@ def _rollout(setup, **kw):
         rewards=[lambda p, c: float(len(c) <= 3), lambda p, c: float("a" in c)], **kw)
 
 
+@pytest.mark.slow
 def test_batch_layout_rewards_and_advantages(setup):
     _, tokenizer, prompts = setup
     batch = _rollout(setup)
@@ -64,6 +65,7 @@ def test_same_seed_same_batch_other_seed_other_samples(setup):
     assert not np.array_equal(a["tokens"], c["tokens"])
 
 
+@pytest.mark.slow
 def test_sampler_and_training_step_agree(setup):
     # Nearly greedy sampling: every sampled token is the argmax of the training forward pass
     # (positions, padding and shift right), so its log-probability is ~0.

@@ -22,6 +22,7 @@ def test_split_is_fixed_and_disjoint():
     assert a["train"]["x"].min() >= 0.0 and a["train"]["x"].max() <= 1.0
 
 
+@pytest.mark.slow
 def test_reaches_95_percent_validation_accuracy_under_data_parallel():
     """`make demo`'s run: the recipe's defaults under DataParallel on 8 devices."""
     config = digits.Config()

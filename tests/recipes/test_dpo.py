@@ -18,6 +18,7 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "pretrained", "fixtures", "qwen3")
 
 
+@pytest.mark.slow
 def test_dpo_raises_held_out_reward_accuracy():
     config = dpo.Config()
     config.model.pretrained = FIXTURE

@@ -45,6 +45,7 @@ def test_presets_sizes():
     assert gpt.num_parameters(gpt.RECIPE.default_config("1b").model) == 1_074_333_696
 
 
+@pytest.mark.slow
 def test_tiny_preset_lowers_validation_loss_and_samples():
     # The preset's model and data; a smaller batch and a short run keep the test quick.
     config = apply_overrides(gpt.RECIPE.default_config("tiny"), {
@@ -63,6 +64,7 @@ def test_tiny_preset_lowers_validation_loss_and_samples():
     assert len(sample.encode("utf-8", errors="ignore")) > len(config.sample.prompt)
 
 
+@pytest.mark.slow
 def test_greedy_generation_is_deterministic_and_matches_argmax():
     import jax.numpy as jnp
     from flax import nnx
@@ -94,6 +96,7 @@ def test_flops_and_tokens_per_batch():
     assert module.flops_per_batch(batch) == 6 * dense * 2048 + 12 * 4 * 64 * 64 * 2048
 
 
+@pytest.mark.slow
 def test_remat_and_attention_overrides_reach_the_model():
     from jaxlight._errors import ConfigurationError
 
@@ -144,6 +147,7 @@ def test_grain_loader_needs_max_steps_and_the_memory_loader_counts_epochs():
     assert len(data.train) == len(gpt.train_windows(config.data)) // config.data.batch_size
 
 
+@pytest.mark.slow
 def test_resumed_recipe_run_continues_the_grain_stream_bitwise(tmp_path):
     import jax
 

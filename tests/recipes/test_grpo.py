@@ -67,6 +67,7 @@ def straight():
     return run_grpo(6)
 
 
+@pytest.mark.slow
 def test_grpo_samples_from_the_policy_after_each_step(straight):
     run, feed = straight, straight.feed
     # 6 steps, 2 updates per generation batch: 3 generation batches, sampled by one program.
@@ -95,6 +96,7 @@ def test_grpo_samples_from_the_policy_after_each_step(straight):
     assert set(run.fit.state.params) == {"policy"}
 
 
+@pytest.mark.slow
 def test_on_policy_when_each_batch_feeds_one_step():
     """updates=1: generation 1 is sampled from the policy after step 1 and trained by step 2:
     re-sampled from a copy of that policy with its prompts and seed it is the batch step 2
@@ -126,6 +128,7 @@ def test_on_policy_when_each_batch_feeds_one_step():
         np.testing.assert_array_equal(feed.batch[key], again[key])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_generation_resumes_bitwise(straight, tmp_path):
     env = dict(os.environ)
     cfg = {"dir": str(tmp_path), "steps": 6}
@@ -167,6 +170,7 @@ def test_rewards_and_feed_state():
         assert back[k].dtype == v.dtype
 
 
+@pytest.mark.slow
 def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
     """One generation batch through the recipe's compiled step under FSDP() (a step per
     replica, one row each: advantages and normalizers come from the host) and fsdp x tp: the
@@ -210,6 +214,7 @@ def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
                                                                     fit.callback_metrics)
 
 
+@pytest.mark.slow
 def test_lora_policy_samples_and_trains_only_its_adapters():
     """--lora.rank: the policy is the pretrained model with adapters, the reference the same
     model with them off (no second copy); only the adapters train and the base stays loaded."""

@@ -70,6 +70,7 @@ class _Snapshot(callbacks.Callback):
         self.rest = jax.tree.map(np.asarray, fit.state.rest)
 
 
+@pytest.mark.slow
 def test_lora_fine_tuning_raises_exact_match_and_freezes_the_base():
     _, config = small("sft", **{"task.max_len": 4, "task.alphabet": "abcdef",
                                 "task.train_examples": 1000, "task.val_examples": 64,
@@ -109,6 +110,7 @@ def test_full_fine_tuning_without_lora_trains_every_parameter():
     assert "embed" in spec.abstract_state.params and not jax.tree.leaves(spec.abstract_state.rest)
 
 
+@pytest.mark.slow
 def test_base_from_a_gpt_checkpoint(tmp_path):
     gmod, gconfig = small("gpt")
     module, data = gmod.build(gconfig, 2)
@@ -121,6 +123,7 @@ def test_base_from_a_gpt_checkpoint(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, loaded, trained)
 
 
+@pytest.mark.slow
 def test_in_process_pretraining_gives_the_base():
     _, config = small("sft", **{"base.pretrain_steps": 2})
     params = sft.pretrained_params(config)

@@ -41,6 +41,7 @@ def leaves(tree):
             for p, x in jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
 
 
+@pytest.mark.slow
 def test_chat_data_masks_the_assistant_and_lora_starts_at_the_base():
     cfg = config()
     module, data = sft.build(cfg)
@@ -70,6 +71,7 @@ def tuned(tmp_path_factory):
     return module, fit, ckpt, data
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_only_the_adapters_and_resume_bitwise(tuned):
     module, fit, ckpt, data = tuned
     state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(ckpt, str(STEPS),
@@ -85,6 +87,7 @@ def test_checkpoints_keep_only_the_adapters_and_resume_bitwise(tuned):
     assert any(np.abs(v).max() > 0 for k, v in b.items() if k.endswith("['lora_b']"))
 
 
+@pytest.mark.slow
 def test_export_merges_lora_and_transformers_reads_the_same_logits(tuned, tmp_path):
     module, _, _, data = tuned
     out = str(tmp_path / "export")

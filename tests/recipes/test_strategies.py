@@ -47,6 +47,7 @@ def _single(recipe: str) -> np.ndarray:
     return _reference[recipe]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("recipe", ["digits", "gpt", "sft"])
 def test_recipe_trains_under_strategy(recipe, strategy):

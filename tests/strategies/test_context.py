@@ -120,6 +120,7 @@ def _close(run, ref):
     np.testing.assert_allclose(run["losses"], ref["losses"], atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_ring_matches_single_device_and_permutes_keys_and_values(ring, reference):
     _close(ring, reference)
     fit = ring["fit"]
@@ -131,6 +132,7 @@ def test_ring_matches_single_device_and_permutes_keys_and_values(ring, reference
     assert permutes and not [c for c in found if c.kind == "all-gather"], found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,kw", [
     ({"fsdp": 2, "context": 4}, {"context_attention": "allgather"}),
     ({"data": 2, "context": 2, "tp": 2}, {}),
@@ -172,6 +174,7 @@ def _resumes_bitwise_and_checkpoints_move(full, tmp_path, mesh=None, kw=None):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow
 def test_resumes_bitwise_after_sigkill_and_checkpoints_move(ring, tmp_path):
     _resumes_bitwise_and_checkpoints_move(ring, tmp_path)
 
@@ -190,6 +193,7 @@ def test_unknown_algorithm_is_refused():
         strategies.Hybrid({"context": 8}, context_attention="rign")
 
 
+@pytest.mark.slow
 def test_plan_shows_the_context_collectives(ring):
     plan = ring["fit"].plan(context_module(), next(iter(context_data(1))), verbose=False)
     # 1 layer-scan of 2 layers × 7 hops × (K, V) forward, the same of dK, dV backward.
@@ -225,6 +229,7 @@ def pipe_context(tmp_path_factory):
     return _fit(strategy, ckpt=ckpt) | {"ckpt": ckpt}
 
 
+@pytest.mark.slow
 def test_pipe_and_context_match_single_device(pipe_context, reference):
     """The GPipe schedule manual over pipe and context: attention inside a stage passes keys
     and values around the context ring of its own pipeline stage (collective-permutes over
@@ -243,6 +248,7 @@ def test_pipe_and_context_match_single_device(pipe_context, reference):
         context_module(), next(iter(context_data(1))), verbose=False).table()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,kw,layers", [
     ({"data": 2, "pipe": 2, "context": 2}, {"microbatches": 2, "context_attention": "allgather"},
      2),
@@ -255,6 +261,7 @@ def test_pipe_and_context_layouts_match_single_device(mesh, kw, layers, referenc
     _close(_fit(strategies.Hybrid(mesh, **kw), TinyLM(heads=2, layers=layers)), ref)
 
 
+@pytest.mark.slow
 def test_pipe_and_context_resume_bitwise_after_sigkill(pipe_context, tmp_path):
     _resumes_bitwise_and_checkpoints_move(pipe_context, tmp_path, **PIPE_CONTEXT)
 

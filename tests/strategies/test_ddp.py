@@ -33,6 +33,7 @@ def trained():
     return out
 
 
+@pytest.mark.slow
 def test_ddp_matches_single_device(trained):
     single, ddp = trained["single"], trained["ddp"]
     assert ddp[0].compile_counts["train"] == 1

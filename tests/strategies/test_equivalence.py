@@ -17,6 +17,9 @@ from jaxlight import strategies
 from jaxlight.callbacks import Callback
 from tests.strategies.lm import TinyLM, token_batches
 
+#: The whole suite's tier: tests/strategies/test_tiny_equivalence.py is the fast tier's version.
+pytestmark = pytest.mark.slow
+
 STEPS = 10
 RTOL = 1e-4
 

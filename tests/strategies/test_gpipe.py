@@ -57,6 +57,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_gpipe_and_hybrid_match_single_device(runs):
     assert len(runs["single"]["losses"]) == STEPS
     _close(runs["gpipe"], runs["single"])
@@ -65,6 +66,7 @@ def test_gpipe_and_hybrid_match_single_device(runs):
         assert runs[name]["fit"].compile_counts["train"] == 1
 
 
+@pytest.mark.slow
 def test_validation_under_gpipe_matches(runs):
     # Evaluation vmaps single examples through the model: the schedule as one microbatch.
     gpipe, single = runs["gpipe"]["fit"], runs["single"]["fit"]
@@ -72,6 +74,7 @@ def test_validation_under_gpipe_matches(runs):
         single.callback_metrics["val_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_schedule_iterations_and_permute_bytes(runs):
     fit = runs["gpipe"]["fit"]
     p, m = 4, 8
@@ -84,6 +87,7 @@ def test_schedule_iterations_and_permute_bytes(runs):
     assert stats["collective_permute_bytes"] == 2 * (m + p - 1) * b * (LENGTH - 1) * EMBED * 4
 
 
+@pytest.mark.slow
 def test_each_device_holds_only_its_stage(runs):
     state = runs["gpipe"]["fit"].state
     stacked = state.params["blocks"]["layers"]
@@ -99,6 +103,7 @@ def test_each_device_holds_only_its_stage(runs):
         assert x.addressable_shards[0].data.shape[0] == x.shape[0] // 4
 
 
+@pytest.mark.slow
 def test_gpipe_checkpoint_restores_under_other_strategies(runs):
     expected = runs["gpipe"]["params"]
     for strategy in ("single", strategies.FSDP(), strategies.GPipe(4, 8)):
@@ -109,6 +114,7 @@ def test_gpipe_checkpoint_restores_under_other_strategies(runs):
             np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_under_gpipe_is_exact(runs):
     # k = 2 equal microbatches give the full-batch mean gradient: the plain SingleDevice run.
     run = _fit(strategies.GPipe(4, 4), cbs=[callbacks.Microbatches(2)], steps=5)
@@ -180,6 +186,7 @@ def _quick_fit(strategy, module, data, cbs=()):
     return fit
 
 
+@pytest.mark.slow
 def test_mixed_precision_and_clipping_under_gpipe():
     data = _regression_data(3, 16)
     cbs = lambda: [callbacks.MixedPrecision("bf16-mixed"), callbacks.GradientClipping(0.05)]  # noqa: E731

@@ -47,6 +47,7 @@ def runs():
     }
 
 
+@pytest.mark.slow
 def test_interleaved_matches_single_device(runs):
     ref = runs["single"]
     assert len(ref["losses"]) == STEPS
@@ -62,6 +63,7 @@ def test_interleaved_matches_single_device(runs):
         runs["single"]["fit"].callback_metrics["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_more_microbatches_than_stages_delays_results_in_the_ring():
     """m > p: stage 0 keeps each result of the last stage m − p iterations (the ring) before
     its next repeat; m = p (the fixture's runs) never stores one. 2 stages × 2 chunks, 4 and 8
@@ -75,6 +77,7 @@ def test_more_microbatches_than_stages_delays_results_in_the_ring():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_schedule_iterations_bubble_and_permute_bytes(runs):
     p, m, v = 4, 4, 2
     info = runs["gpipe"]["fit"].strategy.describe()["pipeline"]
@@ -114,6 +117,7 @@ def test_relayout_plan_moves_each_chunk_once_in_as_few_permutes_as_any_stage_nee
     assert len(plan.rounds) == most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, p, v", [("gpipe", 4, 2), ("hybrid", 2, 4)])
 def test_the_stack_relayout_sends_each_stage_its_chunks_and_nothing_more(runs, name, p, v):
     """One ppermute per round of `relayout_plan` and leaf (kernel, bias), forward and backward,
@@ -127,6 +131,7 @@ def test_the_stack_relayout_sends_each_stage_its_chunks_and_nothing_more(runs, n
     assert "all-to-all" not in stats["other_collectives"]
 
 
+@pytest.mark.slow
 def test_backward_pass_stores_no_copy_of_the_chunks_parameters(runs):
     """Each iteration slices its chunk from the stage's v chunks; the backward pass slices it
     again instead of storing the slice per iteration (v·m + p − 1 of them: (v·m + p − 1)/v of
@@ -177,6 +182,7 @@ def _resumable(max_steps, ckpt, ckpt_path=None):
     return fit, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_interleaved_resumes_bitwise_after_sigkill_and_checkpoints_move(tmp_path):
     full, expected = _resumable(8, str(tmp_path / "full"))
     killed = str(tmp_path / "killed")

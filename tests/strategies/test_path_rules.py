@@ -202,6 +202,7 @@ def run(runs, model, strategy):
     return runs[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_stock_model_matches_single_device(runs, model, strategy):
@@ -220,6 +221,7 @@ def test_stock_model_matches_single_device(runs, model, strategy):
         assert rel < RTOL, f"{model}/{strategy}: {jax.tree_util.keystr(path)} differs by {rel:.2e}"
 
 
+@pytest.mark.slow
 def test_stock_models_really_shard(runs):
     """The rules place the stock layers as jaxlight.nn would (so the agreement is not vacuous),
     and optimizer slots follow their parameters."""

@@ -46,6 +46,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_mixed_pipelines_train_as_one_device(case):
     make_strategy, module, loader = CASES[case]

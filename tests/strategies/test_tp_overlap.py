@@ -171,6 +171,7 @@ def _assert_same_run(got, want):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_overlap_matches_synchronous_training(tp, runs):
     sync, overlap = runs(tp, False), runs(tp, True)
@@ -181,6 +182,7 @@ def test_overlap_matches_synchronous_training(tp, runs):
         assert abs(overlap["val_loss"] - sync["val_loss"]) <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_overlap_hlo_permutes_replace_dense_all_reduces(tp, runs):
     sync, overlap = runs(tp, False)["hlo"], runs(tp, True)["hlo"]
@@ -206,6 +208,7 @@ def test_overlap_hlo_permutes_replace_dense_all_reduces(tp, runs):
     assert not [c for c in _hlo.collectives(sync) if c.kind == "collective-permute"]
 
 
+@pytest.mark.slow
 def test_overlap_with_gradient_accumulation(runs):
     """Accumulation scans microbatches inside a shard_map manual over `data`; the rings nest
     inside it. Two microbatches of a mean loss give the full batch's gradient."""
