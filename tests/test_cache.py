@@ -107,6 +107,7 @@ def test_second_process_reads_every_step_from_the_cache(tmp_path):
     assert sorted(_entries(cache)) == sorted(written)
 
 
+@pytest.mark.slow
 def test_default_directory_and_environment(tmp_path):
     xdg = tmp_path / "xdg"
     r = _result(_spawn(None, {"XDG_CACHE_HOME": str(xdg)}))

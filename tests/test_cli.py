@@ -203,6 +203,7 @@ def test_loggers_and_callbacks_by_name(tmp_path):
     assert isinstance(extra[1], callbacks.LearningRateMonitor)
 
 
+@pytest.mark.slow
 def test_precision_accumulation_and_clipping_add_their_callbacks():
     result = run("fit", "digits", ["--max-steps", "2", "--precision", "bf16-mixed",
                                    "--accumulate-grad-batches", "2", "--gradient-clip-val", "1.0",

@@ -81,6 +81,7 @@ def _quiet_settings():
     return wandb.Settings(console="off", x_disable_stats=True, x_disable_meta=True)
 
 
+@pytest.mark.slow
 def test_hparams_reach_every_logger_and_checkpoint_and_rebuild_the_module(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))

@@ -80,6 +80,7 @@ def test_plateau_lowers_the_rate_when_the_metric_stalls():
     np.testing.assert_allclose(list(_lrs(logs).values()), 0.1, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_plateau_resumes_bitwise(tmp_path):
     train, val = _data(2), _data(1, seed=1)
     whole, _ = _fit(Scheduled(_plateau_opt(), stall=True), train, val, max_epochs=5)
@@ -175,6 +176,7 @@ def test_lr_monitor_logs_the_factor_when_the_base_rate_is_hidden():
     np.testing.assert_allclose(list(_lrs(logs, "lr_scale").values()), [1.0, 0.5, 0.25])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_plateau_under_other_strategies(strategy):
     train, val = _data(2), _data(1, seed=1)

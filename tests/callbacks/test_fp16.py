@@ -106,6 +106,7 @@ def test_the_default_scale_overflows_float16_then_backs_off():
     assert [m["overflow_skipped"] for m in logs] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_the_scale_grows_and_resumes_from_a_checkpoint(tmp_path):
     cbs = lambda: [callbacks.MixedPrecision("16-mixed", init_scale=1.0,  # noqa: E731
                                             growth_interval=2)]
@@ -120,6 +121,7 @@ def test_the_scale_grows_and_resumes_from_a_checkpoint(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [strategies.DDP, strategies.FSDP])
 def test_skips_under_data_parallel_strategies(strategy):
     good = _batches(2)

@@ -127,7 +127,9 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+# The fast tier runs every strategy with all the transforms at once; each alone, the whole suite.
+@pytest.mark.parametrize("config", [c if c == "all" else pytest.param(c, marks=pytest.mark.slow)
+                                    for c in CONFIGS])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_matches_single_device(strategy, config, reference):
     make_cbs, rtol = CONFIGS[config]
@@ -234,6 +236,7 @@ class WideNet(Net):
             nn.Dense(512, 8, axes=("embed", "mlp"), rngs=rngs))
 
 
+@pytest.mark.slow
 def test_fsdp_sync_every_microbatch_keeps_state_sharded(reference):
     """The opt-in alternative for models too large to gather whole: collectives inside the
     loop, less temporary memory than reducing once per step, the same result."""
@@ -248,6 +251,7 @@ def test_fsdp_sync_every_microbatch_keeps_state_sharded(reference):
     assert _rel(_params(module), ref_params) < FP32_RTOL
 
 
+@pytest.mark.slow
 def test_temp_memory_falls_as_k_grows():
     batch = _batches(1, size=1024)[0]
     temps = [_plan(strategies.DataParallel(), [callbacks.Microbatches(k)],

@@ -44,6 +44,7 @@ def _steps(child):
     return [int(line.split()[1]) for line in child.lines if line.startswith("STEP ")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["fill", "readonly"])
 def test_an_async_save_that_fails_is_reported_at_the_next_save_and_the_process_exits(
         tmp_path, fault):

@@ -72,6 +72,7 @@ def _stored_chunk_bytes(step_dir: str) -> int:
     return sum(len(store.read(k).result().value) for k in keys)
 
 
+@pytest.mark.slow
 def test_array_data_is_stored_uncompressed_unless_compress(tmp_path):
     # Default: the bytes of every array as they are (orbax's zstd costs a quarter of a save's
     # CPU time for a few percent of a float32 state). compress=True: orbax's zstd, fewer bytes;
@@ -96,6 +97,7 @@ def test_array_data_is_stored_uncompressed_unless_compress(tmp_path):
     assert_bitwise(params_of(resumed.model), params_of(reference.model))
 
 
+@pytest.mark.slow
 def test_rng_state_is_saved_and_resume_is_exact(tmp_path):
     # Dropout keeps a typed PRNG key and a counter in `rest`; they are stored as key data.
     reference = DropoutClassifier()
@@ -287,6 +289,7 @@ def test_a_failed_background_deletion_is_reported_with_the_steps_kept(tmp_path, 
         fit.fit(Classifier(), loader())
 
 
+@pytest.mark.slow
 def test_a_bf16_true_checkpoint_loads_into_a_float32_module(tmp_path):
     # A bf16-true fit saves bfloat16 parameters; a module built as usual (float32) must load
     # them for inference with their values, checked against the bfloat16 checksums. Before,

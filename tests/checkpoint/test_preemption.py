@@ -16,6 +16,7 @@ from tests.models import Classifier
 STEPS = 12  # 8 batches per epoch: the resumed run re-iterates the generic iterable
 
 
+@pytest.mark.slow
 def test_sigterm_saves_commits_and_exits_with_resume_message(tmp_path):
     # No ModelCheckpoint: the preemption checkpoint goes to <default_root_dir>/checkpoints.
     # The data is a generic iterable (no len, no state_dict) taking 0.25 s per batch, so the

@@ -81,6 +81,7 @@ def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
         assert complete_steps(ckpt_dir) == [STEPS]  # unfinished saves were cleaned up
 
 
+@pytest.mark.slow
 def test_a_failed_save_deletes_nothing_and_says_so(tmp_path):
     # After step 3 has committed the child caps file sizes (RLIMIT_FSIZE, as a full disk
     # would): the write of step 4 fails inside orbax. Keeping only the newest checkpoint, a

@@ -71,6 +71,7 @@ def _snapshotting(snapshots):
     return callbacks.LambdaCallback(on_train_batch_end=snap)
 
 
+@pytest.mark.slow
 def test_flipped_bytes_fall_back_to_the_previous_step_which_is_then_rewritten():
     snapshots = {}
     first = make_fit("fsdp", 8, [callbacks.ModelCheckpoint("ckpt", every_n_steps=4, save_top_k=-1),
@@ -103,6 +104,7 @@ def test_flipped_bytes_fall_back_to_the_previous_step_which_is_then_rewritten():
     assert_bitwise(params_of(jl.load_checkpoint("ckpt/8", _module())), snapshots[8])
 
 
+@pytest.mark.slow
 def test_a_damaged_only_checkpoint_raises_naming_its_path():
     make_fit("single", 4, [callbacks.ModelCheckpoint("ckpt", every_n_steps=4)]).fit(
         _module(), _data())

@@ -167,6 +167,7 @@ SAVE_ARGS = ["--trainer.max_steps", "1", "--trainer.enable_progress_bar", "false
              "--model.backbone", "Backbone", "--model.backbone.hidden_dim", "16"]
 
 
+@pytest.mark.slow
 @claim("SaveConfigCallback: fit writes the parsed config as config.yaml into the logger's run "
        "directory (a new version each fit), refuses a run directory that holds one unless "
        "save_config_kwargs overwrite is given, and the file holds the run's values")

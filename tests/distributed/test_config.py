@@ -169,6 +169,7 @@ def test_child_environment():
     assert distributed.detect(env).validate().describe().startswith("process 3 of 4 (2 nodes")
 
 
+@pytest.mark.slow
 def test_launcher_runs_processes_with_prefixed_output():
     from tests.distributed._launch_util import run_launcher
 

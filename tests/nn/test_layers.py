@@ -79,6 +79,7 @@ def test_swiglu_mlp():
     np.testing.assert_allclose(mlp(x), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_transformer_lm_shapes_axes_and_loss():
     cfg = nn.TransformerConfig(vocab_size=32, embed_dim=16, num_layers=3, num_heads=2,
                                tie_embeddings=False)
@@ -111,6 +112,7 @@ def test_transformer_lm_shapes_axes_and_loss():
     assert float(masked) == pytest.approx(np.log(4))
 
 
+@pytest.mark.slow
 def test_transformer_lm_is_causal():
     cfg = nn.TransformerConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2)
     model = nn.TransformerLM(cfg, rngs=nnx.Rngs(0))
@@ -153,6 +155,7 @@ def test_attention_implementation_choice():
         nn.TransformerConfig(attention="flash")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
 def test_xla_attention_equals_dot_product_attention(dtype, tol):
     """The cuDNN path calls jax.nn.dot_product_attention (layout, scale, causal flag); its

@@ -70,6 +70,7 @@ def test_num_layers_must_be_positive():
         nn.Stacked(Block, 0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.slow
 def test_remat_policy_sets_what_the_backward_pass_recomputes():
     """Compiled FLOPs of a gradient: "none" < "dots" < "full" (full recomputes the matmuls)."""
     from jaxlight.analysis._flops import compiled_flops

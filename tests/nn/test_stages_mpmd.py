@@ -164,10 +164,12 @@ def test_validation_over_any_batch_size_equals_single_device(tmp_path):
         np.testing.assert_allclose(metrics["mpmd"][key], value, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_pipeline_remat_trains_the_same():
     _close(_fit(_mpmd(remat=True), steps=3), _fit("single", steps=3))
 
 
+@pytest.mark.slow
 def test_plan_shows_each_device_its_own_bytes():
     fit = jl.Fit(strategy=_mpmd(), max_steps=1, enable_progress_bar=False, logger=False)
     plan = fit.plan(StageMLP(packed=False), stage_data(BATCH), verbose=False)
@@ -227,6 +229,7 @@ class _FirstStageFrozen(StageMLP):
         return isinstance(value, nnx.Param) and path[1] != 0
 
 
+@pytest.mark.slow
 def test_frozen_stage_is_rebuilt_on_its_device_when_resuming(tmp_path):
     loader = jl.data.ArrayLoader(stage_data(96), BATCH, seed=1)
     ckpt = callbacks.ModelCheckpoint(str(tmp_path), every_n_steps=2)

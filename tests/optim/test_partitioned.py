@@ -55,6 +55,7 @@ def _run(runs, name):
     return runs[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in STRATEGIES if n != "single"])
 def test_partitioned_transforms_match_single_device(name, runs):
     _, ref_losses, ref_params = _run(runs, "single")

@@ -58,6 +58,7 @@ def test_batch_layout_rewards_and_advantages(setup):
     assert np.all(batch["old_logps"][batch["mask"] == 1] < 0)
 
 
+@pytest.mark.slow
 def test_same_seed_same_batch_other_seed_other_samples(setup):
     a, b, c = _rollout(setup), _rollout(setup), _rollout(setup, seed=1)
     for key in a:

@@ -112,6 +112,7 @@ def test_remat_and_attention_overrides_reach_the_model():
         apply_overrides(gpt.Config(), {"model.attention": "flash"}, "test")
 
 
+@pytest.mark.slow
 def test_training_windows_stream_from_records_on_disk_through_grain(tmp_path):
     import grain
 

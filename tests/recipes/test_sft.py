@@ -40,6 +40,7 @@ def _base_params(config):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+@pytest.mark.slow
 def test_lora_adapters_start_at_the_base_model_and_carry_logical_axes():
     _, config = small("sft")
     base = _base_params(config)

@@ -108,6 +108,7 @@ def fsdp_run():
     return fit, auto, module, data
 
 
+@pytest.mark.slow
 def test_budget_dp_cannot_meet_picks_fsdp(fsdp_run):
     fit, auto, *_ = fsdp_run
     assert isinstance(fit.strategy, strategies.FSDP)
@@ -139,6 +140,7 @@ def test_chosen_layout_trains_equal_to_single_device(fsdp_run):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_budget_fsdp_cannot_meet_picks_fsdp_times_tp():
     """FSDP against FSDP x TP and TP (layouts=...), under 1.125 x the parameter bytes.
 

@@ -47,6 +47,7 @@ def test_ddp_matches_single_device(trained):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ddp_validate_and_predict_match(trained):
     (_, _, m_single, p_single), (_, _, m_ddp, p_ddp) = trained["single"], trained["ddp"]
     assert set(m_ddp) == set(m_single)

@@ -200,6 +200,7 @@ def test_mixed_precision_and_clipping_under_gpipe():
         assert x.dtype == jnp.float32  # bf16-mixed keeps fp32 master weights
 
 
+@pytest.mark.slow
 def test_fewer_microbatches_than_stages_warns_and_trains_with_remat():
     data = _regression_data(3, 8)
     ref = _quick_fit("single", _Regression(), data).history["loss"]

@@ -66,6 +66,7 @@ def _train(strategy, *extra, module=Regression):
     return [losses[s] for s in sorted(losses)]
 
 
+@pytest.mark.slow
 def test_three_axis_hybrid_equals_one_device():
     """Every weight sharded (min_shard_size=1): the net XLA got wrong before the relayout."""
     ref = _train(strategies.SingleDevice())

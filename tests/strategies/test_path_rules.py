@@ -246,6 +246,7 @@ def test_stock_models_really_shard(runs):
     assert tuple(mu.sharding.spec) == ("fsdp", "tp", None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_tensor_parallel_collectives_match_the_annotated_model(runs, model):
     """Same layouts, and the same collective kinds, counts and bytes per step (counted in the

@@ -38,6 +38,7 @@ def assert_bitwise(a: dict, b: dict) -> None:
         assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma3", "qwen2"])
 def test_load_save_load_is_bitwise_from_a_sharded_layout(tmp_path, family):
     src = os.path.join(FIXTURES, family)
