@@ -120,7 +120,8 @@ class BaseFinetuning(Callback):
 
     # -- Lightning's helpers ---------------------------------------------------------------
 
-    def _paths_of(self, modules: Any, train_bn: bool = True) -> list[Path]:
+    def _paths_of(self, modules: Any, skip_batchnorm: bool) -> list[Path]:
+        """The paths of `modules`' parameters, a BatchNorm's left out with `skip_batchnorm`."""
         out = []
         for module in _as_list(modules):
             for path, node in nnx.iter_graph(module):
@@ -130,7 +131,7 @@ class BaseFinetuning(Callback):
                 parent = module
                 for part in owner:
                     parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-                if train_bn and isinstance(parent, nnx.BatchNorm):
+                if skip_batchnorm and isinstance(parent, nnx.BatchNorm):
                     continue
                 out.append(self._paths[id(node)])
         return out
@@ -138,23 +139,26 @@ class BaseFinetuning(Callback):
     def freeze(self, modules: Any, train_bn: bool = True) -> None:
         """Takes the parameters of `modules` out of training (BatchNorm's stay with
         `train_bn`)."""
-        self._frozen.update(self._paths_of(modules, train_bn))
+        self._frozen.update(self._paths_of(modules, skip_batchnorm=train_bn))
 
     def make_trainable(self, modules: Any) -> None:
         """Marks the parameters of `modules` trainable (they still join the optimizer only
         through a parameter group)."""
-        self._frozen.difference_update(self._paths_of(modules, train_bn=False))
+        self._frozen.difference_update(self._paths_of(modules, skip_batchnorm=False))
 
     def unfreeze_and_add_param_group(self, modules: Any, optimizer: ParamGroups,
                                      lr: float | None = None, initial_denom_lr: float = 10.0,
                                      train_bn: bool = True) -> None:
         """Lightning's: makes `modules` trainable and adds their parameters not yet in the
-        optimizer as a new group, at `lr`, or the first group's rate / `initial_denom_lr`."""
+        optimizer as a new group, at `lr`, or the first group's rate / `initial_denom_lr`. As in
+        Lightning, a BatchNorm's parameters join the group only with `train_bn` (`freeze` reads
+        the same flag the other way: with it, a BatchNorm stays trainable)."""
         self.make_trainable(modules)
         params_lr = optimizer.param_groups[0]["lr"] if lr is None else float(lr)
         denom = initial_denom_lr if lr is None else 1.0
         present = {p for g in optimizer.param_groups for p in g["params"]}
-        params = [p for p in self._paths_of(modules, train_bn) if p not in present]
+        params = [p for p in self._paths_of(modules, skip_batchnorm=not train_bn)
+                  if p not in present]
         if params:
             optimizer.add_param_group({"params": params, "lr": params_lr / denom})
 

@@ -86,3 +86,47 @@ def test_max_epochs_is_needed():
 def test_a_scheduled_rate_is_refused():
     with pytest.raises(jl.ConfigurationError, match="schedule"):
         _fit().fit(Module(optax.adam(optax.linear_schedule(0.01, 0.0, 10))), _data())
+
+
+class _BNNet(nnx.Module):
+    def __init__(self, rngs):
+        self.backbone = nnx.Sequential(nnx.Linear(8, 16, rngs=rngs), nnx.BatchNorm(16, rngs=rngs),
+                                       nnx.Linear(16, 16, rngs=rngs))
+        self.head = nnx.Linear(16, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.backbone(x)))
+
+
+class _BNModule(Module):
+    def configure_model(self, rngs):
+        return _BNNet(rngs)
+
+
+class _Unfreeze(callbacks.BaseFinetuning):
+    def __init__(self, train_bn):
+        super().__init__()
+        self.train_bn, self.added = train_bn, []
+
+    def freeze_before_training(self, module):
+        self.freeze(module.model.backbone, train_bn=False)
+
+    def finetune_function(self, module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(module.model.backbone, optimizer,
+                                              train_bn=self.train_bn)
+            self.added = [p for p in optimizer.param_groups[-1]["params"]]
+
+
+@pytest.mark.parametrize("train_bn", [False, True])
+def test_unfreezing_adds_batchnorm_parameters_only_with_train_bn(train_bn):
+    """Lightning 2.6.6's `unfreeze_and_add_param_group(net, opt, train_bn=False)` leaves a
+    BatchNorm's weight and bias out of the new group and adds them with `train_bn=True`
+    (`freeze(..., train_bn=True)` is the one that keeps them trainable); the flag was read
+    inverted here, so train_bn=False added them."""
+    cb = _Unfreeze(train_bn)
+    _fit(cb=cb).fit(_BNModule(), _data())
+    batchnorm = {p for p in cb.added if p[:3] == ("backbone", "layers", 1)}
+    assert len(cb.added) == 4 + 2 * train_bn, cb.added
+    assert batchnorm == ({("backbone", "layers", 1, "scale"), ("backbone", "layers", 1, "bias")}
+                         if train_bn else set())
