@@ -7,7 +7,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight.module._porting import check_module
-from tests.models import Classifier
+from tests.models import Classifier, classification_data
 
 GUIDE = "docs/porting.md"
 
@@ -216,3 +216,21 @@ def test_self_log_called_outside_a_step_points_to_the_guide():
     with pytest.raises(jl.ConfigurationError, match=r"Classifier\.log\(\.\.\.\) was called outside "
                                                     r"a step.*fit\.log_metrics.*" + GUIDE):
         Classifier().log("x", 1.0)
+
+
+@pytest.mark.parametrize("call", ["optimizers", "lr_schedulers", "toggle_optimizer",
+                                  "untoggle_optimizer", "manual_backward"])
+def test_lightning_manual_optimization_calls_name_the_jaxlight_form(call):
+    """The first line of Lightning's manual step (`opt_g, opt_d = self.optimizers()`) raised a raw
+    AttributeError; porting.md promises the jaxlight form (issue 46 item 4)."""
+    class Manual(Classifier):
+        def training_step(self, model, batch):
+            getattr(self, call)(*(() if call in ("optimizers", "lr_schedulers") else (None,)))
+            return super().training_step(model, batch)
+
+    fit = jl.Fit("single", max_steps=1, enable_progress_bar=False, logger=False,
+                 enable_model_summary=False)
+    with pytest.raises(jl.PortingError, match=rf"self\.{call}\(\.\.\.\), Lightning's manual "
+                       r"optimization.*automatic_optimization = False.*opt\.step\('name', "
+                       r"loss_fn\).*docs/porting\.md"):
+        fit.fit(Manual(), jl.data.ArrayLoader(classification_data(32), 16))

@@ -250,6 +250,33 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             f"model: call the model the step receives, model(x). See {GUIDE}."
         )
 
+    # Lightning's manual optimization, called from a step: refused with the jaxlight form.
+    def optimizers(self, *args, **kwargs):
+        self._manual_optimization("optimizers")
+
+    def lr_schedulers(self, *args, **kwargs):
+        self._manual_optimization("lr_schedulers")
+
+    def toggle_optimizer(self, *args, **kwargs):
+        self._manual_optimization("toggle_optimizer")
+
+    def untoggle_optimizer(self, *args, **kwargs):
+        self._manual_optimization("untoggle_optimizer")
+
+    def manual_backward(self, *args, **kwargs):
+        self._manual_optimization("manual_backward")
+
+    def _manual_optimization(self, name: str):
+        raise PortingError(
+            f"{type(self).__name__}.training_step called self.{name}(...), Lightning's manual "
+            "optimization; a TrainModule holds no optimizer objects. Set automatic_optimization "
+            "= False and write training_step(self, model, batch, opt): opt.step('name', loss_fn) "
+            "takes the gradient of loss_fn(model) for the parameters bound to that optimizer and "
+            "applies its update (toggle_optimizer, manual_backward, step and untoggle_optimizer "
+            "in one call); its learning rate follows the optimizer's own schedule. See "
+            f"{GUIDE} ('A whole example: Lightning's GAN')."
+        )
+
     # -- what a user implements -------------------------------------------------------------
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
