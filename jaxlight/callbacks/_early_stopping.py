@@ -86,6 +86,8 @@ class EarlyStopping(Callback):
         self.best_score: float | None = None
         self.wait_count = 0
         self.stopped_step: int | None = None
+        #: Lightning's: the epoch during which training was stopped, 0 if it was not.
+        self.stopped_epoch = 0
         self.stop_reason: str | None = None
         self._stage: str | None = None
 
@@ -95,12 +97,14 @@ class EarlyStopping(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"best_score": self.best_score, "wait_count": self.wait_count,
-                "patience": self.patience, "stopped_step": self.stopped_step}
+                "patience": self.patience, "stopped_step": self.stopped_step,
+                "stopped_epoch": self.stopped_epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_score = state.get("best_score")
         self.wait_count = int(state.get("wait_count", 0))
         self.stopped_step = state.get("stopped_step")
+        self.stopped_epoch = int(state.get("stopped_epoch", 0))
 
     def setup(self, fit, module, stage: str) -> None:
         self._stage = stage
@@ -177,5 +181,6 @@ class EarlyStopping(Callback):
         reason = self._decide(float(metrics[self.monitor]))
         if reason is not None:
             self.stopped_step = fit.global_step
+            self.stopped_epoch = fit.current_epoch
             self.stop_reason = reason
             fit.request_stop(reason)

@@ -31,6 +31,27 @@ def test_stops_after_patience_checks_without_improvement():
     assert "did not improve" in stop.stop_reason
 
 
+#: PyTorch Lightning 2.6.6 on the same plateau (a constant val_loss, 2 batches per epoch,
+#: max_epochs=10): patience -> (stopped_epoch, current_epoch, global_step) after the fit.
+LIGHTNING_STOPS = {1: (1, 2, 4), 2: (2, 3, 6), 3: (3, 4, 8)}
+
+
+@pytest.mark.parametrize("patience", list(LIGHTNING_STOPS))
+def test_stopped_epoch_is_lightnings(patience):
+    stop = callbacks.EarlyStopping("val_loss", patience=patience)
+    fit = make_fit("single", 1000, [stop], max_epochs=10, limit_train_batches=2)
+    fit.fit(Frozen(), loader(), _val())
+    assert (stop.stopped_epoch, fit.current_epoch, fit.global_step) == LIGHTNING_STOPS[patience]
+    assert stop.state_dict()["stopped_epoch"] == stop.stopped_epoch
+
+
+def test_stopped_epoch_is_zero_when_training_was_not_stopped():
+    stop = callbacks.EarlyStopping("val_loss", patience=50)
+    make_fit("single", 1000, [stop], max_epochs=3, limit_train_batches=2).fit(
+        Frozen(), loader(), _val())
+    assert stop.stopped_epoch == 0 and stop.state_dict()["stopped_epoch"] == 0
+
+
 def test_min_delta_counts_small_improvements_as_none():
     # A learning model improves every epoch, but by less than a huge min_delta.
     stop = callbacks.EarlyStopping("val_loss", patience=1, min_delta=10.0)
