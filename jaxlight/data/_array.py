@@ -11,7 +11,7 @@ Any iterable of NumPy pytrees works with `Fit` too; this loader adds exact resum
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -67,6 +67,24 @@ class ArrayLoader:
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise DataError("ArrayLoader got no arrays: pass a dict such as {'x': X, 'y': Y}.")
+        flat = jax.tree_util.tree_leaves_with_path(arrays)
+        if len(flat) == 1 and not flat[0][0] and not np.ndim(flat[0][1]) \
+                and isinstance(flat[0][1], Iterable):
+            name = type(flat[0][1]).__name__
+            raise DataError(
+                f"{type(self).__name__} holds arrays in memory and got a {name}, an iterable of "
+                "examples (like torch's IterableDataset) with no length or indexing. Stack its "
+                "examples into arrays first, e.g. examples = list(dataset); arrays = "
+                "jax.tree.map(lambda *xs: np.stack(xs), *examples); then "
+                f"{type(self).__name__}(arrays, batch_size); or give Fit an iterable that yields "
+                "whole batches (a generator of dicts of batch_size rows), or a Grain loader "
+                "(resumable). See docs/data.md.")
+        scalars = [jax.tree_util.keystr(path) or "the data" for path, x in flat if not np.ndim(x)]
+        if scalars:
+            raise DataError(
+                f"{type(self).__name__} arrays need a first dimension (one row per example); "
+                f"{', '.join(scalars)} has none. Pass arrays of "
+                "shape (examples, ...), e.g. {'x': X, 'y': Y} with X.shape[0] == Y.shape[0].")
         lengths = {int(np.shape(x)[0]) for x in leaves}
         if len(lengths) != 1:
             raise DataError(

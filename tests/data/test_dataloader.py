@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -88,3 +89,31 @@ def test_a_second_partial_size_is_refused():
     with pytest.raises(jl.DataError, match=r"training batch 2 of epoch 0 has 4 examples, a "
                                            r"second partial batch size after 8"):
         _fit("single", max_epochs=1).fit(Lin(), batches)
+
+
+class _Stream:
+    """An iterable of examples with no length or indexing, as torch's IterableDataset."""
+
+    def __iter__(self):
+        for i in range(40):
+            yield {"x": np.full(3, i, np.float32), "y": np.int32(i % 2)}
+
+
+def test_an_iterable_dataset_is_refused_with_the_forms_that_work():
+    """DataLoader(iterable_dataset, batch_size=16) raised a bare IndexError (issue 46 item 5)."""
+    with pytest.raises(jl.DataError, match=r"DataLoader holds arrays in memory and got a "
+                       r"_Stream, an iterable of examples.*np\.stack.*whole batches.*Grain"):
+        jl.data.DataLoader(_Stream(), batch_size=16)
+    with pytest.raises(jl.DataError, match=r"got a generator"):
+        jl.data.DataLoader(iter(_Stream()), batch_size=16)
+    # The form the message gives works.
+    examples = list(_Stream())
+    arrays = jax.tree.map(lambda *xs: np.stack(xs), *examples)
+    batches = list(jl.data.DataLoader(arrays, batch_size=16))
+    assert [len(b["y"]) for b in batches] == [16, 16, 8]
+    np.testing.assert_array_equal(batches[0]["x"][:, 0], np.arange(16))
+
+
+def test_a_scalar_leaf_is_refused_naming_it():
+    with pytest.raises(jl.DataError, match=r"need a first dimension.*\['y'\] has none"):
+        jl.data.DataLoader({"x": np.ones((4, 2)), "y": 3}, batch_size=2)
