@@ -194,6 +194,7 @@ def _bytes_by_kind(plan) -> dict[str, int]:
     return {k: v["buffer_bytes"] for k, v in summarize(plan.collectives).items() if v["count"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [strategies.DataParallel, strategies.FSDP, strategies.DDP],
                          ids=["dp", "fsdp", "ddp"])
 def test_collective_bytes_do_not_grow_with_k(make):

@@ -46,6 +46,7 @@ def test_defaults_are_torchs():
         jl.data.DataLoader({"x": np.arange(5)}, 2, shufle=True)
 
 
+@pytest.mark.slow
 def test_partial_batch_trains_under_every_strategy_as_on_one_device():
     """104 examples in batches of 32: 3 full batches and one of 8 per epoch, 8 steps in 2
     epochs; the partial batch has one more compiled step, and every layout reproduces the

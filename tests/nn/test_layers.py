@@ -174,6 +174,7 @@ def test_xla_attention_equals_dot_product_attention(dtype, tol):
                                np.asarray(v[:, 0], np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 def test_cudnn_attention_runs_float32_inputs_in_bfloat16(monkeypatch):
     """Evaluation under bf16-mixed computes in float32: attention='cudnn' must still run (its
     kernel takes half precision), casting for the kernel and back. On the CPU the kernel is

@@ -75,6 +75,7 @@ def _moments(opt_state):
     return blocks, edges
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "tp", "gpipe", "hybrid"])
 def test_optimizer_state_is_sharded_like_its_parameters(name, runs):
     fit, _, _ = _run(runs, name)

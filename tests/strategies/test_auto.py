@@ -119,6 +119,7 @@ def test_budget_dp_cannot_meet_picks_fsdp(fsdp_run):
     assert fit.compile_counts["train"] == 1 and "chose fsdp=8" in str(auto.choice)
 
 
+@pytest.mark.slow
 def test_predicted_bytes_within_5_percent_of_memory_analysis(fsdp_run):
     _, auto, *_ = fsdp_run
     compiled = [c for c in auto.choice.candidates if c.memory is not None]

@@ -45,6 +45,7 @@ def _mesh(**shape: int) -> Mesh:
     return Mesh(devices, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
+@pytest.mark.slow
 def test_ring_and_allgather_match_causal_attention_with_gradients():
     """Both algorithms on data=2 × context=4: outputs and dq, dk, dv equal the unsplit
     causal attention. Each device's queries see its own and earlier shards only, so an offset

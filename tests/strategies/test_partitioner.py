@@ -75,6 +75,7 @@ def test_three_axis_hybrid_equals_one_device():
         rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_three_axis_hybrid_accumulating_microbatches_equals_one_device():
     """The per-replica microbatch scan splits the batch in the step's (fsdp, data) order."""
     ref = _train(strategies.SingleDevice())

@@ -51,6 +51,7 @@ def _tp_collectives(text: str, tp: int, kinds=("all-reduce", "all-gather", "redu
 # -- the rings alone ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,fsdp,tp", [(2, 1, 4), (4, 1, 2), (2, 2, 2)])
 def test_rings_match_matmul_forward_and_backward(data, fsdp, tp):
     """Attention-shaped column (E -> heads×kv) and row (heads×kv -> E) layers, with grads.
