@@ -66,3 +66,20 @@ def test_every_public_name_resolves():
     from jaxlight.nn import from_pretrained  # noqa: F401
     assert jaxlight.Fit is jaxlight._fit.Fit
     assert nn.from_pretrained is nn.pretrained.from_pretrained
+
+
+def test_the_command_line_finds_a_callback_by_its_short_name_in_a_fresh_process(tmp_path):
+    """`--trainer.logger CSVLogger` is resolved by jsonargparse among the classes already
+    imported: with the callbacks loaded lazily, a fresh `jaxlight fit` refused it ('expects bool |
+    Callback | Sequence, got CSVLogger') unless an earlier test had imported the class."""
+    port = ROOT / "tests" / "conformance" / "_cli_port.py"
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxlight._cli", "fit", f"{port}:LitClassifier", "--data",
+         f"{port}:MyDataModule", "--trainer.logger", "CSVLogger",
+         "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor", "val_loss",
+         "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "class_path: jaxlight.callbacks.CSVLogger" in out.stdout
+    assert "class_path: jaxlight.callbacks.EarlyStopping" in out.stdout

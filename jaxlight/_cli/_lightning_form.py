@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from jaxlight import Fit, recipes
+from jaxlight import Fit, callbacks, recipes
 from jaxlight._cli import _aliases, _lightning_keys
 from jaxlight._cli._config_file import load_config_file
 from jaxlight._cli._lightning_keys import Notes
@@ -42,6 +42,11 @@ from jaxlight.data._datamodule import DataModule
 from jaxlight.module._module import TrainModule
 from jaxlight.optim.torch import TorchLRScheduler, TorchOptimizer
 from jaxlight.recipes._base import apply_overrides, flatten, type_name
+
+#: Every public callback and logger class, loaded: jsonargparse resolves a short class name
+#: (`--trainer.logger CSVLogger`, `--trainer.callbacks+=EarlyStopping`) among the subclasses
+#: already imported, and `jaxlight.callbacks` loads its classes on first use (PEP 562).
+CALLBACK_CLASSES = tuple(getattr(callbacks, name) for name in callbacks.__all__)
 
 #: jaxlight's own options, taken out before the parser reads the rest: `--data` (the
 #: DataModule, which LightningCLI fixes in the script), `--output` (predict), `--devices`
