@@ -1,5 +1,5 @@
-"""EarlyStopping stops after the same epoch, with the same wait count and best score, for
-patience / min_delta / mode / check_on_train_epoch_end / stopping_threshold /
+"""EarlyStopping stops after the same epoch, with the same stopped_epoch, wait count and best
+score, for patience / min_delta / mode / check_on_train_epoch_end / stopping_threshold /
 divergence_threshold; the monitored values are given by the data (one value an epoch)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ CASES = sorted(fixture(G)["cases"])
 
 @pytest.mark.parametrize("name", CASES)
 @claim("EarlyStopping(patience, min_delta, mode, check_on_train_epoch_end, stopping_threshold, "
-       "divergence_threshold) stops after Lightning's epoch with its wait_count and best_score")
+       "divergence_threshold) stops after Lightning's epoch with its stopped_epoch, wait_count "
+       "and best_score")
 def test_early_stopping(name):
     expected = case(G, name)
     values = expected["values"]
@@ -31,4 +32,5 @@ def test_early_stopping(name):
         fit.fit(Reg(G), batches(G), Passes(values, x))
     assert fit.global_step == expected["global_step"]
     assert stop.wait_count == expected["wait_count"]
+    assert stop.stopped_epoch == expected["stopped_epoch"]
     np.testing.assert_allclose(stop.best_score, expected["best_score"], rtol=1e-6)
