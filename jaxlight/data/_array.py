@@ -64,10 +64,10 @@ class ArrayLoader:
             # A Hugging Face dataset's columns as NumPy (Arrow memory, no copy where possible).
             arrays = arrays.with_format("numpy")[:]
         arrays = to_numpy(arrays)  # torch tensors share their memory with the NumPy views
-        leaves = jax.tree.leaves(arrays)
+        flat = jax.tree_util.tree_leaves_with_path(arrays)
+        leaves = [x for _, x in flat]
         if not leaves:
             raise DataError("ArrayLoader got no arrays: pass a dict such as {'x': X, 'y': Y}.")
-        flat = jax.tree_util.tree_leaves_with_path(arrays)
         if len(flat) == 1 and not flat[0][0] and not np.ndim(flat[0][1]) \
                 and isinstance(flat[0][1], Iterable):
             name = type(flat[0][1]).__name__

@@ -33,16 +33,29 @@ class LossRecorder(Callback):
             self.losses[step] = metrics["loss"]
 
 
-def train(strategy):
+def train(strategy, module=None, batches=None, steps=STEPS):
+    """(fit, per-step losses, final parameters) of `steps` steps of `module` (TinyLM) on
+    `batches` (token_batches)."""
     recorder = LossRecorder()
-    module = TinyLM()
-    fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
+    module = TinyLM() if module is None else module
+    fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  enable_progress_bar=False, enable_model_summary=False, logger=False,
                  callbacks=[recorder])
-    fit.fit(module, token_batches(STEPS))
-    losses = np.array([recorder.losses[s] for s in range(1, STEPS + 1)])
+    fit.fit(module, token_batches(steps) if batches is None else batches)
+    losses = np.array([recorder.losses[s] for s in range(1, steps + 1)])
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     return fit, losses, params
+
+
+def assert_params_close(name, params, ref_params, rtol):
+    """Every array of `params` has its reference's shape (the published model is canonical
+    whatever the strategy: no device axis) and is within `rtol` of it, relatively."""
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
+    for path, value in jax.tree_util.tree_leaves_with_path(params):
+        ref = flat_ref[path]
+        assert value.shape == ref.shape, jax.tree_util.keystr(path)
+        rel = np.linalg.norm(value - ref) / np.linalg.norm(ref)
+        assert rel < rtol, f"{name}: {jax.tree_util.keystr(path)} differs by {rel:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +92,7 @@ def test_matches_single_device(name, reference, runs):
     assert fit.compile_counts["train"] == 1
     assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference run must actually learn"
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
-    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
-    for path, value in jax.tree_util.tree_leaves_with_path(params):
-        ref = flat_ref[path]
-        # The published model has canonical shapes whatever the strategy (no device axis).
-        assert value.shape == ref.shape, jax.tree_util.keystr(path)
-        rel = np.linalg.norm(value - ref) / np.linalg.norm(ref)
-        assert rel < RTOL, f"{name}: {jax.tree_util.keystr(path)} differs by {rel:.2e}"
+    assert_params_close(name, params, ref_params, RTOL)
 
 
 def test_strategies_really_shard(runs):

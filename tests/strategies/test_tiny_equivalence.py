@@ -12,13 +12,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-import jaxlight as jl
 from jaxlight import strategies
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.strategies.lm import TinyLM, token_batches
-from tests.strategies.test_equivalence import LossRecorder
+from tests.strategies.test_equivalence import assert_params_close, train
 
 STEPS = 3
 RTOL = 1e-5
@@ -58,33 +56,17 @@ CASES = {
 }
 
 
-def train(strategy, make_module, make_data):
-    recorder = LossRecorder()
-    module = make_module()
-    fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1,
-                 enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 callbacks=[recorder])
-    fit.fit(module, make_data())
-    losses = np.array([recorder.losses[s] for s in range(1, STEPS + 1)])
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
-    return fit, losses, params
-
-
 @pytest.fixture(scope="module")
 def references():
-    return {make_module: train(strategies.SingleDevice(), make_module, make_data)
+    return {make_module: train(strategies.SingleDevice(), make_module(), make_data(), STEPS)
             for make_module, make_data in ((_tiny_lm, _lm_data), (_stage_mlp, _stage_data))}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_device(name, references):
     make_strategy, make_module, make_data = CASES[name]
-    fit, losses, params = train(make_strategy(), make_module, make_data)
+    fit, losses, params = train(make_strategy(), make_module(), make_data(), STEPS)
     _, ref_losses, ref_params = references[make_module]
     assert fit.compile_counts["train"] == 1
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, atol=0)
-    flat_ref = dict(jax.tree_util.tree_leaves_with_path(ref_params))
-    for path, value in jax.tree_util.tree_leaves_with_path(params):
-        ref = flat_ref[path]
-        err = np.linalg.norm(value - ref) / max(np.linalg.norm(ref), 1e-12)
-        assert err <= RTOL, f"{name}: {jax.tree_util.keystr(path)} differs by {err:.2e}"
+    assert_params_close(name, params, ref_params, RTOL)
