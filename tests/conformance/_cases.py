@@ -3,8 +3,11 @@
 Every test in `tests/conformance/test_<group>.py` is one case: `@claim("...")` says in words
 what it shows (a sentence of porting.md's conformance table); `@departure("...", section=...)`
 marks a case that pins a deliberate difference from Lightning and names the docs/porting.md
-section that explains it. The conftest beside this file records each case's outcome; with
-`JAXLIGHT_CONFORMANCE_RESULTS=path` set, it writes them all to that JSON file
+section that explains it. `@covers("Fit(max_epochs)", ...)` names the shared arguments and
+methods a test exercises against Lightning (`_coverage.py` lists them from both sides'
+signatures; `test_coverage.py` fails on one no test covers). The conftest beside this file
+records each case's outcome; with `JAXLIGHT_CONFORMANCE_RESULTS=path` set, it writes them all
+to that JSON file
 (`make conformance` writes `tests/conformance/results.json`, from which
 `tests/conformance/table.py` writes porting.md's table).
 """
@@ -58,6 +61,16 @@ def departure(text: str, section: str):
 
         run.conformance = {"claim": text, "departure": heading}
         return run
+
+    return mark
+
+
+def covers(*units: str):
+    """Names the shared units (`_coverage.py`'s spelling: `Fit(max_epochs)`, `Fit.fit(ckpt_path)`,
+    `EarlyStopping(patience)`, `Callback.on_fit_start`) this test compares with Lightning."""
+    def mark(fn):
+        fn.covers = (*getattr(fn, "covers", ()), *units)
+        return fn
 
     return mark
 

@@ -6,6 +6,11 @@ The table sits between the `<!-- conformance:start -->` and `<!-- conformance:en
 (as benchmarks/run_all.py writes the README's benchmark table): one row per claim, with the
 port-table rows it backs, its cases and their outcome. `make conformance` runs it after the
 suite; tests/conformance/test_table.py checks that the page matches the committed results.
+
+It also writes the argument coverage table between `<!-- coverage:start -->` and
+`<!-- coverage:end -->`: every name jaxlight shares with Lightning (`_coverage.py`, from both
+sides' signatures) and the cases or pinned departures that cover it (their `@covers`);
+tests/conformance/test_coverage.py checks that the page matches and that none is uncovered.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ ROOT = HERE.parent.parent
 PORTING = ROOT / "docs" / "porting.md"
 RESULTS = HERE / "results.json"
 START, END = "<!-- conformance:start -->", "<!-- conformance:end -->"
+COVERAGE = ("<!-- coverage:start -->", "<!-- coverage:end -->")
 
 #: Which rows of porting.md's port table each group backs.
 GROUPS = {
@@ -35,6 +41,17 @@ GROUPS = {
     "cli": "`LightningCLI` (its `config.yaml`, `--trainer.*`, `--optimizer`, `class_path`)",
     "tuner": "`Tuner.lr_find`, `Tuner.scale_batch_size`, `LearningRateFinder`, "
              "`BatchSizeFinder`",
+    "arguments": "the shared arguments no other group runs: hook arguments, `self.log` / "
+                 "`log_dict`'s, `ckpt_path` in evaluation, `CSVLogger`, the `Trainer`'s "
+                 "switches ([argument coverage](#argument-coverage))",
+    "arguments2": "the callbacks' remaining arguments: fine-tuning, `check_finite`, "
+                  "`SpikeDetection`, weight averages, `Timer`, the tuner's",
+    "tuner_arguments": "`Tuner.lr_find` / `scale_batch_size`, `BatchSizeFinder`, "
+                       "`LearningRateFinder`: their remaining arguments",
+    "arguments3": "display, monitoring and `TensorBoardLogger` arguments",
+    "signatures": "every shared argument's default ([argument coverage](#argument-coverage))",
+    "no_oracle": "[names the oracle environment cannot run](#names-the-oracle-environment-"
+                 "cannot-run) (`MLFlowLogger`, `WandbLogger`, `RichProgressBar`)",
 }
 MARK = {"passed": "passed", "departure": "departure (pinned)", "known failure": "KNOWN FAILURE",
         "failed": "FAILED", "skipped": "skipped", "passed (xfail)": "passed (xfail)"}
@@ -83,11 +100,52 @@ def render(results: dict) -> str:
     return "\n".join(lines)
 
 
-def rewrite(page: str, table: str) -> str:
-    if START not in page or END not in page:
-        raise SystemExit(f"{PORTING} lacks the {START} / {END} markers")
-    return page[:page.index(START)] + f"{START}\n{table}\n{END}" + \
-        page[page.index(END) + len(END):]
+#: The departure section of the names whose Lightning class cannot run in the oracle's
+#: environment (its backend is not installed): their tests check jaxlight against Lightning's
+#: documented behaviour, and the table says so.
+NO_ORACLE = "Names the oracle environment cannot run"
+
+
+def _mark(test: dict) -> str:
+    if test["departure"] == NO_ORACLE:
+        return " (no oracle)"
+    return " (departure)" if test["departure"] else ""
+
+
+def render_coverage(rows: list[dict]) -> str:
+    """The coverage table: one row per shared unit, with its covering tests (a departure marked)."""
+    def kind(row):
+        if not row["tests"]:
+            return "uncovered"
+        if any(t["departure"] is None for t in row["tests"]):
+            return "case"
+        if all(t["departure"] == NO_ORACLE for t in row["tests"]):
+            return "no oracle"
+        return "departure"
+
+    counts = {k: sum(kind(r) == k for r in rows)
+              for k in ("case", "departure", "no oracle", "uncovered")}
+    lines = [
+        f"{len(rows)} names jaxlight shares with Lightning (arguments, methods and their "
+        f"arguments, properties): {counts['case']} covered by a case, {counts['departure']} by "
+        f"a pinned departure only, {counts['no oracle']} checked without the oracle (its "
+        f"backend is not in the oracle's environment), {counts['uncovered']} uncovered.",
+        "",
+        "| jaxlight | Lightning | covered by |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        tests = ", ".join(f"`{t['test']}`" + _mark(t) for t in r["tests"]) or "**none**"
+        lines.append(f"| `{r['unit']}` | `{r['lightning']}` | {tests} |")
+    return "\n".join(lines)
+
+
+def rewrite(page: str, table: str, markers: tuple[str, str] = (START, END)) -> str:
+    start, end = markers
+    if start not in page or end not in page:
+        raise SystemExit(f"{PORTING} lacks the {start} / {end} markers")
+    return page[:page.index(start)] + f"{start}\n{table}\n{end}" + \
+        page[page.index(end) + len(end):]
 
 
 def main(argv=None) -> int:
@@ -95,8 +153,13 @@ def main(argv=None) -> int:
     p.add_argument("--results", default=str(RESULTS))
     args = p.parse_args(argv)
     table = render(json.loads(pathlib.Path(args.results).read_text()))
-    PORTING.write_text(rewrite(PORTING.read_text(), table))
+    sys.path.insert(0, str(ROOT))
+    from tests.conformance import _coverage
+
+    coverage = render_coverage(_coverage.coverage_rows())
+    PORTING.write_text(rewrite(rewrite(PORTING.read_text(), table), coverage, COVERAGE))
     print(table.splitlines()[0])
+    print(coverage.splitlines()[0])
     return 0
 
 

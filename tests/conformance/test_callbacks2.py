@@ -19,6 +19,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks
 from tests.conformance import _data2_problem as _problem
+from tests.conformance._cases import covers
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "callbacks2.json").read_text())
@@ -87,6 +88,10 @@ def run_case(case, strategy="single", extra=()):
 
 
 @pytest.mark.parametrize("case_id", sorted(FIXTURE["cases"]))
+@covers(
+        "EMAWeightAveraging(decay)",
+        "EMAWeightAveraging(update_starting_at_step)",
+        "EMAWeightAveraging(update_every_n_steps)")
 def test_callbacks2(case_id):
     case = FIXTURE["cases"][case_id]
     fit, module, record = run_case(case)
@@ -133,6 +138,9 @@ class _Tick(callbacks.Callback):
 
 
 @pytest.mark.parametrize("case_id", sorted(FIXTURE["timer_cases"]))
+@covers("Timer(duration)",
+        "Timer(interval)",
+        "Fit(max_time)")
 def test_callbacks2_timer(case_id, monkeypatch):
     from jaxlight.callbacks import _timer
 
@@ -169,6 +177,9 @@ class _Boom(callbacks.Callback):
             raise RuntimeError(f"boom at step {self.at_step}")
 
 
+@covers("OnExceptionCheckpoint(dirpath)",
+        "OnExceptionCheckpoint.ckpt_path",
+        "Callback.on_exception")
 def test_callbacks2_on_exception_checkpoint_resumes(tmp_path):
     case = FIXTURE["other_cases"]["on_exception_checkpoint_resumes"]
     prob = _problem.make_problem(case["n"], seed=case["seed"])
@@ -229,6 +240,15 @@ class _Predicting(Reg):
 
 
 @pytest.mark.parametrize("interval", ["batch", "epoch", "batch_and_epoch"])
+@covers("BasePredictionWriter(write_interval)",
+        "BasePredictionWriter.write_on_batch_end",
+        "BasePredictionWriter.write_on_epoch_end",
+        "BasePredictionWriter.write_on_batch_end(prediction)",
+        "BasePredictionWriter.write_on_batch_end(batch_indices)",
+        "BasePredictionWriter.write_on_batch_end(batch_idx)",
+        "BasePredictionWriter.write_on_batch_end(dataloader_idx)",
+        "BasePredictionWriter.write_on_epoch_end(predictions)",
+        "BasePredictionWriter.write_on_epoch_end(batch_indices)")
 def test_callbacks2_prediction_writer(interval):
     case = FIXTURE["other_cases"][f"prediction_writer_{interval}"]
     prob = _problem.make_problem(case["n"], seed=case["seed"])
@@ -260,6 +280,9 @@ CLAIMS["spike_detection_tolerant_trains_on"] = (
 
 @pytest.mark.parametrize("case_id", ["spike_detection_raises_at_the_spike",
                                      "spike_detection_tolerant_trains_on"])
+@covers("SpikeDetection(window)",
+        "SpikeDetection(warmup)",
+        "SpikeDetection(rtol)")
 def test_callbacks2_spike_detection(case_id, tmp_path):
     case = FIXTURE["other_cases"][case_id]
     prob = _problem.make_problem(case["n"], seed=case["seed"])

@@ -22,6 +22,7 @@ import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.callbacks._swa import SWAState
 from tests.conformance import _data2_problem as _problem
+from tests.conformance._cases import covers
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "callbacks3.json").read_text())
@@ -133,6 +134,10 @@ def assert_final(module, case):
 
 
 @pytest.mark.parametrize("case_id", sorted(FIXTURE["swa_cases"]))
+@covers("StochasticWeightAveraging(swa_lrs)",
+        "StochasticWeightAveraging(swa_epoch_start)",
+        "StochasticWeightAveraging(annealing_epochs)",
+        "StochasticWeightAveraging(annealing_strategy)")
 def test_callbacks3_swa(case_id):
     case = FIXTURE["swa_cases"][case_id]
     fit, module, record = run_swa(case)
@@ -208,6 +213,7 @@ class EpochSteps(callbacks.Callback):
 
 
 @pytest.mark.parametrize("case_id", sorted(FIXTURE["accumulation_cases"]))
+@covers("GradientAccumulationScheduler(scheduling)")
 def test_callbacks3_accumulation(case_id):
     case = FIXTURE["accumulation_cases"][case_id]
     prob = problem(case)
@@ -358,6 +364,18 @@ def assert_net(module, case):
 
 
 @pytest.mark.parametrize("case_id", sorted(FIXTURE["finetune_cases"]))
+@covers("BackboneFinetuning(unfreeze_backbone_at_epoch)",
+        "BackboneFinetuning(lambda_func)",
+        "BaseFinetuning.freeze",
+        "BaseFinetuning.freeze(modules)",
+        "BaseFinetuning.freeze_before_training",
+        "BaseFinetuning.finetune_function",
+        "BaseFinetuning.finetune_function(epoch)",
+        "BaseFinetuning.finetune_function(optimizer)",
+        "BaseFinetuning.unfreeze_and_add_param_group",
+        "BaseFinetuning.unfreeze_and_add_param_group(modules)",
+        "BaseFinetuning.unfreeze_and_add_param_group(optimizer)",
+        "BaseFinetuning.unfreeze_and_add_param_group(lr)")
 def test_callbacks3_finetune(case_id):
     case = FIXTURE["finetune_cases"][case_id]
     fit, module, record, cb = finetune_fit(case)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlight import callbacks
-from tests.conformance._cases import case, claim, departure, fixture
+from tests.conformance._cases import case, claim, covers, departure, fixture
 from tests.conformance._jaxlight import Passes, Reg, batches, make_fit
 
 G = "checkpoint"
@@ -43,6 +43,13 @@ def _run(name, tmp_path, **override):
 @pytest.mark.parametrize("name", CASES)
 @claim("ModelCheckpoint keeps the same steps on disk and names the same best step "
        "(save_top_k with ties, mode, every_n_epochs, every_n_train_steps, training monitor)")
+@covers("ModelCheckpoint(dirpath)",
+        "ModelCheckpoint(monitor)",
+        "ModelCheckpoint(save_top_k)",
+        "ModelCheckpoint(mode)",
+        "ModelCheckpoint(every_n_epochs)",
+        "ModelCheckpoint(every_n_train_steps)",
+        "ModelCheckpoint(save_last)")
 def test_kept_and_best(name, tmp_path):
     expected, ck, kept = _run(name, tmp_path)
     assert kept == expected["kept_steps"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 import jaxlight as jl
-from tests.conformance._cases import case, departure
+from tests.conformance._cases import case, covers, departure
 from tests.conformance._jaxlight import RTOL, Reg, assert_weights, batches, make_fit
 
 G = "departures"
@@ -15,6 +15,7 @@ G = "departures"
 @departure("under precision='bf16-mixed' evaluation runs in float32 (the master parameters): "
            "val_loss equals the float32 run's; Lightning's autocast evaluates in bfloat16",
            section="Deliberate departures")
+@covers("Fit(precision)")
 def test_bf16_mixed_evaluation():
     lightning = case(G, "bf16_mixed_evaluation")["val_loss"]
     assert abs(lightning["bf16-mixed"] - lightning["32-true"]) > 1e-4 * lightning["32-true"]
@@ -27,6 +28,8 @@ def test_bf16_mixed_evaluation():
            "trains as Lightning's one process with DataLoader(batch_size=8) (Lightning's "
            "batch_size is per process: 2 processes would train on 16)",
            section="Deliberate departures")
+@covers("Fit(strategy)",
+        "Fit(devices)")
 def test_global_batch():
     expected = case(G, "global_batch")
     module = Reg(G)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxlight import callbacks
-from tests.conformance._cases import case, claim, fixture
+from tests.conformance._cases import case, claim, covers, fixture
 from tests.conformance._jaxlight import Passes, Reg, batches, make_fit
 
 G = "early_stopping"
@@ -19,6 +19,13 @@ CASES = sorted(fixture(G)["cases"])
 @claim("EarlyStopping(patience, min_delta, mode, check_on_train_epoch_end, stopping_threshold, "
        "divergence_threshold) stops after Lightning's epoch with its stopped_epoch, wait_count "
        "and best_score")
+@covers("EarlyStopping(monitor)",
+        "EarlyStopping(patience)",
+        "EarlyStopping(min_delta)",
+        "EarlyStopping(mode)",
+        "EarlyStopping(stopping_threshold)",
+        "EarlyStopping(divergence_threshold)",
+        "EarlyStopping(check_on_train_epoch_end)")
 def test_early_stopping(name):
     expected = case(G, name)
     values = expected["values"]

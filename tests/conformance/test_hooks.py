@@ -23,6 +23,7 @@ from tests.conformance._cases import (
     assert_sequence,
     case,
     claim,
+    covers,
     departure,
 )
 from tests.conformance._jaxlight import Batches, Recorder, Reg, batches, hooked, make_fit
@@ -39,6 +40,47 @@ def _fit_calls(checkpoint=None, val=True, **kw):
 
 @claim("fit's hooks run in Lightning's order for one epoch with validation "
        "(validation before on_train_epoch_end)")
+@covers("Fit.fit",
+        "Callback.setup",
+        "Callback.setup(stage)",
+        "Callback.teardown",
+        "Callback.teardown(stage)",
+        "Callback.on_fit_start",
+        "Callback.on_fit_end",
+        "Callback.on_train_start",
+        "Callback.on_train_end",
+        "Callback.on_train_epoch_start",
+        "Callback.on_train_epoch_end",
+        "Callback.on_train_batch_start",
+        "Callback.on_train_batch_start(batch_idx)",
+        "Callback.on_train_batch_end",
+        "Callback.on_train_batch_end(batch_idx)",
+        "Callback.on_validation_start",
+        "Callback.on_validation_end",
+        "Callback.on_validation_epoch_start",
+        "Callback.on_validation_epoch_end",
+        "Callback.on_validation_batch_end",
+        "Callback.on_validation_batch_end(batch_idx)",
+        "TrainModule.setup",
+        "TrainModule.setup(stage)",
+        "TrainModule.teardown",
+        "TrainModule.teardown(stage)",
+        "TrainModule.on_fit_start",
+        "TrainModule.on_fit_end",
+        "TrainModule.on_train_start",
+        "TrainModule.on_train_end",
+        "TrainModule.on_train_epoch_start",
+        "TrainModule.on_train_epoch_end",
+        "TrainModule.on_train_batch_start",
+        "TrainModule.on_train_batch_start(batch_idx)",
+        "TrainModule.on_train_batch_end",
+        "TrainModule.on_train_batch_end(batch_idx)",
+        "TrainModule.on_validation_start",
+        "TrainModule.on_validation_end",
+        "TrainModule.on_validation_epoch_start",
+        "TrainModule.on_validation_epoch_end",
+        "TrainModule.on_validation_batch_end",
+        "TrainModule.on_validation_batch_end(batch_idx)")
 def test_fit_one_epoch():
     calls = _fit_calls(max_epochs=1, limit_train_batches=2, limit_val_batches=2)
     assert_sequence(calls, case(G, "fit_one_epoch")["calls"])
@@ -66,6 +108,8 @@ def test_fit_limit_val_batches_0():
 
 @claim("a ModelCheckpoint saving every epoch calls on_save_checkpoint right after "
        "on_train_epoch_end, as Lightning's does")
+@covers("Callback.on_save_checkpoint",
+        "TrainModule.on_save_checkpoint")
 def test_fit_checkpoint_every_epoch(tmp_path):
     ckpt = callbacks.ModelCheckpoint(tmp_path / "ck", every_n_epochs=1, save_top_k=-1,
                                      save_last=False)
@@ -83,6 +127,8 @@ def _without_sanity_validation(calls):
 @departure("the sanity check runs the validation steps but calls no validation hook "
            "(Lightning calls on_validation_start ... on_validation_end inside it)",
            section="Deliberate departures")
+@covers("Callback.on_sanity_check_start",
+        "Callback.on_sanity_check_end")
 def test_fit_sanity_check():
     lightning = case(G, "fit_sanity_check")["calls"]
     calls = _fit_calls(max_epochs=1, limit_train_batches=2, limit_val_batches=2,
@@ -104,6 +150,9 @@ def _resume(tmp_path, first_kw, second_kw):
 
 @claim("resuming at an epoch's end (max_epochs 1 -> 2) runs Lightning's hooks: "
        "on_load_checkpoint (module first), then the next epoch")
+@covers("Fit.fit(ckpt_path)",
+        "Callback.on_load_checkpoint",
+        "TrainModule.on_load_checkpoint")
 def test_resume_max_epochs(tmp_path):
     calls, fit = _resume(tmp_path, dict(max_epochs=1, limit_train_batches=2),
                          dict(max_epochs=2, limit_train_batches=2))
@@ -132,6 +181,7 @@ def _eval_calls(verb, n):
 
 
 @claim("validate's hooks run in Lightning's order (2 batches)")
+@covers("Fit.validate")
 def test_validate_2_batches():
     assert_sequence(_eval_calls("validate", 2), case(G, "validate_2_batches")["calls"])
 
@@ -142,11 +192,21 @@ def test_validate_0_batches():
 
 
 @claim("test's hooks run in Lightning's order (2 batches)")
+@covers("Fit.test",
+        "Callback.on_test_start",
+        "Callback.on_test_end",
+        "TrainModule.on_test_start",
+        "TrainModule.on_test_end")
 def test_test_2_batches():
     assert_sequence(_eval_calls("test", 2), case(G, "test_2_batches")["calls"])
 
 
 @claim("predict's hooks run in Lightning's order (2 batches)")
+@covers("Fit.predict",
+        "Callback.on_predict_start",
+        "Callback.on_predict_end",
+        "TrainModule.on_predict_start",
+        "TrainModule.on_predict_end")
 def test_predict_2_batches():
     calls, module = hooked()
     fit = make_fit(callbacks=[Recorder(calls)], max_epochs=1)
@@ -156,6 +216,8 @@ def test_predict_2_batches():
 
 @pytest.mark.parametrize("max_steps", [1, 3, 10])
 @claim("one optimizer step per batch up to max_steps (max_epochs=2, 8 batches an epoch)")
+@covers("Fit(max_steps)",
+        "Fit.global_step")
 def test_optimizer_steps_max_steps(max_steps):
     calls, module = hooked()
     fit = make_fit(callbacks=[Recorder(calls)], max_steps=max_steps, max_epochs=2)
@@ -205,6 +267,20 @@ class HookedDataModule(jl.DataModule):
 
 @pytest.mark.parametrize("verb", ["fit", "validate", "test", "predict"])
 @claim("a DataModule's hooks run in Lightning's order in each stage")
+@covers("Fit.fit(datamodule)",
+        "Fit.validate(datamodule)",
+        "Fit.test(datamodule)",
+        "Fit.predict(datamodule)",
+        "DataModule.prepare_data",
+        "DataModule.setup",
+        "DataModule.setup(stage)",
+        "DataModule.teardown",
+        "DataModule.teardown(stage)",
+        "DataModule.state_dict",
+        "DataModule.train_dataloader",
+        "DataModule.val_dataloader",
+        "DataModule.test_dataloader",
+        "DataModule.predict_dataloader")
 def test_datamodule(verb):
     called = []
     fit = make_fit(max_epochs=1, limit_train_batches=2, limit_val_batches=2)
@@ -258,6 +334,7 @@ def test_training_mode_after_each_stage():
 @departure("load_from_checkpoint returns the model in eval mode, ready for inference; "
            "Lightning's returns it in training mode",
            section="Deliberate departures")
+@covers("TrainModule.load_from_checkpoint")
 def test_load_from_checkpoint_mode(tmp_path):
     assert case(G, "load_from_checkpoint_mode")["training"] is True
     ck = callbacks.ModelCheckpoint(tmp_path / "ck", every_n_epochs=1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxlight as jl
-from tests.conformance._cases import case, claim, departure
+from tests.conformance._cases import case, claim, covers, departure
 from tests.conformance._jaxlight import RTOL, Batches, Reg, _mse, batches, make_fit
 
 G = "metrics"
@@ -80,6 +80,16 @@ LOGS = {
 @pytest.mark.parametrize("name", sorted(LOGS))
 @claim("self.log's on_step / on_epoch / prog_bar / batch_size give Lightning's metric names "
        "(_step / _epoch) and values (epoch means weighted by batch size)")
+@covers("TrainModule.log",
+        "TrainModule.log(name)",
+        "TrainModule.log(value)",
+        "TrainModule.log(on_step)",
+        "TrainModule.log(on_epoch)",
+        "TrainModule.log(prog_bar)",
+        "TrainModule.log(batch_size)",
+        "Fit.logged_metrics",
+        "Fit.callback_metrics",
+        "Fit.progress_bar_metrics")
 def test_logged(name):
     _run(name, Logs(*LOGS[name]))
 
@@ -92,6 +102,7 @@ def test_val_two_loaders():
 
 @claim("validate and test return Lightning's values (one dict per loader in Lightning; "
        "jaxlight returns that dict)")
+@covers("TrainModule.validation_step", "TrainModule.test_step", "Fit.validate", "Fit.test")
 def test_validate_and_test_return():
     module = Logs()
     fit = _run("validate_and_test_return", module)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxlight as jl
-from tests.conformance._cases import case, claim, fixture
+from tests.conformance._cases import case, claim, covers, fixture
 from tests.conformance._jaxlight import Passes, Reg, assert_weights, batches, make_fit
 
 G = "optim"
@@ -40,6 +40,9 @@ def _run(name, module=None, val=None, **kw):
 @pytest.mark.parametrize("k", [1, 2, 3])
 @claim("accumulate_grad_batches=k takes one SGD step per k loader batches (the last group of an "
        "epoch may be shorter): Lightning's step count and weights")
+@covers("Fit(accumulate_grad_batches)",
+        "TrainModule.training_step",
+        "TrainModule.configure_model")
 def test_accumulate_sgd(k):
     _run(f"accumulate_{k}_sgd", max_epochs=2, accumulate_grad_batches=k)
 
@@ -55,11 +58,13 @@ def test_accumulate_2_max_steps_3():
 
 
 @claim("gradient_clip_val clips the global gradient norm (SGD), as Lightning")
+@covers("Fit(gradient_clip_val)")
 def test_clip_norm_sgd():
     _run("clip_norm_sgd", Reg(G, "sgd", 0.2), max_epochs=1, gradient_clip_val=0.5)
 
 
 @claim("gradient_clip_algorithm='value' clips each gradient element, as Lightning")
+@covers("Fit(gradient_clip_algorithm)")
 def test_clip_value_sgd():
     _run("clip_value_sgd", Reg(G, "sgd", 0.2), max_epochs=1, gradient_clip_val=0.05,
          gradient_clip_algorithm="value")
@@ -71,6 +76,7 @@ def test_clip_norm_adam():
 
 
 @claim("{'interval': 'epoch'} with a factor schedule is torch's LambdaLR stepped each epoch")
+@covers("TrainModule.configure_optimizers")
 def test_lambdalr_epoch():
     _run("lambdalr_epoch", Scheduled(entry={"scheduler": lambda e: 0.5 ** e,
                                             "interval": "epoch"}), max_epochs=3)

@@ -19,7 +19,7 @@ from jaxlight import callbacks
 from jaxlight.callbacks._batch_size_finder import search_batch_size
 from jaxlight.callbacks._lr_finder import LRFinder
 from tests.conformance import _data2_problem as _problem
-from tests.conformance._cases import assert_sequence, claim, departure
+from tests.conformance._cases import assert_sequence, claim, covers, departure
 
 HERE = pathlib.Path(__file__).resolve().parent
 FIXTURE = json.loads((HERE / "fixtures" / "tuner.json").read_text())
@@ -81,22 +81,34 @@ def _check_lr_find(case_id, strategy="single"):
        "losses, stops at the same step when the loss diverges (early_stop_threshold), suggests "
        "the same rate and sets module.lr to it")
 @pytest.mark.parametrize("strategy", ["single", "dp"])
+@covers("Tuner.lr_find",
+        "Tuner.lr_find(model)",
+        "Tuner.lr_find(train_dataloaders)",
+        "Tuner.lr_find(min_lr)",
+        "Tuner.lr_find(max_lr)",
+        "Tuner.lr_find(num_training)",
+        "Tuner.lr_find(early_stop_threshold)")
 def test_tuner_lr_find_exponential_sgd(strategy):
     _check_lr_find("lr_find_exponential_sgd", strategy)  # dp: the batch of 8 over 8 devices
 
 
 @claim("Tuner.lr_find(mode='linear') sweeps Lightning's linear rates and suggests the same rate")
+@covers("Tuner.lr_find(mode)")
 def test_tuner_lr_find_linear_sgd():
     _check_lr_find("lr_find_linear_sgd")
 
 
 @claim("Tuner.lr_find(update_attr=False) leaves module.lr as it was")
+@covers("Tuner.lr_find(update_attr)")
 def test_tuner_lr_find_update_attr_false():
     _check_lr_find("lr_find_update_attr_false")
 
 
 @claim("LearningRateFinder in a fit sweeps at the fit's start, sets module.lr to the suggestion "
        "and trains from the initial weights with it: the same final weights and steps")
+@covers("LearningRateFinder(min_lr)",
+        "LearningRateFinder(max_lr)",
+        "LearningRateFinder(num_training_steps)")
 def test_tuner_lr_finder_callback_trains_with_the_suggestion():
     case = FIXTURE["lr_callback"]["lr_finder_callback_trains_with_the_suggestion"]
     prob = _problem_of(case)
@@ -155,6 +167,12 @@ def _search(case):
 @claim("scale_batch_size / BatchSizeFinder ('power', 'binsearch', margin, max_trials, max_val, "
        "the dataset's length) try the same sizes in the same order and find the same size, "
        "given the same fits/does-not-fit answers")
+@covers("Tuner.scale_batch_size(mode)",
+        "Tuner.scale_batch_size(margin)",
+        "Tuner.scale_batch_size(max_val)",
+        "BatchSizeFinder(mode)",
+        "BatchSizeFinder(margin)",
+        "BatchSizeFinder(max_val)")
 def test_tuner_batch_size_search(case_id):
     case = FIXTURE["batch_size"][case_id]
     tried, found = _search(case)
@@ -166,6 +184,10 @@ def test_tuner_batch_size_search(case_id):
 @departure("init_val is the first size tried; Lightning 2.6 runs its first trial with the "
            "loader's previous batch size (and can return a size that never fit)",
            section="The tuner: learning rate and batch size")
+@covers("Tuner.scale_batch_size(init_val)",
+        "Tuner.scale_batch_size(max_trials)",
+        "BatchSizeFinder(init_val)",
+        "BatchSizeFinder(max_trials)")
 def test_tuner_batch_size_first_trial_is_init_val(case_id):
     case = FIXTURE["batch_size"][case_id]
     tried, found = _search(case)
@@ -238,6 +260,7 @@ def test_tuner_mlflow_receives_lightnings_metrics(mlflow_run):
            "number minus one (the 0-based index of the last batch trained)",
            "Deliberate departures")
 @claim("MLFlowLogger records each metric, training and validation, one step after Lightning's")
+@covers("Fit(log_every_n_steps)")
 def test_tuner_mlflow_logged_steps(mlflow_run):
     case, history, _ = mlflow_run
     for name, points in _lightning_history(case).items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxlight import callbacks
-from tests.conformance._cases import assert_sequence, case, claim, fixture
+from tests.conformance._cases import assert_sequence, case, claim, covers, fixture
 from tests.conformance._jaxlight import Reg, batches, make_fit
 
 G = "validation"
@@ -36,6 +36,15 @@ CASES = sorted(fixture(G)["cases"])
 @claim("validation runs after the same steps, on the same number of batches, for the same "
        "max_epochs / max_steps / limit_*_batches / val_check_interval / "
        "check_val_every_n_epoch / num_sanity_val_steps / fast_dev_run")
+@covers("Fit(max_epochs)",
+        "Fit(max_steps)",
+        "Fit(limit_train_batches)",
+        "Fit(limit_val_batches)",
+        "Fit(val_check_interval)",
+        "Fit(check_val_every_n_epoch)",
+        "Fit(num_sanity_val_steps)",
+        "Fit(fast_dev_run)",
+        "Fit.current_epoch")
 def test_validation_schedule(name):
     expected = case(G, name)
     seen = Validations()
