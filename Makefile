@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test test-all lint bench conformance conformance-fixtures fixtures posttrain-oracle clean
+.PHONY: demo test test-all durations lint bench conformance conformance-fixtures fixtures posttrain-oracle clean
 
 $(CORE_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: $(STAMP)  ## the fast tier: every package, tiny sizes (<= 5 min on 2 cores
 
 test-all: $(STAMP)  ## the whole suite: docs that train, SIGKILL, multi-process, recipes, conformance
 	$(PYTEST) --durations=25
+
+# Each worker takes the longest file left first, by the seconds tests/durations.json records
+# (tests/conftest.py); refresh it after adding slow tests.
+durations: $(STAMP)  ## run the whole suite and record each test's seconds in tests/durations.json
+	$(PYTEST) --record-durations tests/durations.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

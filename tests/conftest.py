@@ -28,8 +28,19 @@ else:  # a worker or child of a run that made it
     _OWN_CACHE = False
 os.environ["JAXLIGHT_COMPILATION_CACHE"] = os.environ["JAXLIGHT_TEST_XLA_CACHE"]
 
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+#: Seconds each test took in a whole-suite run (setup, call and teardown), written by
+#: `make durations`; pytest-xdist's workers take the longest files first (see below).
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+#: Files whose tests share no module-scoped state, so a worker may take them one test at a time:
+#: each docs page runs in a folder of its own and trains minutes, and one worker taking the
+#: whole file finished the run minutes after the other.
+SPLIT_FILES = {"tests/test_docs.py"}
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +68,53 @@ def _xla_flags_unchanged():
                     "restore it (monkeypatch.setenv).", pytrace=False)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help="write each test's seconds (setup, call, teardown) to PATH as JSON "
+                          "(`make durations` refreshes tests/durations.json this way)")
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
 def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--record-durations")
+    if path and not hasattr(session.config, "workerinput"):  # the controller has every report
+        pathlib.Path(path).write_text(json.dumps(
+            {k: round(v, 1) for k, v in sorted(_SECONDS.items())}, indent=0) + "\n")
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAXLIGHT_TEST_XLA_CACHE"], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (the Makefile's), longest first: a file's tests stay on one worker
+    (their module-scoped fixtures are built once), except SPLIT_FILES' tests, which go out one
+    at a time; and each worker that needs work takes the unit with the most recorded seconds
+    (tests/durations.json; 1 s for a test it does not know). In collection order a 10-minute
+    file could start last and leave the other worker idle."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+    class LongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPLIT_FILES else path
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda scope: sum(
+                recorded.get(nodeid, 1.0) for nodeid in self.workqueue[scope]))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 def pytest_report_header(config):

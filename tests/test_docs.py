@@ -96,22 +96,16 @@ def _run_blocks(path: pathlib.Path) -> None:
                 "`bash` block so they are tested, or mark the block <!-- skip: reason -->")
 
 
-#: Every module a page trains, first successful fit per class: "page:Class" -> (module, args,
-#: kwargs).
-FITTED: dict[str, tuple] = {}
-#: The pages `test_page_runs` has run in this process (fitting a module or not).
-PAGES_RUN: set[str] = set()
-
-
 @contextlib.contextmanager
-def recording_fits(page: str):
-    """Notes the module and data of each `Fit.fit` a page makes (the fit itself runs as is)."""
+def recording_fits(fitted: dict):
+    """Notes in `fitted` ("Class" -> (module, args, kwargs)) the module and data of each
+    `Fit.fit` a page makes that trained (the fit itself runs as is; a page may show a refused
+    module on purpose)."""
     original = Fit.fit
 
     def fit(self, module, *args, **kwargs):
         out = original(self, module, *args, **kwargs)
-        # Only fits that trained (a page may show a refused module on purpose).
-        FITTED.setdefault(f"{page}:{type(module).__qualname__}", (module, args, kwargs))
+        fitted.setdefault(type(module).__qualname__, (module, args, kwargs))
         return out
 
     Fit.fit = fit
@@ -129,14 +123,6 @@ def trains(path: pathlib.Path) -> bool:
                for lang, body, _, _ in blocks(path.read_text()))
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if trains(p) else p
-                                  for p in PAGES], ids=[p.name for p in PAGES])
-def test_page_runs(path):
-    PAGES_RUN.add(path.name)
-    with recording_fits(path.name):
-        run_page(path)
-
-
 def model_signature(module) -> tuple:
     """A module's class name and the paths, shapes and dtypes of its state: two pages' copies of
     one model (the quickstart's `Classifier` shown again elsewhere) have the same signature."""
@@ -149,38 +135,43 @@ def model_signature(module) -> tuple:
     return type(module).__qualname__, tuple(leaves)
 
 
-@pytest.mark.slow
-def test_the_default_fit_trains_every_model_the_docs_show(tmp_path, monkeypatch):
-    """`Fit()` (strategy "auto") trains every module a page trains, whatever strategy the page
-    chose: models with RNG streams (Dropout, the strategies page's `Noisy`) included. Each
-    distinct model once (class and state shapes), two steps."""
-    for path in PAGES:
-        if path.name not in PAGES_RUN:
-            # This test alone (`-k default_fit`): the pages run here first, each in a folder of
-            # its own.
-            PAGES_RUN.add(path.name)
-            (tmp_path / path.stem).mkdir()
-            monkeypatch.chdir(tmp_path / path.stem)
-            with recording_fits(path.name):
-                run_page(path)
-    monkeypatch.chdir(tmp_path)
-    seen: dict[tuple, str] = {}
-    for key in sorted(FITTED):
-        seen.setdefault(model_signature(FITTED[key][0]), key)
-    assert len(seen) >= 20, sorted(seen.values())
-    for key in sorted(seen.values()):
-        module, args, kwargs = FITTED[key]
-        data = args[0] if args else kwargs.get("train_data")
-        val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
-        datamodule = kwargs.get("datamodule")
-        fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
-                     enable_model_summary=False, num_sanity_val_steps=0)
-        try:
-            fit.fit(module, data, val, datamodule=datamodule)
-        except Exception as err:
-            raise AssertionError(f"the default Fit() failed on {key}: {err!r}") from err
-        assert fit.global_step == 2, key
-        assert isinstance(fit.strategy, jl.strategies.Strategy), key
+#: The models the default `Fit()` has trained in this process, by signature: a model a later page
+#: shows again (the quickstart's `Classifier`) is not trained twice.
+DEFAULT_FIT_DONE: set[tuple] = set()
+
+
+def default_fit(key: str, module, args: tuple, kwargs: dict) -> None:
+    """`Fit()` (strategy "auto") trains the module a page trained, whatever strategy the page
+    chose: two steps, models with RNG streams (Dropout, the strategies page's `Noisy`) included."""
+    data = args[0] if args else kwargs.get("train_data")
+    val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
+    fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
+                 enable_model_summary=False, num_sanity_val_steps=0)
+    try:
+        fit.fit(module, data, val, datamodule=kwargs.get("datamodule"))
+    except Exception as err:
+        raise AssertionError(f"the default Fit() failed on {key}: {err!r}") from err
+    assert fit.global_step == 2, key
+    assert isinstance(fit.strategy, jl.strategies.Strategy), key
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if trains(p) else p
+                                  for p in PAGES], ids=[p.name for p in PAGES])
+def test_page_runs(path, tmp_path, monkeypatch):
+    """The page's blocks run; then the documented default path, `Fit()` with no arguments,
+    trains every model the page trained (each distinct model once per process)."""
+    fitted: dict[str, tuple] = {}
+    with recording_fits(fitted):
+        run_page(path)
+    if any(lang == "python" and ".fit(" in body for lang, body, _, _ in blocks(path.read_text())):
+        assert fitted, f"{path.name} calls .fit( but no fit trained: the recording missed it"
+    (tmp_path / "default_fit").mkdir()
+    monkeypatch.chdir(tmp_path / "default_fit")
+    for name, (module, args, kwargs) in sorted(fitted.items()):
+        signature = model_signature(module)
+        if signature not in DEFAULT_FIT_DONE:
+            DEFAULT_FIT_DONE.add(signature)
+            default_fit(f"{path.name}:{name}", module, args, kwargs)
 
 
 def test_the_guide_links_every_page():
