@@ -334,19 +334,23 @@ def test_checkpoint_mode_is_checked(capsys):
 # -- your own callback ---------------------------------------------------------------------------
 
 
+#: A user's callback in its own file (`counter.py`): prints `label step` every `every` steps.
+COUNTER = textwrap.dedent('''
+    import jaxlight as jl
+
+
+    class CountSteps(jl.callbacks.Callback):
+        def __init__(self, label: str = "steps", every: int = 1):
+            self.label, self.every = label, every
+
+        def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
+            if fit.global_step % self.every == 0:
+                print(f"{self.label} {fit.global_step}")
+''')
+
+
 def test_your_own_callback_by_path_runs_with_its_arguments(capsys):
-    pathlib.Path("counter.py").write_text(textwrap.dedent('''
-        import jaxlight as jl
-
-
-        class CountSteps(jl.callbacks.Callback):
-            def __init__(self, label: str = "steps", every: int = 1):
-                self.label, self.every = label, every
-
-            def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
-                if fit.global_step % self.every == 0:
-                    print(f"{self.label} {fit.global_step}")
-    '''))
+    pathlib.Path("counter.py").write_text(COUNTER)
     assert main(["fit", *TARGET, "--model.features", "4", "--max-steps", "4",
                  "--callbacks",
                  "counter.py:CountSteps(label='seen', every=2), LearningRateMonitor()",

@@ -19,7 +19,7 @@ config sections), with `--seed_everything`, `--trainer.callbacks+=Name`,
 `class_path`/`init_args`, `--optimizer`, `--lr_scheduler`, `--ckpt_path` and a `config.yaml`
 LightningCLI wrote (`_lightning_form`). jaxlight's earlier dashed options (`--max-steps`,
 `--strategy`, `--logger`, `--callbacks`, ...) and config files are read through one table of
-their keys (`_aliases`). Values come, lowest priority first, from the signatures' defaults (a
+their keys (`_argv`). Values come, lowest priority first, from the signatures' defaults (a
 recipe's defaults, then `--preset`), then `--config` files and flags in order.
 
 `--devices N` simulates N CPU devices. XLA reads `XLA_FLAGS` once, when JAX starts its backend,
@@ -42,12 +42,12 @@ from jaxlight._errors import MissingAttributeError as _MissingAttributeError
 
 #: Public name -> the module defining it (imported on first use).
 _PUBLIC = {
-    "ALIASES": "jaxlight._cli._aliases",
+    "ALIASES": "jaxlight._cli._argv",
     "build_callbacks": "jaxlight._cli._build",
     "build_loggers": "jaxlight._cli._build",
     "build_strategy": "jaxlight._cli._build",
     "parse_mesh_shape": "jaxlight._cli._build",
-    "load_config_file": "jaxlight._cli._config_file",
+    "load_config_file": "jaxlight._cli._argv",
     "RunResult": "jaxlight._cli._run",
     "run": "jaxlight._cli._run",
 }

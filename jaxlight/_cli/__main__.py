@@ -1,7 +1,8 @@
-"""`python -m jaxlight._cli ...` is the `jaxlight` command."""
+"""`python -m jaxlight._cli ...` is the `jaxlight` command (the package's `main`: its help
+imports no JAX)."""
 
 import sys
 
-from jaxlight._cli._main import main
+from jaxlight._cli import main
 
 sys.exit(main())

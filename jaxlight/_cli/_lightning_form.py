@@ -12,9 +12,8 @@ them typed as a class in subclass mode: `class_path`/`init_args`, or a short nam
 command line), `optimizer` and `lr_scheduler` (torch's names that optax expresses exactly, see
 `_torch_optim`), `ckpt_path`. jsonargparse reads the values, config files (`--config`, a file
 or its text), environment variables and `--help`; before it, the command line is read once
-(`read_command_line`): jaxlight's own options taken out, the earlier options (`_aliases`)
-renamed, and each config file loaded with a message naming its line, its earlier-form keys
-renamed and Lightning's keys in their jaxlight meaning (`_lightning_keys`).
+(`_argv`): jaxlight's own options taken out, the earlier forms renamed, each config file
+loaded with a message naming its line, Lightning's keys in their jaxlight meaning.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import os
 import re
 import sys
@@ -30,11 +28,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from jaxlight import Fit, callbacks, recipes
-from jaxlight._cli import _aliases, _lightning_keys
-from jaxlight._cli._config_file import load_config_file
+from jaxlight._cli import _argv, _lightning_keys
+from jaxlight._cli._argv import parser_argv, read_command_line
 from jaxlight._cli._lightning_keys import Notes
 from jaxlight._cli._target import import_object, register, same_target
 from jaxlight._errors import ConfigurationError, suggest
@@ -48,119 +44,6 @@ from jaxlight.recipes._base import apply_overrides, flatten, type_name
 #: already imported, and `jaxlight.callbacks` loads its classes on first use (PEP 562).
 CALLBACK_CLASSES = tuple(getattr(callbacks, name) for name in callbacks.__all__)
 
-#: jaxlight's own options, taken out before the parser reads the rest: `--data` (the
-#: DataModule, which LightningCLI fixes in the script), `--output` (predict), `--devices`
-#: (applied before JAX starts), `--preset`, LightningCLI's `save_config_*` and `--print_config`.
-_EXTRAS = ("data", "output", "devices", "preset", "save_config_kwargs", "save_config_callback",
-           "print_config")
-_FLAGS = ("-h", "--help", "--print_config", "--print-config")  # options without a value
-
-
-def _pairs(argv: Sequence[str]) -> list[tuple[str, str | None]]:
-    """`--name value` and `--name=value` as `("--name", "value")`; a flag or a stray token as
-    `(token, None)`."""
-    out: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if eq and name.startswith("--"):
-            out.append((name, value))
-        elif name.startswith("--") and name not in _FLAGS and i + 1 < len(argv) and \
-                not argv[i + 1].startswith("--"):
-            out.append((name, argv[i + 1]))
-            i += 1
-        else:
-            out.append((argv[i], None))
-        i += 1
-    return out
-
-
-def _yaml_value(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _read_config(path: str) -> dict[str, Any]:
-    """A `--config` file, or the config's text itself (as jsonargparse takes it)."""
-    text = None if os.path.isfile(path) else _yaml_value(path)
-    return text if isinstance(text, dict) else load_config_file(path)  # or: no such file
-
-
-def read_command_line(argv: Sequence[str]) -> tuple[list[tuple[str, Any]], dict[str, Any]]:
-    """(the options under the parser's names, with each config as its tree; jaxlight's own
-    settings): the earlier options renamed, and the settings a config file holds (`preset`,
-    `devices`, a `model:`/`data:` `class_path` as `target`/`data`) where the command line
-    left them open."""
-    extras: dict[str, Any] = {**dict.fromkeys(_EXTRAS), "target": None, "configs": []}
-    found: dict[str, Any] = {}
-    items: list[tuple[str, Any]] = []
-    for name, value in _pairs(argv):
-        option = name.startswith("--") and "." not in name
-        key = name[2:].replace("-", "_") if option else None
-        alias = _aliases.new_key(name[2:]) if option else None
-        if key in _EXTRAS:
-            if value is None and key != "print_config":
-                raise ConfigurationError(f"{name} needs a value.")
-            extras[key] = "" if value is None else value
-        elif key == "config" and value is not None:
-            tree, in_file = _aliases.translate_file(_read_config(value))
-            found = {**in_file, **found}  # the first file naming one wins
-            extras["configs"].append(value if os.path.isfile(value) else "(text)")
-            items.append(("--config", tree))
-        elif alias is not None:
-            if value is None:
-                raise ConfigurationError(f"{name} needs a value.")
-            items += _aliases.option(alias, value)
-        elif name.startswith("--") and "." in name and not name.endswith("+"):
-            section, _, field = name.rpartition(".")  # --model.num-layers: --model.num_layers
-            items.append((f"{section}.{field.replace('-', '_')}", value))
-        else:
-            items.append((name, value))
-    for key, value in found.items():
-        if extras.get(key) is None:
-            extras[key] = value
-    return items, extras
-
-
-def parser_argv(items: list[tuple[str, Any]], notes: Notes, modules: dict[str, Any]) -> list[str]:
-    """The parser's command line: Lightning's trainer flags and config trees in their jaxlight
-    meaning, Lightning's and torch's class paths as jaxlight's (`_lightning_keys`)."""
-    out: list[str] = []
-    for name, value in items:
-        key = name[2:]
-        if name == "--config":
-            value = _lightning_keys.adapt_config(value, notes, modules)
-        elif value is None:
-            out.append(name)
-            continue
-        elif key in ("trainer.callbacks+", "trainer.callbacks", "trainer.logger"):
-            if isinstance(value, str) and value.startswith(_lightning_keys.LIGHTNING_PACKAGES):
-                value = _lightning_keys.jaxlight_callback(value, None, notes, key)[0]
-        elif key in ("optimizer", "lr_scheduler"):
-            value = _lightning_keys.TORCH_CLASS_PATHS.get(value, value)
-        elif key.startswith("trainer.") and key[8:] in _lightning_keys.TRAINER_KEYS:
-            keep, value = _lightning_keys.trainer_value(key[8:], _yaml_value(value), notes)
-            if not keep:
-                continue
-        value = value if isinstance(value, str) else json.dumps(value, default=str)
-        out += [f"{name}={value}"] if name.endswith("+") else [name, value]
-    return out
-
-
-def config_target(argv: Sequence[str]) -> str | None:
-    """The module class the `--config` files name (`model: class_path`), for a command line
-    that names none (LightningCLI's subclass mode: `jaxlight fit --config config.yaml`)."""
-    found = read_command_line(argv)[1]["target"]
-    if found is not None and found.startswith("__main__:"):
-        raise ConfigurationError(
-            f"config file: model.class_path is {found.replace(':', '.')!r}, a class of the "
-            "script that ran LightningCLI; name its file on the command line: jaxlight fit "
-            f"PATH.py:{found.partition(':')[2]} --config ...")
-    return found
-
-
 # -- the parser -----------------------------------------------------------------------------------
 
 
@@ -171,6 +54,25 @@ def _parser(command: str, description: str):
     # `jaxlight --help`, `devices` and `generate` start without it.
     from jsonargparse import ActionConfigFile, ArgumentParser, DefaultHelpFormatter
 
+    class Parser(ArgumentParser):
+        """jsonargparse's parser with LightningCLI's `add_lightning_class_args`, for a module's
+        `add_arguments_to_parser(parser)` (a LightningCLI subclass's method, ported)."""
+
+        def add_lightning_class_args(self, cls, nested_key: str, subclass_mode: bool = False,
+                                     required: bool = True):
+            """A callback's arguments as the section `nested_key`; the callback built from them
+            joins the fit's callbacks (LightningCLI's meaning)."""
+            if not (isinstance(cls, type) and issubclass(cls, callbacks.Callback)):
+                raise ConfigurationError(
+                    f"add_lightning_class_args({cls!r}, {nested_key!r}): jaxlight adds "
+                    "callbacks this way (a subclass of jaxlight.callbacks.Callback); add "
+                    "other classes with parser.add_class_arguments.")
+            self.callback_sections.append(nested_key)
+            if subclass_mode:
+                return self.add_subclass_arguments(cls, nested_key, required=required)
+            return self.add_class_arguments(cls, nested_key, fail_untyped=False,
+                                            sub_configs=True)
+
     class Formatter(DefaultHelpFormatter):
         """Keeps the description's and the epilog's lines as written."""
 
@@ -179,9 +81,11 @@ def _parser(command: str, description: str):
 
     # env_prefix: LightningCLI's environment variables (PL_FIT__TRAINER__MAX_EPOCHS), read when
     # JSONARGPARSE_DEFAULT_ENV=true, as for a LightningCLI script.
-    parser = ArgumentParser(prog=f"jaxlight {command}", exit_on_error=False,
-                            epilog=_aliases.HELP, env_prefix=f"PL_{command.upper()}_",
+    # allow_abbrev=False: argparse read `--trainer.max_step 7` as max_steps, silently.
+    parser = Parser(prog=f"jaxlight {command}", exit_on_error=False, allow_abbrev=False,
+                            epilog=_argv.HELP, env_prefix=f"PL_{command.upper()}_",
                             formatter_class=Formatter, description=description)
+    parser.callback_sections = []  # add_lightning_class_args's sections
     parser.add_argument("--config", action=ActionConfigFile,
                         help="a YAML/JSON config file (LightningCLI's, as it is) or its text")
     parser.add_argument("--seed_everything", type=bool | int, default=True,
@@ -193,8 +97,11 @@ def _parser(command: str, description: str):
 
 
 def _add_tail(parser) -> None:
-    """The keys every run command ends with: `--ckpt_path` and jaxlight's `--mesh_shape` and
-    `--checkpoint_*`."""
+    """The keys every run command ends with: `--ckpt_path`, `--weights_only`, and jaxlight's
+    `--devices`, `--mesh_shape` and `--checkpoint_*`."""
+    parser.add_argument("--devices", type=int | None, default=None,
+                        help="jaxlight: simulate N CPU devices (set before JAX starts; a config "
+                             "file's devices: too)")
     parser.add_argument("--mesh_shape", type=Any, default=None,
                         help="jaxlight: the mesh of strategies.Hybrid: '{\"data\": 2, \"fsdp\": "
                              "4}', 'data=2,fsdp=4' or the Tunix form '[[4,2],[\"fsdp\",\"tp\"]]' "
@@ -212,6 +119,9 @@ def _add_tail(parser) -> None:
     parser.add_argument("--ckpt_path", type=str | None, default=None,
                         help="checkpoint to resume from (fit) or to run (validate, test, "
                              "predict): a path, 'last', 'best' or 'none'")
+    parser.add_argument("--weights_only", type=bool | None, default=None,
+                        help="Lightning's torch.load switch for --ckpt_path: jaxlight's "
+                             "checkpoints hold no pickles, so every value loads the same")
 
 
 def build_parser(command: str, model_cls: type, data_cls: Any | None):
@@ -232,6 +142,11 @@ def build_parser(command: str, model_cls: type, data_cls: Any | None):
     parser.add_subclass_arguments(TorchLRScheduler, "lr_scheduler", required=False,
                                   help="torch's StepLR or ExponentialLR (with --optimizer)")
     _add_tail(parser)
+    # A LightningCLI subclass's add_arguments_to_parser, ported as a function of the module's
+    # file: its sections, links (jsonargparse's link_arguments) and defaults.
+    hook = getattr(sys.modules.get(model_cls.__module__), "add_arguments_to_parser", None)
+    if callable(hook):
+        hook(parser)
     return parser
 
 
@@ -273,7 +188,8 @@ def _parse_args(parser, items, modules, spec: str, extras) -> tuple[Any, Notes]:
     try:
         cfg = parser.parse_args(argv)
     except argparse.ArgumentError as err:
-        raise ConfigurationError(_explain(parser, str(err), spec, extras)) from None
+        raise ConfigurationError(_explain(parser, str(err), spec, extras,
+                                          _unknown_keys(parser, items, modules))) from None
     for key in ("limit_train_batches", "limit_val_batches"):
         value = cfg.trainer[key]
         # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
@@ -281,6 +197,31 @@ def _parse_args(parser, items, modules, spec: str, extras) -> tuple[Any, Notes]:
         if isinstance(value, float) and value > 1 and value.is_integer():
             cfg.trainer[key] = int(value)
     return cfg, notes
+
+
+def _unknown_keys(parser, items, modules) -> list[str]:
+    """Every key of the `--config` files that the parser does not take (jsonargparse names the
+    first only): a key with no parser key at or above it."""
+    # A section (`trainer`, `model`) is read key by key; any other key takes what it holds.
+    sections = {a.dest for a in parser._actions if type(a).__name__ == "_ActionConfigLoad"}
+    keys = {a.dest for a in parser._actions} - sections
+    unknown: list[str] = []
+
+    def walk(tree: dict, prefix: str) -> None:
+        for name, value in tree.items():
+            key = f"{prefix}{name}"
+            if key in keys:
+                continue
+            if isinstance(value, dict) and (
+                    key in sections or any(k.startswith(f"{key}.") for k in keys)):
+                walk(value, f"{key}.")
+            else:
+                unknown.append(key)
+
+    for name, tree in items:
+        if name == "--config":
+            walk(_lightning_keys.adapt_config(tree, Notes(), modules), "")
+    return unknown
 
 
 def parse_recipe(command: str, name: str, argv: Sequence[str]):
@@ -379,11 +320,11 @@ def printed_config(parser, cfg) -> str:
     return text
 
 
-def _explain(parser, message: str, spec: str, extras) -> str:
+def _explain(parser, message: str, spec: str, extras, unknown: Sequence[str] = ()) -> str:
     """jsonargparse's error in jaxlight's words: the option or key, what it expects, the
     nearest valid name."""
     options = sorted({s for a in parser._actions for s in a.option_strings if s.startswith("--")}
-                     | {f"--{old}" for old in _aliases.ALIASES})
+                     | {f"--{old}" for old in _argv.ALIASES})
     message = message.strip()
     hint = ""
     bad = re.match(r"unrecognized arguments: (\S+)", message)
@@ -402,10 +343,20 @@ def _explain(parser, message: str, spec: str, extras) -> str:
     elif key or top:
         name = f"{key.group(1)}.{key.group(2)}" if key else top.group(1)
         files = ", ".join(extras.get("configs") or ["(none)"])
-        message = f"config file {files}: unknown key {name!r}"
         keys = sorted({o[2:] for o in options if "-" not in o[2:]}
-                      | {old.replace("-", "_") for old in _aliases.ALIASES})
-        hint = suggest(name, keys)
+                      | {old.replace("-", "_") for old in _argv.ALIASES})
+        if ":" in spec and any("." not in k for k in unknown or [name]):
+            hint = (" A section that a LightningCLI subclass added (add_arguments_to_parser) "
+                    "needs that method as a function add_arguments_to_parser(parser) of the "
+                    "module's file (docs/cli.md, LightningCLI's form).")
+        if len(unknown) > 1:
+            named = (f"{k!r}{suggest(k, keys).replace(' Did', ' (did').replace('?', '?)')}"
+                     for k in unknown)
+            message = f"config file {files}: unknown keys {', '.join(named)}"
+        else:
+            name = unknown[0] if unknown else name  # a whole section, where it is one
+            message = f"config file {files}: unknown key {name!r}"
+            hint = suggest(name, keys) + hint
     elif typed:
         dest = typed.group(1)
         action = next((a for a in parser._actions if a.dest == dest), None)

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight import recipes
+from jaxlight._cli._argv import config_devices, config_target
 from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
 from jaxlight._cli._generate import generate_command
-from jaxlight._cli._lightning_form import config_target
 from jaxlight._cli._options import COMMANDS
 from jaxlight._cli._run import run
 from jaxlight._errors import (
@@ -97,6 +97,8 @@ def _dispatch(argv: list[str]) -> int:
             f"--help).{suggest(command, [*COMMANDS, '--version'])}"
         )
     n = prescan_devices(rest)
+    if n is None and command not in ("devices", "generate"):
+        n = config_devices(rest)  # a saved config replays on its devices
     if n is not None:
         simulate_cpu_devices(n)
     if command == "devices":

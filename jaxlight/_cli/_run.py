@@ -76,7 +76,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
             "predict saves its outputs (--output FILE.npz).")
     _check_options(cfg)
     _predict.check_output_path(extras["output"])
-    join_job(None if extras["devices"] is None else int(extras["devices"]))
+    join_job(cfg.devices)
     ckpt_path, untrained_on_purpose = _ckpt_path(cfg)
     seed = _seed(cfg)
     strategy_name = cfg.trainer.strategy if isinstance(cfg.trainer.strategy, str) else None
@@ -86,7 +86,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
     # one's run directory once that is chosen.
     callbacks, trainer["logger"] = loggers_into_callbacks(trainer.pop("logger"),
                                                           trainer.pop("callbacks"))
-    callbacks += [*_checkpoint_callbacks(cfg),
+    callbacks += [*(init[key] for key in parser.callback_sections), *_checkpoint_callbacks(cfg),
                   *save_config_callbacks(printed_config(parser, cfg), extras,
                                          trainer.get("fast_dev_run"),
                                          resuming=command == "fit" and ckpt_path is not None)]
@@ -109,7 +109,17 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         return Fit(seed=seed, **{**trainer, "strategy": strategy,
                                  "callbacks": [*callbacks, _LastValidation()]})
 
-    fit = make_fit(trainer.pop("strategy"))  # refuses bad Fit options before anything builds
+    try:
+        fit = make_fit(trainer.pop("strategy"))  # refuses bad Fit options before anything builds
+    except ConfigurationError as err:
+        n = trainer.get("devices")
+        if not (isinstance(n, int) and n > jax.local_device_count()
+                and jax.default_backend() == "cpu"):
+            raise
+        raise ConfigurationError(
+            f"{err} On the command line, --devices {n} simulates {n} CPU devices (set before "
+            f"JAX starts): pass --devices {n} --trainer.devices {n}, or only --devices {n}.") \
+            from None
     ckpt_path = _eval_ckpt_path(command, recipe_name, fit, ckpt_path, untrained_on_purpose)
     note = None
     if from_recipe:

@@ -39,34 +39,35 @@ class SaveConfigCallback(cbs.Callback):
     def _save(self, fit) -> None:
         if self.already_saved:
             return
+        self.already_saved = True
         loggers = [cb for cb in fit.callbacks if isinstance(cb, Logger)]
+        # A logger chooses its run directory on process 0 only: the others see None here.
         log_dir = getattr(loggers[0], "log_dir", None) if loggers else None
-        if log_dir is None:
-            # A departure: without a logger's run directory Lightning writes into
-            # default_root_dir (or the logger's save_dir), so that the next command there (a
-            # validate after a fit, a second fit) is refused.
-            self.already_saved = True
-            return
-        path = os.path.join(log_dir, self.config_filename)
-        exists = jax.process_index() == 0 and os.path.isfile(path)
-        if jax.process_count() > 1:  # every process refuses, or none
-            # jax.experimental's multihost helpers load only where there are several processes.
+        path = None if log_dir is None else os.path.join(log_dir, self.config_filename)
+        exists = path is not None and jax.process_index() == 0 and os.path.isfile(path)
+        if jax.process_count() > 1:
+            # Every process enters this broadcast, whatever its own log_dir (a process that
+            # skipped it left process 0 waiting until Gloo's deadline): all refuse, or none.
             from jax.experimental import multihost_utils
 
             exists = bool(multihost_utils.broadcast_one_to_all(np.asarray(exists)))
         if exists and not (self.overwrite or self.resuming):
             raise ConfigurationError(
-                f"SaveConfigCallback expected {path} to NOT exist: a run wrote it before, and "
-                "writing this run's config there would replace that record. Delete it, give "
-                "another --trainer.default_root_dir, or pass --save_config_kwargs "
+                f"SaveConfigCallback expected {path or 'the run directory of process 0'}"
+                f"{'' if path else '/' + self.config_filename} to NOT exist: a run wrote it "
+                "before, and writing this run's config there would replace that record. Delete "
+                "it, give another --trainer.default_root_dir, or pass --save_config_kwargs "
                 "'{\"overwrite\": true}' to overwrite it (--save_config_callback null: save "
                 "none), as LightningCLI's save_config_kwargs / save_config_callback do.")
-        if jax.process_index() == 0:
-            os.makedirs(log_dir, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(self.text)
-            self.path = path
-        self.already_saved = True
+        if path is None or jax.process_index() != 0:
+            # A departure: without a logger's run directory Lightning writes into
+            # default_root_dir (or the logger's save_dir), so that the next command there (a
+            # validate after a fit, a second fit) is refused.
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(self.text)
+        self.path = path
 
     # Lightning saves in `setup`; a logger's run directory is chosen when its stage starts, so
     # the file is written then (after the loggers, which come before it among the callbacks).

@@ -189,11 +189,11 @@ def test_save_config(tmp_path):
         expected["refused"].replace("<save_dir>", str(tmp_path)).rstrip(".") + ":")
     fit("--trainer.logger.version", "0", "--save_config_kwargs", '{"overwrite": true}')
     saved = yaml.safe_load((tmp_path / "run" / "version_0" / "config.yaml").read_text())
-    # Lightning's sections (less `weights_only`, torch.load's switch for --ckpt_path), and
-    # jaxlight's own keys beside them.
-    lightning = set(expected["overwritten_sections"]) - {"weights_only"}
+    # Lightning's sections (`weights_only` among them, torch.load's switch for --ckpt_path),
+    # and jaxlight's own keys beside them.
+    lightning = set(expected["overwritten_sections"])
     assert lightning <= set(saved)
-    assert set(saved) - lightning == {"mesh_shape", "checkpoint_every_n_steps",
+    assert set(saved) - lightning == {"devices", "mesh_shape", "checkpoint_every_n_steps",
                                       "checkpoint_monitor", "checkpoint_mode"}
     assert {"max_steps": saved["trainer"]["max_steps"],
             "learning_rate": saved["model"]["learning_rate"],
