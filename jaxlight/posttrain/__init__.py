@@ -9,7 +9,14 @@ May import `nn.pretrained` and the root modules (layer 19 of docs/architecture.m
 """
 
 from jaxlight.posttrain._dpo import DPO_LOSSES, dpo_loss
-from jaxlight.posttrain._grpo import ADVANTAGES, KL_MODES, group_advantages, grpo_loss, kl_penalty
+from jaxlight.posttrain._grpo import (
+    ADVANTAGES,
+    KL_MODES,
+    check_grpo_options,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+)
 from jaxlight.posttrain._logprobs import (
     AGGREGATIONS,
     aggregate,
@@ -19,6 +26,13 @@ from jaxlight.posttrain._logprobs import (
     token_log_probs,
 )
 from jaxlight.posttrain._reference import POLICY, PolicyAndReference, without_adapters
+from jaxlight.posttrain._rewards import (
+    RewardFunction,
+    combine,
+    reward_metrics,
+    reward_name,
+    score,
+)
 from jaxlight.posttrain._rollout import completion_log_probs, rollout
 
 __all__ = [
@@ -28,15 +42,21 @@ __all__ = [
     "KL_MODES",
     "POLICY",
     "PolicyAndReference",
+    "RewardFunction",
     "aggregate",
     "batch_weights",
+    "check_grpo_options",
+    "combine",
     "completion_log_probs",
     "dpo_loss",
     "group_advantages",
     "grpo_loss",
     "kl_penalty",
     "masked_mean",
+    "reward_metrics",
+    "reward_name",
     "rollout",
+    "score",
     "sequence_log_probs",
     "token_log_probs",
     "without_adapters",

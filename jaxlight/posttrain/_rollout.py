@@ -4,7 +4,7 @@ sampling policy's log-probabilities, as one NumPy batch for the training step.""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -14,18 +14,29 @@ from flax import nnx
 
 from jaxlight._errors import ConfigurationError, DataError
 from jaxlight.nn.pretrained import generate
+from jaxlight.nn.pretrained._model import check_positions
 from jaxlight.posttrain._grpo import group_advantages
 from jaxlight.posttrain._logprobs import batch_weights, token_log_probs
+from jaxlight.posttrain._rewards import RewardFunction, check_weights, combine, score
 
 
-def completion_log_probs(model: nnx.Module, batch: dict, temperature: float = 1.0) -> jax.Array:
+def completion_log_probs(model: nnx.Module, batch: dict, temperature: float = 1.0,
+                         entropy: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """log p of each completion token of a `rollout` batch under `model` ([B, C], float32):
     the training step's and the sampler's figure (both call this), so the ratio of a first
-    update on fresh samples is exactly 1."""
+    update on fresh samples is exactly 1. With `entropy`, also the entropy of each position's
+    sampling distribution (softmax(logits / temperature); [B, C], no gradient)."""
     tokens = batch["tokens"].astype(jnp.int32)
     width = batch["mask"].shape[1]
-    logits = model(tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1])
-    return token_log_probs(logits[:, -width:], tokens[:, -width:], temperature)
+    logits = model(tokens[:, :-1], attention_mask=batch["attention_mask"][:, :-1])[:, -width:]
+    logps = token_log_probs(logits, tokens[:, -width:], temperature)
+    if not entropy:
+        return logps
+    scaled = jax.lax.stop_gradient(logits.astype(jnp.float32))
+    if temperature not in (0.0, 1.0):
+        scaled = scaled / temperature
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    return logps, -(jnp.exp(logp_all) * logp_all).sum(axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature",))
@@ -34,57 +45,83 @@ def _old_log_probs(graphdef, state, batch, temperature):
 
 
 def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: int,
-            max_new_tokens: int, rewards: Sequence[Callable[[str, str], float]],
+            max_new_tokens: int, reward_funcs: Sequence[RewardFunction],
             decode: Callable[[Sequence[int]], str], temperature: float = 1.0, seed: int = 0,
-            prompt_len: int | None = None, strategy: Any = None) -> dict[str, np.ndarray]:
+            prompt_len: int | None = None, strategy: Any = None,
+            columns: Mapping[str, Sequence[Any]] | None = None,
+            reward_weights: Sequence[float] | None = None,
+            reward_prompts: Sequence[Any] | None = None) -> dict[str, np.ndarray]:
     """Samples `group_size` completions of every prompt and makes the GRPO training batch.
 
     The completions come from `jaxlight.nn.pretrained.generate` (key/value cache, `temperature`,
-    row keys from `seed`: the same seed and weights give the same batch). Each reward function
-    gets `(prompt_text, completion_text)` (`decode`d, special tokens dropped) and returns a
-    float; a completion's reward is their sum. Rows are prompt-major (prompt 0's completions
-    first), as `group_advantages` expects.
+    row keys from `seed`: the same seed and weights give the same batch). The reward functions
+    have TRL's contract (`jaxlight.posttrain.score`): each is called once with every row's
+    prompt (`reward_prompts[i]` as the data has it, text or chat messages; default: the
+    `decode`d prompt), completion (`decode`d, special tokens dropped; where the prompt is
+    messages, TRL's `[{"role": "assistant", "content": text}]`) and completion ids, and with
+    `columns` (one value per prompt, repeated over its group) as keyword arguments; it returns
+    a float or None per row. A row's
+    reward is the `reward_weights`-weighted sum over the functions that apply. Rows are
+    prompt-major (prompt 0's completions first), as `group_advantages` expects.
 
     Returns `{"tokens" [B, P + C] (prompt left-padded to P, completion right-padded to
     C = max_new_tokens), "attention_mask" [B, P + C], "mask" [B, C] (the completion's tokens,
-    its stop token included), "rewards" [B], "rewards_by_fn" [B, F], "advantages" [B],
-    "old_logps" [B, C] (the sampling policy's, at `temperature`), "token_weight",
-    "row_weight" [B]}`: everything `grpo_loss` needs from the whole batch (see
+    its stop token included), "rewards" [B], "rewards_by_fn" [B, F] (NaN: None),
+    "advantages" [B], "old_logps" [B, C] (the sampling policy's, at `temperature`),
+    "token_weight", "row_weight" [B], "clipped" [B] (1: the completion hit max_new_tokens
+    without a stop token)}`: everything `grpo_loss` needs from the whole batch (see
     `batch_weights`), for every update this generation batch feeds.
     """
     if temperature <= 0:
         raise ConfigurationError(
             f"temperature={temperature}: GRPO needs the sampling distribution's log-probabilities "
             "(softmax(logits / temperature)); use a temperature > 0.")
-    if not rewards:
-        raise ConfigurationError("rollout needs at least one reward function.")
+    weights = check_weights(reward_weights, len(reward_funcs))
     longest = max(len(p) for p in prompts)
     prompt_len = prompt_len or longest
     if prompt_len < longest:
         raise DataError(f"prompt_len={prompt_len} is shorter than the longest prompt ({longest}).")
+    check_positions(model.config, prompt_len + max_new_tokens,
+                    f"rollout: prompts padded to {prompt_len} tokens plus max_new_tokens "
+                    f"({max_new_tokens}) make", "shorten the prompts or lower max_new_tokens")
     rows = [list(p) for p in prompts for _ in range(group_size)]
     completions = generate(model, rows, max_new_tokens, strategy=strategy,
                            temperature=temperature, seed=seed)
     pad = model.config.token_ids.get("pad")
     pad = 0 if pad is None else int(pad)
+    stops = set(int(t) for t in (model.config.token_ids.get("eos") or []))
     b, width = len(rows), prompt_len + max_new_tokens
     tokens = np.full((b, width), pad, np.int32)
     attention = np.zeros((b, width), np.float32)
     mask = np.zeros((b, max_new_tokens), np.float32)
-    by_fn = np.zeros((b, len(rewards)), np.float32)
+    clipped = np.zeros((b,), np.float32)
     for i, (prompt, completion) in enumerate(zip(rows, completions, strict=True)):
         tokens[i, prompt_len - len(prompt):prompt_len] = prompt
         tokens[i, prompt_len:prompt_len + len(completion)] = completion
         attention[i, prompt_len - len(prompt):prompt_len + len(completion)] = 1
         mask[i, :len(completion)] = 1
-        texts = decode(prompt), decode(completion)
-        by_fn[i] = [float(fn(*texts)) for fn in rewards]
+        clipped[i] = float(len(completion) == max_new_tokens and completion[-1] not in stops)
+    texts = (list(reward_prompts) if reward_prompts is not None
+             else [decode(p) for p in prompts])
+    if len(texts) != len(prompts):
+        raise DataError(f"{len(texts)} reward_prompts for {len(prompts)} prompts.")
+    row_texts = [t for t in texts for _ in range(group_size)]
+    answers = [decode(c) for c in completions]
+    answers = [[{"role": "assistant", "content": a}] if isinstance(t, list) else a
+               for t, a in zip(row_texts, answers, strict=True)]
+    row_columns = {k: [v for v in vals for _ in range(group_size)]
+                   for k, vals in (columns or {}).items()}
+    for key, vals in (columns or {}).items():
+        if len(vals) != len(prompts):
+            raise DataError(f"column {key!r} has {len(vals)} values for {len(prompts)} prompts.")
+    by_fn = score(reward_funcs, row_texts, answers, [list(c) for c in completions],
+                  row_columns)
     batch = {"tokens": tokens, "attention_mask": attention, "mask": mask}
     graphdef, state = nnx.split(model)
     old = _old_log_probs(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()},
                          temperature=float(temperature))
-    total = by_fn.sum(axis=1)
-    batch.update(rewards=total, rewards_by_fn=by_fn,
+    total = combine(by_fn, weights, [str(t) for t in row_texts])
+    batch.update(rewards=total, rewards_by_fn=by_fn, clipped=clipped,
                  advantages=np.asarray(group_advantages(jnp.asarray(total), group_size)),
                  old_logps=np.asarray(jax.device_get(old), np.float32) * mask,
                  **{k: np.asarray(v) for k, v in batch_weights(mask).items()})

@@ -8,7 +8,7 @@ rejected completion above the reference's. Prompts and completions are written a
 with the model's own chat template; only the completion's tokens count.
 
     jaxlight fit dpo --model.pretrained PATH                            # built-in pairs
-    jaxlight fit dpo --model.pretrained PATH --data.jsonl pairs.jsonl   # one pair a line
+    jaxlight fit dpo --model.pretrained PATH --data.path pairs.jsonl    # your pairs
     jaxlight fit dpo --model.pretrained PATH --mesh-shape '[[4,2],["fsdp","tp"]]'
 
 Without `--data.jsonl` the pairs are built in: the user asks for a word reversed; the chosen
@@ -27,7 +27,6 @@ From Python:
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import jax
@@ -48,6 +47,7 @@ from jaxlight.nn.pretrained import (
     from_pretrained,
     read_config,
 )
+from jaxlight.posttrain._data import as_messages, preference_rows, read_rows
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 
 __all__ = ["Config", "PreferenceTuner", "build", "encode_pairs", "read_pairs", "reversal_pairs"]
@@ -64,6 +64,8 @@ class ModelConfig:
 class DataConfig:
     jsonl: str = option("", "preference pairs, one {\"prompt\", \"chosen\", \"rejected\"} a "
                             "line; empty: the built-in reversal pairs")
+    path: str = option("", "preference pairs from a .jsonl/.json/.parquet file or a datasets "
+                           "directory (prompt: text or chat messages; chosen, rejected: text)")
     val_fraction: float = option(0.2, "share of the pairs held out for validation")
     max_len: int = option(32, "tokens per conversation (longer ones are cut)")
     batch_size: int = option(16, "pairs per step (a multiple of the data-parallel degree)")
@@ -108,29 +110,18 @@ def reversal_pairs(words: list[str]) -> list[dict[str, str]]:
     return pairs
 
 
-def read_pairs(path: str) -> list[dict[str, str]]:
-    """Pairs from a JSONL file, one `{"prompt", "chosen", "rejected"}` object a line."""
-    pairs = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            missing = [k for k in ("prompt", "chosen", "rejected")
-                       if not isinstance(record.get(k), str)]
-            if missing:
-                raise DataError(f"{path}:{number}: a preference pair needs the strings "
-                                f"'prompt', 'chosen' and 'rejected'; {missing} missing or not "
-                                f"text (keys: {sorted(record)}).")
-            pairs.append(record)
-    return pairs
+def read_pairs(path: str) -> list[dict]:
+    """Pairs from a local dataset (`posttrain._data.read_rows`: JSONL, JSON, Parquet, a
+    `datasets` directory), each a `prompt` (text or chat messages) with `chosen` and
+    `rejected` answers; the prompts come back as chat messages."""
+    return preference_rows(read_rows(path), path)
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: list[dict], length: int) -> dict[str, np.ndarray]:
     """Chosen and rejected conversations as tokens, with masks on the answers' tokens."""
     out = {}
     for side in ("chosen", "rejected"):
-        chats = [[{"role": "user", "content": p["prompt"]},
+        chats = [[*as_messages(p["prompt"], "a pair's prompt"),
                   {"role": "assistant", "content": p[side]}] for p in pairs]
         encoded = encode_chats(tokenizer, chats, length)
         out[side], out[f"{side}_mask"] = encoded["tokens"], encoded["mask"]
@@ -233,7 +224,15 @@ def build(config: Config | None = None, max_steps: int | None = None
         raise ConfigurationError("the dpo recipe needs --model.pretrained PATH, a Hugging Face "
                                  "model directory (config.json, safetensors, tokenizer.json).")
     d = config.data
-    pairs = read_pairs(d.jsonl) if d.jsonl else reversal_pairs(_words(d.pairs, d.seed))
+    posttrain._logprobs.check_nonnegative(
+        "--dpo.beta", config.dpo.beta, "it scales the implicit reward β (logp - ref_logp): a "
+        "negative β trains the policy toward the rejected answers while the logged accuracy "
+        "and margin look right. Use β > 0 (0.1 is Tunix's and TRL's default)", strict=True)
+    if d.jsonl and d.path:
+        raise ConfigurationError(f"--data.jsonl {d.jsonl!r} and --data.path {d.path!r}: give "
+                                 "one (--data.path reads JSONL too).")
+    source = d.path or d.jsonl
+    pairs = read_pairs(source) if source else reversal_pairs(_words(d.pairs, d.seed))
     n_val = max(1, int(round(len(pairs) * d.val_fraction)))
     if len(pairs) - n_val < d.batch_size:
         raise DataError(f"{len(pairs)} pairs leave {len(pairs) - n_val} for training after "

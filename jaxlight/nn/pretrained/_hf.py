@@ -25,12 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight import distributed, strategies
-from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight import distributed
+from jaxlight._errors import CheckpointError
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
-from jaxlight.state._state import TrainState, logical_names
+from jaxlight.nn.pretrained._placement import (
+    kv_repeat,
+    model_shardings,
+    place_repeated,
+    resolve_strategy,
+    stored_shape,
+    traced_model,
+)
 
 #: Files of a model directory that are the tokenizer and chat template (copied by
 #: `save_pretrained(..., tokenizer_from=...)`).
@@ -210,30 +217,6 @@ def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderCon
 # -- loading -------------------------------------------------------------------------------------
 
 
-def _resolve_strategy(strategy: Any):
-    strat = strategies.resolve(strategy if strategy is not None else "single")
-    if getattr(strat, "mesh", None) is None:
-        strat.setup()
-    if not hasattr(strat, "spec_for"):
-        raise ConfigurationError(
-            f"from_pretrained places weights with an SPMD strategy (single, dp, fsdp, tp, "
-            f"Hybrid); {type(strat).__name__} keeps its own copies per device. Load with "
-            "strategy='dp' for data parallelism.")
-    return strat
-
-
-def model_shardings(model: nnx.Module, strategy: Any) -> Any:
-    """The strategy's sharding of every `nnx.Param` of `model` (a pure dict), from its rules."""
-    state = nnx.state(model, nnx.Param)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            nnx.to_pure_dict(state))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    shardings = strategy.state_shardings(
-        TrainState(scalar, abstract, (), {}),
-        TrainState(None, logical_names(state), (), {}))
-    return shardings.params
-
-
 def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
                     dtype: Any = None, remat: Any = False) -> DecoderLM:
     """Loads a Hugging Face model directory into a `DecoderLM`, each weight in its final sharding.
@@ -248,6 +231,12 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         param_dtype: parameter dtype (default: the checkpoint's, e.g. bfloat16).
         dtype: compute dtype (default: the parameters').
         remat: what each layer recomputes in the backward pass (see `jaxlight.nn.Stacked`).
+
+    Inside a `TrainModule.configure_model` (the fit traces it in a compiled function) the
+    weights are read whole and the fit's strategy places them; `strategy` is then unused.
+    Where the tensor-parallel degree does not divide the key/value heads (Gemma 3 1B's one
+    under tp 4), each is held `tp / heads` times (`config.kv_repeat`), as MaxText does;
+    `save_pretrained` writes them once.
 
     Returns:
         the model, its arrays sharded by `strategy`'s rules.
@@ -268,19 +257,36 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
     for entry in table:
         _check(entry, tensors, config)
     _unused(table, tensors, config)
-    strat = _resolve_strategy(strategy)
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+
+    def read(entry, layers, index):
+        return _read(entry, tensors, layers, index, np_dtype)
+
+    if isinstance(jnp.zeros(()), jax.core.Tracer):
+        # Called while JAX traces, as in a TrainModule's configure_model (the fit builds the
+        # model inside a compiled function that places it by the fit's strategy).
+        return traced_model(config, table, read)
+    strat = resolve_strategy(strategy)
+    repeat = kv_repeat(config, strat)
+    if repeat > 1:
+        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat,
+                                     kv_repeat=repeat)
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: DecoderLM(config, rngs=nnx.Rngs(0)))
-    shardings = model_shardings(abstract, strat)
     values = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    shardings = model_shardings(abstract, strat)
     for entry in table:
         node, spot = values, shardings
         for key in entry.path[:-1]:
             node, spot = node[key], spot[key]
-        leaf = node[entry.path[-1]]
+        shape = tuple(node[entry.path[-1]].shape)
         sharding = spot[entry.path[-1]]
-        node[entry.path[-1]] = _place(entry, tensors, tuple(leaf.shape), sharding, np_dtype)
+        stored = stored_shape(entry)
+        if shape[1 if entry.stacked else 0:] != stored:  # replicated key/value heads
+            node[entry.path[-1]] = place_repeated(entry, read, shape, stored, sharding,
+                                                  config.num_layers)
+        else:
+            node[entry.path[-1]] = _place(entry, tensors, shape, sharding, np_dtype)
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, values)
     graphdef, _ = nnx.split(abstract)
@@ -369,12 +375,22 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
         tokenizer_from: a model directory whose tokenizer files and chat template to copy.
     """
     config: DecoderConfig = model.config
+    repeated = config
+    if config.kv_repeat > 1:  # write the checkpoint's heads, once each
+        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads // config.kv_repeat,
+                                     kv_repeat=1)
     entries = []
     for entry in tensor_table(config):
         get = _param(model, entry)
         for layer in (range(config.num_layers) if entry.stacked else [None]):
             def fetch(entry=entry, get=get, layer=layer):
                 ours = get(layer)
+                stored = stored_shape(entry)
+                if ours.shape != stored:
+                    axis = next(i for i, (a, b) in enumerate(zip(ours.shape, stored,
+                                                                 strict=True)) if a != b)
+                    ours = np.take(ours, np.arange(0, ours.shape[axis], repeated.kv_repeat),
+                                   axis=axis)
                 inverse = np.argsort(entry.perm)
                 return ours.transpose(inverse).reshape(entry.hf_shape)
             store = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(

@@ -237,6 +237,8 @@ class DecoderLM(nnx.Module):
             attention_mask: `(batch, length)`, 1 for real tokens, 0 for padding keys.
         """
         b, t = tokens.shape
+        check_positions(self.config, t, "DecoderLM's forward pass got",
+                        "cut the sequences (or their prompts) to fit")
         valid = (jnp.ones((b, t), bool) if attention_mask is None
                  else attention_mask.astype(bool))
         if positions is None:
@@ -301,6 +303,22 @@ class DecoderLM(nnx.Module):
 
         x, k, v = run(self.layers.layers, x, windows, ropes, cache[0], cache[1])
         return self._head(x), (k, v)
+
+
+def max_positions(config: DecoderConfig) -> int | None:
+    """The positions the model was trained for (config.json's `max_position_embeddings`)."""
+    n = (config.hf_config or {}).get("max_position_embeddings")
+    return int(n) if n else None
+
+
+def check_positions(config: DecoderConfig, length: int, what: str, fix: str) -> None:
+    """Refuses `length` tokens beyond the model's positions: RoPE has no table past them (the
+    model was never trained there) and nothing else would say so."""
+    limit = max_positions(config)
+    if limit is not None and length > limit:
+        raise DataError(
+            f"{what} {length} tokens but the model has {limit} positions "
+            f"(max_position_embeddings in config.json): {fix}.")
 
 
 def padded_positions(valid: jax.Array) -> jax.Array:
