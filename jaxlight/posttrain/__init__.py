@@ -8,6 +8,7 @@ reference in the same compiled step, outside the optimizer state and the checkpo
 May import `nn.pretrained` and the root modules (layer 19 of docs/architecture.md).
 """
 
+from jaxlight.posttrain._data import read_rows
 from jaxlight.posttrain._dpo import DPO_LOSSES, dpo_loss
 from jaxlight.posttrain._grpo import (
     ADVANTAGES,
@@ -53,6 +54,7 @@ __all__ = [
     "grpo_loss",
     "kl_penalty",
     "masked_mean",
+    "read_rows",
     "reward_metrics",
     "reward_name",
     "rollout",
