@@ -11,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxlight import distributed
 from jaxlight._errors import ConfigurationError, DataError
 from jaxlight.nn.pretrained import generate
 from jaxlight.nn.pretrained._model import check_positions
+from jaxlight.nn.pretrained._placement import resolve_strategy
 from jaxlight.posttrain._grpo import group_advantages
 from jaxlight.posttrain._logprobs import batch_weights, token_log_probs
 from jaxlight.posttrain._rewards import RewardFunction, check_weights, combine, score
@@ -70,7 +73,13 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
     "advantages" [B], "old_logps" [B, C] (the sampling policy's, at `temperature`),
     "token_weight", "row_weight" [B], "clipped" [B] (1: the completion hit max_new_tokens
     without a stop token)}`: everything `grpo_loss` needs from the whole batch (see
-    `batch_weights`), for every update this generation batch feeds.
+    `batch_weights`), for every update this generation batch feeds; and the lengths and
+    clipped flags of every process's completions (`all_lengths`, `all_clipped`).
+
+    With several processes each returns the rows of its share of the prompts (the prompts
+    must split evenly): all rows are sampled by one program over every device, each process
+    decodes and scores only its own, whose groups are whole, and the batch-wide normalizers
+    are those of all rows, so the loop's global batch is the one-process batch.
     """
     if temperature <= 0:
         raise ConfigurationError(
@@ -84,6 +93,8 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
     check_positions(model.config, prompt_len + max_new_tokens,
                     f"rollout: prompts padded to {prompt_len} tokens plus max_new_tokens "
                     f"({max_new_tokens}) make", "shorten the prompts or lower max_new_tokens")
+    if isinstance(strategy, str):
+        strategy = resolve_strategy(strategy)
     rows = [list(p) for p in prompts for _ in range(group_size)]
     completions = generate(model, rows, max_new_tokens, strategy=strategy,
                            temperature=temperature, seed=seed)
@@ -105,24 +116,54 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
              else [decode(p) for p in prompts])
     if len(texts) != len(prompts):
         raise DataError(f"{len(texts)} reward_prompts for {len(prompts)} prompts.")
-    row_texts = [t for t in texts for _ in range(group_size)]
-    answers = [decode(c) for c in completions]
-    answers = [[{"role": "assistant", "content": a}] if isinstance(t, list) else a
-               for t, a in zip(row_texts, answers, strict=True)]
-    row_columns = {k: [v for v in vals for _ in range(group_size)]
-                   for k, vals in (columns or {}).items()}
     for key, vals in (columns or {}).items():
         if len(vals) != len(prompts):
             raise DataError(f"column {key!r} has {len(vals)} values for {len(prompts)} prompts.")
-    by_fn = score(reward_funcs, row_texts, answers, [list(c) for c in completions],
+    # This process's rows: whole groups (its prompts), scored here alone; the others' rows
+    # are sampled in the same program (the sampler is one SPMD computation) but neither
+    # decoded nor scored here, and the loop assembles the global batch from each share.
+    local = _share(len(prompts), group_size)
+    local_texts = [texts[i // group_size] for i in range(b)][local]
+    answers = [decode(c) for c in completions[local]]
+    answers = [[{"role": "assistant", "content": a}] if isinstance(t, list) else a
+               for t, a in zip(local_texts, answers, strict=True)]
+    row_columns = {k: [vals[i // group_size] for i in range(b)][local]
+                   for k, vals in (columns or {}).items()}
+    by_fn = score(reward_funcs, local_texts, answers, [list(c) for c in completions[local]],
                   row_columns)
     batch = {"tokens": tokens, "attention_mask": attention, "mask": mask}
     graphdef, state = nnx.split(model)
-    old = _old_log_probs(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()},
+    old = _old_log_probs(graphdef, state, _device_batch(batch, strategy),
                          temperature=float(temperature))
-    total = combine(by_fn, weights, [str(t) for t in row_texts])
-    batch.update(rewards=total, rewards_by_fn=by_fn, clipped=clipped,
-                 advantages=np.asarray(group_advantages(jnp.asarray(total), group_size)),
-                 old_logps=np.asarray(jax.device_get(old), np.float32) * mask,
-                 **{k: np.asarray(v) for k, v in batch_weights(mask).items()})
+    old = np.asarray(distributed.gather(old), np.float32) * mask
+    total = combine(by_fn, weights, [str(t) for t in local_texts])
+    weights_all = {k: np.asarray(v) for k, v in batch_weights(mask).items()}
+    lengths = mask.sum(axis=1)
+    batch = {k: v[local] for k, v in {**batch, **weights_all, "old_logps": old,
+                                      "clipped": clipped}.items()}
+    batch.update(rewards=total, rewards_by_fn=by_fn, all_lengths=lengths, all_clipped=clipped,
+                 advantages=np.asarray(group_advantages(jnp.asarray(total), group_size)))
     return batch
+
+
+def _share(prompts: int, group_size: int) -> slice:
+    """The rows of this process's prompts (all of them with one process)."""
+    count, index = jax.process_count(), jax.process_index()
+    if prompts % count:
+        raise ConfigurationError(
+            f"{prompts} prompts per generation batch do not split over {count} processes: each "
+            "process samples and scores whole groups of its own prompts. Use a multiple of "
+            f"{count} (--data.prompts_per_step).")
+    rows = prompts // count * group_size
+    return slice(index * rows, (index + 1) * rows)
+
+
+def _device_batch(batch: dict[str, np.ndarray], strategy: Any) -> dict[str, jax.Array]:
+    """The batch for the log-probability program: with several processes, a global array laid
+    out over the strategy's batch axes (every process holds the same values)."""
+    if jax.process_count() == 1 or strategy is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    axes = strategy.compute_batch_axes
+    lead = (axes[0] if len(axes) == 1 else axes) if axes else None
+    sharding = NamedSharding(strategy.require_mesh("rollout"), PartitionSpec(lead, None))
+    return {k: jax.device_put(v, sharding) for k, v in batch.items()}

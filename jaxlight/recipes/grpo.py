@@ -422,13 +422,14 @@ class GenerationFeed:
 
     def _stats(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The generation batch's figures to log, each repeated once per row."""
-        lengths = batch["mask"].sum(axis=1)
-        figures = {"reward_std": float(batch["rewards"].std(ddof=1)) if len(lengths) > 1 else 0.,
+        lengths, rows = batch["all_lengths"], len(batch["rewards"])  # every process's rows
+        # The reward figures are this process's rows' (all of them with one process).
+        figures = {"reward_std": float(batch["rewards"].std(ddof=1)) if rows > 1 else 0.0,
                    "completions/mean_length": float(lengths.mean()),
                    "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(batch["clipped"].mean()),
+                   "completions/clipped_ratio": float(batch["all_clipped"].mean()),
                    **posttrain.reward_metrics(batch["rewards_by_fn"], self.reward_names)}
-        return {STATS + k: np.full(len(lengths), v, np.float32) for k, v in figures.items()}
+        return {STATS + k: np.full(rows, v, np.float32) for k, v in figures.items()}
 
     def __iter__(self):
         while True:
