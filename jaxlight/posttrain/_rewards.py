@@ -5,8 +5,9 @@ A reward function is `f(prompts, completions, completion_ids, **columns) -> list
 completion of every row, the completions' token ids, and every extra column of the prompts'
 data (answers, ids) as a keyword argument holding one value per row. It returns one reward
 per row, `None` where it does not apply (a format check on a row of another task). A row's
-reward is the weighted sum of its functions' rewards over those that apply (`nansum`, as TRL),
-0 when none does (with a warning naming the prompt).
+reward is the weighted sum of its functions' rewards over those that apply (`nansum`, as TRL);
+a row no function applies to is reported 0 (with a warning naming the prompt), left out of its
+group's baseline and given advantage 0 (`rollout`), as TRL's GRPOTrainer does.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def combine(by_fn: np.ndarray, weights: Sequence[float] | None = None,
         i = int(np.argmax(none))
         where = f" (first: row {i}, prompt {_short(prompts[i])})" if prompts is not None else ""
         warnings.warn(f"{int(none.sum())} completions got None from every reward function"
-                      f"{where}: their reward is 0. Make at least one function apply to every "
-                      "prompt.", stacklevel=2)
+                      f"{where}: they are left out of their group's baseline, with advantage "
+                      "0. Make at least one function apply to every prompt.", stacklevel=2)
     return np.nansum(by_fn * np.asarray(weights, np.float32)[None], axis=1).astype(np.float32)
 
 

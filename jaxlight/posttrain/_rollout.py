@@ -18,8 +18,8 @@ from jaxlight._errors import ConfigurationError, DataError
 from jaxlight.nn.pretrained import generate
 from jaxlight.nn.pretrained._model import check_positions
 from jaxlight.nn.pretrained._placement import resolve_strategy
-from jaxlight.posttrain._grpo import group_advantages
-from jaxlight.posttrain._logprobs import batch_weights, token_log_probs
+from jaxlight.posttrain._grpo import ADVANTAGES, group_advantages
+from jaxlight.posttrain._logprobs import batch_weights, check_choice, token_log_probs
 from jaxlight.posttrain._rewards import RewardFunction, check_weights, combine, score
 
 
@@ -53,7 +53,8 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
             prompt_len: int | None = None, strategy: Any = None,
             columns: Mapping[str, Sequence[Any]] | None = None,
             reward_weights: Sequence[float] | None = None,
-            reward_prompts: Sequence[Any] | None = None) -> dict[str, np.ndarray]:
+            reward_prompts: Sequence[Any] | None = None,
+            estimator: str = "grpo") -> dict[str, np.ndarray]:
     """Samples `group_size` completions of every prompt and makes the GRPO training batch.
 
     The completions come from `jaxlight.nn.pretrained.generate` (key/value cache, `temperature`,
@@ -65,7 +66,9 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
     `columns` (one value per prompt, repeated over its group) as keyword arguments; it returns
     a float or None per row. A row's
     reward is the `reward_weights`-weighted sum over the functions that apply. Rows are
-    prompt-major (prompt 0's completions first), as `group_advantages` expects.
+    prompt-major (prompt 0's completions first), as `group_advantages` expects; its
+    `estimator` makes the advantages, over the completions some function applies to (the
+    others get advantage 0 and reward 0, as TRL's GRPOTrainer does).
 
     Returns `{"tokens" [B, P + C] (prompt left-padded to P, completion right-padded to
     C = max_new_tokens), "attention_mask" [B, P + C], "mask" [B, C] (the completion's tokens,
@@ -86,6 +89,7 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
             f"temperature={temperature}: GRPO needs the sampling distribution's log-probabilities "
             "(softmax(logits / temperature)); use a temperature > 0.")
     weights = check_weights(reward_weights, len(reward_funcs))
+    check_choice("estimator", estimator, ADVANTAGES)
     longest = max(len(p) for p in prompts)
     prompt_len = prompt_len or longest
     if prompt_len < longest:
@@ -137,13 +141,43 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
                          temperature=float(temperature))
     old = np.asarray(distributed.gather(old), np.float32) * mask
     total = combine(by_fn, weights, [str(t) for t in local_texts])
+    unscorable = np.isnan(by_fn).all(axis=1)
     weights_all = {k: np.asarray(v) for k, v in batch_weights(mask).items()}
     lengths = mask.sum(axis=1)
     batch = {k: v[local] for k, v in {**batch, **weights_all, "old_logps": old,
                                       "clipped": clipped}.items()}
+    if unscorable.any():  # TRL's: out of their group's baseline, advantage 0
+        advantages = scorable_advantages(total, unscorable, group_size, estimator)
+    else:
+        advantages = np.asarray(group_advantages(jnp.asarray(total), group_size, estimator))
     batch.update(rewards=total, rewards_by_fn=by_fn, all_lengths=lengths, all_clipped=clipped,
-                 advantages=np.asarray(group_advantages(jnp.asarray(total), group_size)))
+                 advantages=advantages)
     return batch
+
+
+def scorable_advantages(rewards: np.ndarray, unscorable: np.ndarray, group_size: int,
+                        estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
+    """`group_advantages` over the completions some reward function applies to: the others
+    (every function returned None) are left out of their group's mean and deviation and get
+    advantage 0, as TRL's GRPOTrainer treats them.
+
+    Example:
+        >>> scorable_advantages(np.array([1.0, 0.0, 0.0, 9.0]), np.array([0, 0, 0, 1], bool),
+        ...                     4, "drgrpo").tolist()
+        [0.666..., -0.333..., -0.333..., 0.0]
+    """
+    r = np.where(unscorable, np.nan, rewards).astype(np.float64).reshape(-1, group_size)
+    count = (~np.isnan(r)).sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.nansum(r, axis=1, keepdims=True) / count
+        if estimator == "drgrpo":
+            out = r - mean
+        elif estimator == "rloo":
+            out = r - (np.nansum(r, axis=1, keepdims=True) - r) / (count - 1)
+        else:
+            std = np.sqrt(np.nansum(np.square(r - mean), axis=1, keepdims=True) / (count - 1))
+            out = (r - mean) / (std + eps)
+    return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0).reshape(-1).astype(np.float32)
 
 
 def _share(prompts: int, group_size: int) -> slice:

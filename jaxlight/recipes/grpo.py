@@ -412,10 +412,7 @@ class GenerationFeed:
             prompt_len=self.prompt_len, strategy=strategy,
             columns={k: [v[i] for i in picked] for k, v in self.columns.items()},
             reward_weights=self.reward_weights,
-            reward_prompts=[self.raw_prompts[i] for i in picked])
-        if self.advantage != "grpo":
-            batch["advantages"] = np.asarray(posttrain.group_advantages(
-                jnp.asarray(batch["rewards"]), self.group_size, self.advantage))
+            reward_prompts=[self.raw_prompts[i] for i in picked], estimator=self.advantage)
         self.history.append((self.generation, float(batch["rewards"].mean()),
                              time.perf_counter() - start))
         return {**{k: batch[k] for k in _BATCH_KEYS}, **self._stats(batch)}

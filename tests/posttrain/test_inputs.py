@@ -193,3 +193,18 @@ def test_from_pretrained_inside_configure_model(strategy):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fit.state.params),
                             jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+@pytest.mark.parametrize("estimator", posttrain.ADVANTAGES)
+def test_completions_no_function_applies_to_leave_the_baseline(estimator):
+    from jaxlight.posttrain._rollout import scorable_advantages
+
+    # Group 0: rows 1 and 3 unscored; group 1: all scored (the plain estimator's figures).
+    rewards = np.array([1.0, 0.0, 0.5, 0.0, 2.0, 0.0, 1.0, 3.0], np.float32)
+    unscorable = np.array([0, 1, 0, 1, 0, 0, 0, 0], bool)
+    got = scorable_advantages(rewards, unscorable, 4, estimator)
+    assert got[1] == got[3] == 0
+    kept = np.asarray(posttrain.group_advantages(jnp.asarray(rewards[[0, 2]]), 2, estimator))
+    np.testing.assert_allclose(got[[0, 2]], kept, rtol=1e-6)
+    whole = np.asarray(posttrain.group_advantages(jnp.asarray(rewards[4:]), 4, estimator))
+    np.testing.assert_allclose(got[4:], whole, rtol=1e-6)
