@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 
 from jaxlight import distributed, posttrain
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError, DataError, MissingAttributeError
 from jaxlight.data import ArrayLoader
 from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
@@ -47,8 +47,10 @@ from jaxlight.nn.pretrained import (
     from_pretrained,
     read_config,
 )
+from jaxlight.nn.pretrained._placement import kv_config
 from jaxlight.posttrain._data import as_messages, preference_rows, read_rows
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
+from jaxlight.strategies import Strategy
 
 __all__ = ["Config", "PreferenceTuner", "build", "encode_pairs", "read_pairs", "reversal_pairs"]
 
@@ -139,6 +141,25 @@ def base_weights(path: str, dtype: str) -> dict:
                         nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
+def pretrained_decoder(module: TrainModule) -> DecoderLM:
+    """A `DecoderLM` of `module.decoder_config` holding `module.base_params` (random weights of
+    seed 0 when None), its key/value heads repeated as the fit's strategy needs them
+    (`kv_config`: Gemma 3 1B's one head under tp 4), as `from_pretrained` loads it under
+    that strategy."""
+    try:
+        strategy = module.trainer.strategy
+    except MissingAttributeError:
+        strategy = None
+    config = kv_config(module.decoder_config,
+                       strategy if isinstance(strategy, Strategy) else None)
+    model = DecoderLM(config, rngs=nnx.Rngs(0))
+    if module.base_params is not None:
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, module.base_params)
+        nnx.update(model, state)
+    return model
+
+
 class PreferenceTuner(TrainModule):
     """DPO of a pretrained `DecoderLM` against a frozen copy of itself.
 
@@ -168,15 +189,8 @@ class PreferenceTuner(TrainModule):
         return out
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
-        def build():
-            # One seed for both: without base weights the reference still equals the policy.
-            model = DecoderLM(self.decoder_config, rngs=nnx.Rngs(0))
-            if self.base_params is not None:
-                state = nnx.state(model, nnx.Param)
-                nnx.replace_by_pure_dict(state, self.base_params)
-                nnx.update(model, state)
-            return model
-        return posttrain.PolicyAndReference(build(), build())
+        # One seed for both: without base weights the reference still equals the policy.
+        return posttrain.PolicyAndReference(pretrained_decoder(self), pretrained_decoder(self))
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         return optax.adam(self.lr)

@@ -83,7 +83,7 @@ from jaxlight.recipes._grpo_tasks import (
     reversal_rows,
 )
 from jaxlight.recipes._lora import add_lora
-from jaxlight.recipes.dpo import base_weights
+from jaxlight.recipes.dpo import base_weights, pretrained_decoder
 from jaxlight.strategies import Strategy
 
 __all__ = ["Config", "GenerationFeed", "PolicyOptimizer", "answer_reward", "arithmetic_rows",
@@ -235,12 +235,7 @@ class PolicyOptimizer(TrainModule):
 
     def _decoder(self) -> DecoderLM:
         # One seed: without base weights the reference still equals the policy.
-        model = DecoderLM(self.decoder_config, rngs=nnx.Rngs(0))
-        if self.base_params is not None:
-            state = nnx.state(model, nnx.Param)
-            nnx.replace_by_pure_dict(state, self.base_params)
-            nnx.update(model, state)
-        return model
+        return pretrained_decoder(self)
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
         if self.lora_rank > 0:

@@ -33,9 +33,7 @@ from jaxlight.nn.pretrained._model import DecoderLM
 from jaxlight.nn.pretrained._placement import (
     kv_repeat,
     model_shardings,
-    place_repeated,
     resolve_strategy,
-    stored_shape,
     traced_model,
 )
 
@@ -235,8 +233,8 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
     Inside a `TrainModule.configure_model` (the fit traces it in a compiled function) the
     weights are read whole and the fit's strategy places them; `strategy` is then unused.
     Where the tensor-parallel degree does not divide the key/value heads (Gemma 3 1B's one
-    under tp 4), each is held `tp / heads` times (`config.kv_repeat`), as MaxText does;
-    `save_pretrained` writes them once.
+    under tp 4), their projections stay whole on every device and each head's keys and values
+    are repeated `tp / heads` times (`config.kv_repeat`), as MaxText does.
 
     Returns:
         the model, its arrays sharded by `strategy`'s rules.
@@ -267,10 +265,7 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         # model inside a compiled function that places it by the fit's strategy).
         return traced_model(config, table, read)
     strat = resolve_strategy(strategy)
-    repeat = kv_repeat(config, strat)
-    if repeat > 1:
-        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * repeat,
-                                     kv_repeat=repeat)
+    config = dataclasses.replace(config, kv_repeat=kv_repeat(config, strat))
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: DecoderLM(config, rngs=nnx.Rngs(0)))
     values = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
@@ -279,14 +274,9 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         node, spot = values, shardings
         for key in entry.path[:-1]:
             node, spot = node[key], spot[key]
-        shape = tuple(node[entry.path[-1]].shape)
+        leaf = node[entry.path[-1]]
         sharding = spot[entry.path[-1]]
-        stored = stored_shape(entry)
-        if shape[1 if entry.stacked else 0:] != stored:  # replicated key/value heads
-            node[entry.path[-1]] = place_repeated(entry, read, shape, stored, sharding,
-                                                  config.num_layers)
-        else:
-            node[entry.path[-1]] = _place(entry, tensors, shape, sharding, np_dtype)
+        node[entry.path[-1]] = _place(entry, tensors, tuple(leaf.shape), sharding, np_dtype)
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, values)
     graphdef, _ = nnx.split(abstract)
@@ -375,22 +365,12 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
         tokenizer_from: a model directory whose tokenizer files and chat template to copy.
     """
     config: DecoderConfig = model.config
-    repeated = config
-    if config.kv_repeat > 1:  # write the checkpoint's heads, once each
-        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads // config.kv_repeat,
-                                     kv_repeat=1)
     entries = []
     for entry in tensor_table(config):
         get = _param(model, entry)
         for layer in (range(config.num_layers) if entry.stacked else [None]):
             def fetch(entry=entry, get=get, layer=layer):
                 ours = get(layer)
-                stored = stored_shape(entry)
-                if ours.shape != stored:
-                    axis = next(i for i, (a, b) in enumerate(zip(ours.shape, stored,
-                                                                 strict=True)) if a != b)
-                    ours = np.take(ours, np.arange(0, ours.shape[axis], repeated.kv_repeat),
-                                   axis=axis)
                 inverse = np.argsort(entry.perm)
                 return ours.transpose(inverse).reshape(entry.hf_shape)
             store = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(

@@ -4,13 +4,13 @@ and the whole-model read for a call inside a JAX trace (`TrainModule.configure_m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxlight import strategies
@@ -47,9 +47,9 @@ def model_shardings(model: nnx.Module, strategy: Any) -> Any:
 
 
 def kv_repeat(config: DecoderConfig, strategy: Any) -> int:
-    """How many times each key/value head is held so that the tensor-parallel degree divides
-    them (1: it already does). MaxText and Tunix replicate them likewise: Gemma 3 1B has one
-    key/value head and runs under tp 4 with four copies (its k/v weights and cache 4x)."""
+    """How many times each key/value head's keys and values are repeated so that the
+    tensor-parallel degree divides them (1: it already does), as MaxText does: Gemma 3 1B's
+    one key/value head under tp 4 is computed whole on every device and repeated 4 times."""
     mesh = dict(strategy.mesh.shape)
     tp = math.prod(mesh.get(a, 1) for a in rule_axes(strategy.rules, "heads"))
     k, h = config.num_kv_heads, config.num_heads
@@ -66,17 +66,6 @@ def kv_repeat(config: DecoderConfig, strategy: Any) -> int:
 def stored_shape(entry) -> tuple[int, ...]:
     """One layer's shape of the parameter as the checkpoint holds it."""
     return tuple(entry.view_shape[p] for p in entry.perm)
-
-
-def place_repeated(entry, read: Callable, shape, stored, sharding, layers: int) -> jax.Array:
-    """A key/value projection with each head repeated (head n of ours is the checkpoint's
-    head n // repeat, so query head i still meets head i // (heads / kv_heads)); read whole."""
-    inner = shape[1 if entry.stacked else 0:]
-    axis = next(i for i, (a, b) in enumerate(zip(inner, stored, strict=True)) if a != b)
-    full = read(entry, range(layers) if entry.stacked else None,
-                tuple(slice(None) for _ in stored))
-    full = np.repeat(full, inner[axis] // stored[axis], axis=axis + (1 if entry.stacked else 0))
-    return jax.make_array_from_callback(tuple(shape), sharding, lambda index: full[index])
 
 
 def traced_model(config: DecoderConfig, table: Sequence, read: Callable) -> DecoderLM:
@@ -97,3 +86,12 @@ def traced_model(config: DecoderConfig, table: Sequence, read: Callable) -> Deco
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(nnx.split(model)[0], state)
+
+
+def kv_config(config: DecoderConfig, strategy: Any) -> DecoderConfig:
+    """`config` with the `kv_repeat` that `strategy` needs (`kv_repeat`), as `from_pretrained`
+    loads it: for a module that builds a `DecoderLM` itself in `configure_model` (the weights'
+    shapes do not change). Without a strategy or a mesh, unchanged."""
+    if strategy is None or getattr(strategy, "mesh", None) is None or config.kv_repeat > 1:
+        return config
+    return dataclasses.replace(config, kv_repeat=kv_repeat(config, strategy))
