@@ -4,6 +4,8 @@ The losses are pure functions of log-probabilities (Tunix's semantics and defaul
 against `tunix.rl.algo_core` and `tunix.sft.dpo` by `tests/posttrain/`), for use inside a
 `TrainModule.training_step`; `PolicyAndReference` with `trainable = POLICY` puts a frozen
 reference in the same compiled step, outside the optimizer state and the checkpoints.
+`rollout` samples GRPO's generation batches; reward functions have TRL's contract (`score`,
+`combine`) and prompts come from local files (`read_rows`).
 
 May import `nn.pretrained` and the root modules (layer 19 of docs/architecture.md).
 """

@@ -17,8 +17,9 @@ from typing import Any
 from jaxlight._errors import ConfigurationError, DataError
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """Every row of a local dataset as a dict of its columns.
+def read_rows(path: str, locate: bool = False) -> list[dict[str, Any]] | tuple[list, list]:
+    """Every row of a local dataset as a dict of its columns (with `locate`, also where each
+    row is, for messages: `path:line` in a JSONL file, `path row i` elsewhere).
 
     Example:
         >>> import json, tempfile, os
@@ -44,7 +45,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
                 raise DataError(f"{path} holds splits {sorted(data)} and no 'train': save the "
                                 "split to train on alone.")
             data = data["train"]
-        return [dict(r) for r in data]
+        rows = [dict(r) for r in data]
+        return (rows, [f"{path} row {i}" for i in range(len(rows))]) if locate else rows
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq  # noqa: PLC0415 - optional
@@ -52,14 +54,15 @@ def read_rows(path: str) -> list[dict[str, Any]]:
             raise ConfigurationError(
                 f"reading {path} needs `pyarrow` (pip install pyarrow), or convert it to "
                 "JSONL.") from None
-        return pq.read_table(path).to_pylist()
+        rows = pq.read_table(path).to_pylist()
+        return (rows, [f"{path} row {i}" for i in range(len(rows))]) if locate else rows
     with open(path) as f:
         if path.endswith(".json"):
             rows = json.load(f)
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
                 raise DataError(f"{path}: a .json dataset is a list of objects, one per row.")
-            return rows
-        rows = []
+            return (rows, [f"{path} row {i}" for i in range(len(rows))]) if locate else rows
+        rows, places = [], []
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -72,7 +75,8 @@ def read_rows(path: str) -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{number}: a row is a JSON object, got "
                                 f"{type(record).__name__}.")
             rows.append(record)
-    return rows
+            places.append(f"{path}:{number}")
+    return (rows, places) if locate else rows
 
 
 def as_messages(prompt: Any, where: str) -> list[dict[str, str]]:
@@ -112,17 +116,20 @@ def prompt_rows(rows: Sequence[dict], where: str = "dataset"
     return prompts, columns
 
 
-def preference_rows(rows: Sequence[dict], where: str = "dataset") -> list[dict[str, Any]]:
-    """DPO rows: a prompt (string or messages) with `chosen` and `rejected` answers (strings)."""
+def preference_rows(rows: Sequence[dict], where: str = "dataset",
+                    places: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """DPO rows: a prompt (string or messages) with `chosen` and `rejected` answers (strings);
+    `places` (from `read_rows(..., locate=True)`) name the rows in messages."""
     if not rows:
         raise DataError(f"{where} has no rows.")
     out = []
     for i, row in enumerate(rows):
-        missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
-        bad = [k for k in ("chosen", "rejected") if k in row and not isinstance(row[k], str)]
-        if missing or bad:
-            raise DataError(f"{where}: row {i}: a preference pair needs 'prompt' (text or "
-                            f"messages) and the strings 'chosen' and 'rejected'; missing "
-                            f"{missing}, not text {bad} (columns: {sorted(row)}).")
-        out.append({**row, "prompt": as_messages(row["prompt"], f"{where} row {i}")})
+        place = places[i] if places is not None else f"{where} row {i}"
+        wrong = [k for k in ("prompt", "chosen", "rejected") if k not in row] + [
+            k for k in ("chosen", "rejected") if k in row and not isinstance(row[k], str)]
+        if wrong:
+            raise DataError(f"{place}: a preference pair needs 'prompt' (text or messages) and "
+                            f"the strings 'chosen' and 'rejected'; {wrong} missing or not text "
+                            f"(columns: {sorted(row)}).")
+        out.append({**row, "prompt": as_messages(row["prompt"], place)})
     return out

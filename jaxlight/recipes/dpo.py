@@ -116,7 +116,8 @@ def read_pairs(path: str) -> list[dict]:
     """Pairs from a local dataset (`posttrain._data.read_rows`: JSONL, JSON, Parquet, a
     `datasets` directory), each a `prompt` (text or chat messages) with `chosen` and
     `rejected` answers; the prompts come back as chat messages."""
-    return preference_rows(read_rows(path), path)
+    rows, places = read_rows(path, locate=True)
+    return preference_rows(rows, path, places)
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: list[dict], length: int) -> dict[str, np.ndarray]:

@@ -162,5 +162,5 @@ def test_dpo_pairs_through_the_same_reader(tmp_path):
     encoded = dpo.encode_pairs(Tokenizer(FIXTURE), pairs, 48)
     assert encoded["chosen"].shape == (2, 48) and encoded["chosen_mask"].sum(1).min() > 0
     write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "chosen": "y"}])
-    with pytest.raises(jl.DataError, match=r"row 0: .* missing \['rejected'\]"):
+    with pytest.raises(jl.DataError, match=r"bad.jsonl:1: .* \['rejected'\] missing"):
         dpo.read_pairs(str(tmp_path / "bad.jsonl"))
