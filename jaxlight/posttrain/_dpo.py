@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlight._errors import ConfigurationError
-from jaxlight.posttrain._logprobs import check_choice
+from jaxlight.posttrain._logprobs import check_choice, check_nonnegative
 
 DPO_LOSSES = ("sigmoid", "ipo")
 
@@ -40,6 +40,19 @@ def dpo_loss(chosen_logps: jax.Array, rejected_logps: jax.Array,
         (0.3133, 1.0)
     """
     check_choice("loss_type", loss_type, DPO_LOSSES)
+    check_nonnegative("beta", beta, "DPO's β scales the implicit reward β (logp - ref_logp): a "
+                      "negative β rewards the policy for preferring the rejected answers "
+                      "while the logged accuracy and margin look right. Use β > 0 (0.1 is "
+                      "Tunix's and TRL's default)", strict=True)
+    shapes = [tuple(getattr(x, "shape", ())) for x in
+              (chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+              if x is not None]
+    if len(set(shapes)) > 1:
+        raise ConfigurationError(
+            f"dpo_loss takes one log-probability per pair for chosen, rejected (and their "
+            f"reference values), all of one shape; got shapes {shapes} (chosen, rejected, "
+            "ref_chosen, ref_rejected). Pass the pairs' values side by side: chosen[i] and "
+            "rejected[i] belong to the same prompt.")
     if loss_type == "ipo" and label_smoothing:
         raise ConfigurationError(
             f"label_smoothing={label_smoothing} has no meaning for loss_type='ipo' (the IPO "

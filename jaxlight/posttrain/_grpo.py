@@ -12,6 +12,7 @@ from jaxlight.posttrain._logprobs import (
     aggregate,
     batch_weights,
     check_choice,
+    check_nonnegative,
     masked_mean,
 )
 
@@ -93,9 +94,11 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
     `agg` is `loss_agg_mode` (see `aggregate`); `weights` are the whole batch's
     `batch_weights(mask)`, needed where the step sees only a replica's rows (`FSDP()`).
     Defaults are Tunix's `GRPOConfig`'s (`beta=0.04`, `epsilon=0.2`, `kl_loss_mode="kl"`,
-    `"sequence-mean-token-mean"`). Metrics: `pg_loss`, `kl` (token mean), `kl_loss`
-    (aggregated), `pg_clipfrac` (tokens where the clip is active), `ppo_kl` (token mean of
-    `old_logp - logp`).
+    `"sequence-mean-token-mean"`). Metrics: `pg_loss`, `kl` (token mean of `kl_mode`'s
+    penalty, Tunix's figure: with `"kl"` it is an unbiased estimate that is negative on many
+    batches), `kl_k3` (token mean of Schulman's k3, never negative: the figure to log, as TRL
+    does), `kl_loss` (aggregated), `pg_clipfrac` (tokens where the clip is active), `ppo_kl`
+    (token mean of `old_logp - logp`). A negative `beta` or `epsilon` is refused.
 
     Example:
         >>> import jax.numpy as jnp
@@ -106,6 +109,7 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
     """
     check_choice("kl_mode", kl_mode, KL_MODES)
     check_choice("loss_agg_mode", loss_agg_mode, AGGREGATIONS)
+    check_grpo_options(beta, epsilon, epsilon_high)
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     logps = logps.astype(jnp.float32)
     old = jax.lax.stop_gradient(logps) if old_logps is None else old_logps.astype(jnp.float32)
@@ -124,7 +128,23 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
     if ref_logps is not None:
         kl = kl_penalty(logps, ref_logps, kl_mode)
         metrics["kl"] = masked_mean(kl, mask, weights)
+        k3 = kl if kl_mode == "low_var_kl" else kl_penalty(logps, ref_logps, "low_var_kl")
+        metrics["kl_k3"] = masked_mean(k3, mask, weights)
         metrics["kl_loss"] = aggregate(kl, mask, loss_agg_mode, weights)
         if beta:
             loss = loss + beta * metrics["kl_loss"]
     return loss, metrics
+
+
+def check_grpo_options(beta, epsilon, epsilon_high=None, prefix: str = "") -> None:
+    """Refuses a negative KL weight or clip range (Python numbers; `prefix` names the
+    command-line section, e.g. `"--grpo."`)."""
+    check_nonnegative(f"{prefix}beta", beta,
+                      "β weighs the KL penalty to the reference; a negative β rewards moving "
+                      "away from it. Use β >= 0 (0.04 is Tunix's default, 0 drops the KL term)")
+    for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
+        if value is not None:
+            check_nonnegative(f"{prefix}{name}", value,
+                              "it is the clip range of the probability ratio, clipped to "
+                              "[1 - epsilon, 1 + epsilon_high]; a negative range clips every "
+                              "token. Use e.g. 0.2 (Tunix's and TRL's default)")

@@ -106,3 +106,13 @@ def check_choice(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ConfigurationError(
             f"{name}={value!r} is not one of {options}.{suggest(value, options)}")
+
+
+def check_nonnegative(name: str, value, why: str, strict: bool = False) -> None:
+    """Refuses a negative (with `strict`, a non-positive) Python number `value` of option
+    `name`, saying `why`; traced values pass unchecked."""
+    if not isinstance(value, int | float):
+        return
+    if value < 0 or (strict and value == 0) or value != value:
+        bound = "> 0" if strict else ">= 0"
+        raise ConfigurationError(f"{name}={value} must be {bound}: {why}.")

@@ -8,7 +8,7 @@ rejected completion above the reference's. Prompts and completions are written a
 with the model's own chat template; only the completion's tokens count.
 
     jaxlight fit dpo --model.pretrained PATH                            # built-in pairs
-    jaxlight fit dpo --model.pretrained PATH --data.jsonl pairs.jsonl   # one pair a line
+    jaxlight fit dpo --model.pretrained PATH --data.path pairs.jsonl    # your pairs
     jaxlight fit dpo --model.pretrained PATH --mesh-shape '[[4,2],["fsdp","tp"]]'
 
 Without `--data.jsonl` the pairs are built in: the user asks for a word reversed; the chosen
@@ -27,7 +27,6 @@ From Python:
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import jax
@@ -37,7 +36,7 @@ import optax
 from flax import nnx
 
 from jaxlight import distributed, posttrain
-from jaxlight._errors import ConfigurationError, DataError
+from jaxlight._errors import ConfigurationError, DataError, MissingAttributeError
 from jaxlight.data import ArrayLoader
 from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
@@ -48,7 +47,10 @@ from jaxlight.nn.pretrained import (
     from_pretrained,
     read_config,
 )
+from jaxlight.nn.pretrained._placement import kv_config
+from jaxlight.posttrain._data import as_messages, preference_rows, read_rows
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
+from jaxlight.strategies import Strategy
 
 __all__ = ["Config", "PreferenceTuner", "build", "encode_pairs", "read_pairs", "reversal_pairs"]
 
@@ -64,6 +66,8 @@ class ModelConfig:
 class DataConfig:
     jsonl: str = option("", "preference pairs, one {\"prompt\", \"chosen\", \"rejected\"} a "
                             "line; empty: the built-in reversal pairs")
+    path: str = option("", "preference pairs from a .jsonl/.json/.parquet file or a datasets "
+                           "directory (prompt: text or chat messages; chosen, rejected: text)")
     val_fraction: float = option(0.2, "share of the pairs held out for validation")
     max_len: int = option(32, "tokens per conversation (longer ones are cut)")
     batch_size: int = option(16, "pairs per step (a multiple of the data-parallel degree)")
@@ -108,29 +112,19 @@ def reversal_pairs(words: list[str]) -> list[dict[str, str]]:
     return pairs
 
 
-def read_pairs(path: str) -> list[dict[str, str]]:
-    """Pairs from a JSONL file, one `{"prompt", "chosen", "rejected"}` object a line."""
-    pairs = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            missing = [k for k in ("prompt", "chosen", "rejected")
-                       if not isinstance(record.get(k), str)]
-            if missing:
-                raise DataError(f"{path}:{number}: a preference pair needs the strings "
-                                f"'prompt', 'chosen' and 'rejected'; {missing} missing or not "
-                                f"text (keys: {sorted(record)}).")
-            pairs.append(record)
-    return pairs
+def read_pairs(path: str) -> list[dict]:
+    """Pairs from a local dataset (`posttrain._data.read_rows`: JSONL, JSON, Parquet, a
+    `datasets` directory), each a `prompt` (text or chat messages) with `chosen` and
+    `rejected` answers; the prompts come back as chat messages."""
+    rows, places = read_rows(path, locate=True)
+    return preference_rows(rows, path, places)
 
 
 def encode_pairs(tokenizer: Tokenizer, pairs: list[dict], length: int) -> dict[str, np.ndarray]:
     """Chosen and rejected conversations as tokens, with masks on the answers' tokens."""
     out = {}
     for side in ("chosen", "rejected"):
-        chats = [[{"role": "user", "content": p["prompt"]},
+        chats = [[*as_messages(p["prompt"], "a pair's prompt"),
                   {"role": "assistant", "content": p[side]}] for p in pairs]
         encoded = encode_chats(tokenizer, chats, length)
         out[side], out[f"{side}_mask"] = encoded["tokens"], encoded["mask"]
@@ -146,6 +140,25 @@ def base_weights(path: str, dtype: str) -> dict:
     model = from_pretrained(path, "single", param_dtype=jnp.dtype(dtype))
     return jax.tree.map(lambda x: np.asarray(distributed.gather(x)),
                         nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def pretrained_decoder(module: TrainModule) -> DecoderLM:
+    """A `DecoderLM` of `module.decoder_config` holding `module.base_params` (random weights of
+    seed 0 when None), its key/value heads repeated as the fit's strategy needs them
+    (`kv_config`: Gemma 3 1B's one head under tp 4), as `from_pretrained` loads it under
+    that strategy."""
+    try:
+        strategy = module.trainer.strategy
+    except MissingAttributeError:
+        strategy = None
+    config = kv_config(module.decoder_config,
+                       strategy if isinstance(strategy, Strategy) else None)
+    model = DecoderLM(config, rngs=nnx.Rngs(0))
+    if module.base_params is not None:
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, module.base_params)
+        nnx.update(model, state)
+    return model
 
 
 class PreferenceTuner(TrainModule):
@@ -177,15 +190,8 @@ class PreferenceTuner(TrainModule):
         return out
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
-        def build():
-            # One seed for both: without base weights the reference still equals the policy.
-            model = DecoderLM(self.decoder_config, rngs=nnx.Rngs(0))
-            if self.base_params is not None:
-                state = nnx.state(model, nnx.Param)
-                nnx.replace_by_pure_dict(state, self.base_params)
-                nnx.update(model, state)
-            return model
-        return posttrain.PolicyAndReference(build(), build())
+        # One seed for both: without base weights the reference still equals the policy.
+        return posttrain.PolicyAndReference(pretrained_decoder(self), pretrained_decoder(self))
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         return optax.adam(self.lr)
@@ -233,7 +239,15 @@ def build(config: Config | None = None, max_steps: int | None = None
         raise ConfigurationError("the dpo recipe needs --model.pretrained PATH, a Hugging Face "
                                  "model directory (config.json, safetensors, tokenizer.json).")
     d = config.data
-    pairs = read_pairs(d.jsonl) if d.jsonl else reversal_pairs(_words(d.pairs, d.seed))
+    posttrain._logprobs.check_nonnegative(
+        "--dpo.beta", config.dpo.beta, "it scales the implicit reward β (logp - ref_logp): a "
+        "negative β trains the policy toward the rejected answers while the logged accuracy "
+        "and margin look right. Use β > 0 (0.1 is Tunix's and TRL's default)", strict=True)
+    if d.jsonl and d.path:
+        raise ConfigurationError(f"--data.jsonl {d.jsonl!r} and --data.path {d.path!r}: give "
+                                 "one (--data.path reads JSONL too).")
+    source = d.path or d.jsonl
+    pairs = read_pairs(source) if source else reversal_pairs(_words(d.pairs, d.seed))
     n_val = max(1, int(round(len(pairs) * d.val_fraction)))
     if len(pairs) - n_val < d.batch_size:
         raise DataError(f"{len(pairs)} pairs leave {len(pairs) - n_val} for training after "

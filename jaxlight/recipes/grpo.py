@@ -12,10 +12,18 @@ rewards into group-relative advantages, and `--grpo.updates` optimizer steps (Tu
     jaxlight fit grpo --model.pretrained PATH --lora.rank 8
     jaxlight fit grpo --model.pretrained PATH --mesh-shape '[[4,1],["fsdp","tp"]]'
 
-The shipped task is string reversal: the user asks `Reverse abc` (the chat template of the
-model), a completion earns `reversal_reward` (1 for exactly the reversed word) plus
-`format_reward` (0.5 for an answer made of lowercase letters only, the word's length). The
-recipe reports the held-out prompts' greedy mean reward before and after training.
+    jaxlight fit grpo --model.pretrained PATH --data.path problems.jsonl \
+        --grpo.reward_funcs rewards.py:correct,rewards.py:short --grpo.reward_weights 1,0.5
+
+Your data: `--data.path` names a local JSONL/JSON/Parquet file or a `datasets` directory with a
+`prompt` column (text, or chat messages) and any others (answers, ids); reward functions have
+TRL's contract `f(prompts, completions, completion_ids, **columns) -> list[float | None]`
+(`posttrain.score`), named `PATH.py:function` or `package.module:function`. Without
+`--data.path` a built-in task runs (`--data.task`): `reversal` (the user asks `Reverse abc`;
+`reversal_reward` 1 for exactly the reversed word, `format_reward` 0.5 for lowercase letters of
+the word's length) or `arithmetic` (word problems generated offline; `answer_reward` 1 for the
+exact integer, `integer_format_reward` 0.5 for a bare integer). The recipe reports the held-out
+prompts' greedy mean reward before and after training.
 
 Sampling reads the policy after the previous optimizer step: the loop pulls a generation batch
 after dispatching the step before it, and `module.model` then holds that step's result (the
@@ -29,17 +37,16 @@ what the uninterrupted one did.
 From Python:
 
     >>> from jaxlight.recipes import grpo
-    >>> grpo.reversal_reward("user\\nReverse abc\\nassistant\\n", "cba")
-    1.0
-    >>> grpo.format_reward("user\\nReverse abc\\nassistant\\n", "cbz")
-    0.5
+    >>> grpo.reversal_reward(["Reverse abc"], ["cba"], [[7, 8]], word=["abc"])
+    [1.0]
+    >>> grpo.format_reward(["Reverse abc"], ["cbz"], [[7, 8]], word=["abc"])
+    [0.5]
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,14 +67,28 @@ from jaxlight.nn.pretrained import (
     generate,
     read_config,
 )
+from jaxlight.nn.pretrained._model import check_positions
+from jaxlight.posttrain._data import as_messages, prompt_rows, read_rows
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
 from jaxlight.recipes._chat_sft import parse_targets
+from jaxlight.recipes._grpo_tasks import (
+    TASKS,
+    answer_reward,
+    arithmetic_rows,
+    format_reward,
+    integer_format_reward,
+    parse_reward_funcs,
+    parse_weights,
+    reversal_reward,
+    reversal_rows,
+)
 from jaxlight.recipes._lora import add_lora
-from jaxlight.recipes.dpo import base_weights
+from jaxlight.recipes.dpo import base_weights, pretrained_decoder
 from jaxlight.strategies import Strategy
 
-__all__ = ["Config", "GenerationFeed", "PolicyOptimizer", "build", "format_reward",
-           "reversal_reward", "reward_functions"]
+__all__ = ["Config", "GenerationFeed", "PolicyOptimizer", "answer_reward", "arithmetic_rows",
+           "build", "format_reward", "integer_format_reward", "reversal_reward",
+           "reward_functions"]
 
 
 @dataclasses.dataclass
@@ -87,6 +108,13 @@ class LoRAConfig:
 
 @dataclasses.dataclass
 class DataConfig:
+    path: str = option("", "your prompts: a .jsonl/.json/.parquet file or a datasets directory "
+                           "with a 'prompt' column (other columns reach the reward functions); "
+                           "empty: the built-in --data.task")
+    task: str = option("reversal", "built-in task without --data.path: reversal or arithmetic")
+    val_rows: int = option(16, "rows of --data.path or arithmetic problems held out (greedy "
+                               "reward before and after)")
+    problems: int = option(256, "training problems of the arithmetic task")
     prompts_per_step: int = option(8, "prompts per generation batch (rows: this x group_size, "
                                       "a multiple of the data-parallel degree)")
     words: int = option(64, "training words of the reversal task")
@@ -112,6 +140,11 @@ class GRPOConfig:
                                 "sequence-mean-token-mean, seq-mean-token-sum or "
                                 "sequence-mean-token-sum-norm")
     advantage: str = option("grpo", "grpo, drgrpo or rloo")
+    reward_funcs: str = option("", "reward functions, comma separated: PATH.py:fn or "
+                                   "package.module:fn with TRL's signature f(prompts, "
+                                   "completions, completion_ids, **columns); empty: the task's")
+    reward_weights: str = option("", "one weight per reward function, comma separated "
+                                     "(empty: all 1)")
 
 
 @dataclasses.dataclass
@@ -128,32 +161,12 @@ class Config:
     optim: OptimConfig = section(OptimConfig)
 
 
-# -- the shipped task --------------------------------------------------------------------------
-
-_WORD = re.compile(r"Reverse (\S+)")
+# -- the built-in tasks (see _grpo_tasks) ------------------------------------------------------
 
 
-def _asked(prompt: str) -> str | None:
-    found = _WORD.findall(prompt)
-    return found[-1] if found else None
-
-
-def reversal_reward(prompt: str, completion: str) -> float:
-    """1 when the completion is exactly the reversal of the word the prompt asks about."""
-    word = _asked(prompt)
-    return float(word is not None and completion.strip() == word[::-1])
-
-
-def format_reward(prompt: str, completion: str) -> float:
-    """0.5 for an answer of lowercase letters only, as long as the asked word."""
-    word, answer = _asked(prompt), completion.strip()
-    return 0.5 * float(word is not None and len(answer) == len(word)
-                       and re.fullmatch(r"[a-z]+", answer) is not None)
-
-
-def reward_functions() -> list[Callable[[str, str], float]]:
-    """The shipped task's rewards, summed per completion: correctness, then format."""
-    return [reversal_reward, format_reward]
+def reward_functions(task: str = "reversal") -> list[Callable]:
+    """A built-in task's reward functions (TRL's contract), summed per completion."""
+    return list(TASKS[task])
 
 
 def _words(n: int, config: DataConfig, exclude: set[str]) -> list[str]:
@@ -174,10 +187,11 @@ def _words(n: int, config: DataConfig, exclude: set[str]) -> list[str]:
     return out
 
 
-def encode_prompts(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
-    """`Reverse <word>` as a user turn, with the chat template's assistant prefix."""
-    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Reverse {w}"}],
-                                          add_generation_prompt=True) for w in words]
+def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[Any]) -> list[list[int]]:
+    """Prompts (text: one user turn, or chat messages) with the chat template's assistant
+    prefix, as token ids."""
+    return [tokenizer.apply_chat_template(as_messages(p, "prompt"), add_generation_prompt=True)
+            for p in prompts]
 
 
 # -- the module --------------------------------------------------------------------------------
@@ -203,6 +217,7 @@ class PolicyOptimizer(TrainModule):
                  loss_agg_mode: str = "sequence-mean-token-mean", temperature: float = 1.0,
                  lr: float = 1e-3, dtype: str = "float32"):
         super().__init__()
+        posttrain.check_grpo_options(beta, epsilon)
         self.pretrained, self.base_params = pretrained, base_params
         self.lora_rank, self.lora_alpha = lora_rank, lora_alpha
         self.lora_targets = tuple(lora_targets)
@@ -220,12 +235,7 @@ class PolicyOptimizer(TrainModule):
 
     def _decoder(self) -> DecoderLM:
         # One seed: without base weights the reference still equals the policy.
-        model = DecoderLM(self.decoder_config, rngs=nnx.Rngs(0))
-        if self.base_params is not None:
-            state = nnx.state(model, nnx.Param)
-            nnx.replace_by_pure_dict(state, self.base_params)
-            nnx.update(model, state)
-        return model
+        return pretrained_decoder(self)
 
     def configure_model(self, rngs: nnx.Rngs) -> nnx.Module:
         if self.lora_rank > 0:
@@ -247,19 +257,29 @@ class PolicyOptimizer(TrainModule):
 
     def training_step(self, model, batch):
         t = self.temperature
-        logps = posttrain.completion_log_probs(self.policy(model), batch, t)
+        logps, entropy = posttrain.completion_log_probs(self.policy(model), batch, t,
+                                                        entropy=True)
         ref = posttrain.completion_log_probs(self.reference(model), batch, t)
         weights = {k: batch[k] for k in ("token_weight", "row_weight")}
         loss, m = posttrain.grpo_loss(
             logps, batch["old_logps"], ref, batch["advantages"], batch["mask"],
             epsilon=self.epsilon, beta=self.beta, kl_mode=self.kl_mode,
             loss_agg_mode=self.loss_agg_mode, weights=weights)
-        return loss, {"reward": batch["rewards"].mean(), "kl": m["kl"],
-                      "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"]}
+        # `kl` is k3 (never negative, TRL's figure); `kl_penalty` the kl_mode's estimate the
+        # loss uses (Tunix's `kl`; negative on many batches with the default "kl").
+        out = {"reward": batch["rewards"].mean(), "kl": m["kl_k3"], "kl_penalty": m["kl"],
+               "pg_clipfrac": m["pg_clipfrac"], "ppo_kl": m["ppo_kl"],
+               "entropy": posttrain.masked_mean(entropy, batch["mask"], weights)}
+        # The generation batch's host figures (per reward function, completion lengths), one
+        # value repeated per row so that any split of the rows averages to it.
+        out.update({k[len(STATS):]: v.mean() for k, v in batch.items() if k.startswith(STATS)})
+        return loss, out
 
 
 # -- the data: generation batches from the live policy -----------------------------------------
 
+#: Batch keys of host figures the step logs (their mean) under the name that follows.
+STATS = "stats/"
 _BATCH_KEYS = ("tokens", "attention_mask", "mask", "rewards", "advantages", "old_logps",
                "token_weight", "row_weight")
 
@@ -287,23 +307,30 @@ class GenerationFeed:
 
     Args:
         module: the `PolicyOptimizer` being fit.
-        prompts: prompt token ids (the task's training prompts).
-        tokenizer: decodes prompts and completions for the reward functions.
-        rewards: reward functions `(prompt_text, completion_text) -> float`, summed.
+        rows: the training rows, each a `prompt` (text or chat messages) and any other
+            columns (`posttrain._data.prompt_rows`), as a user's dataset has them.
+        tokenizer: applies the chat template to the prompts, decodes the completions.
+        reward_funcs: reward functions with TRL's contract (`posttrain.score`): called with
+            the rows' prompts as the data has them, the completions (text; assistant messages
+            where the prompts are messages), their token ids and every other column.
+        reward_weights: one weight per function (None: all 1).
         prompts_per_step, group_size, max_new_tokens, temperature, updates, advantage: see
             `Config`.
-        prompt_len: prompts are left-padded to this many tokens.
+        prompt_len: prompts are left-padded to this many tokens (0: the longest's).
         seed: fixes each generation's prompts and sampling seed.
     """
 
-    def __init__(self, module: PolicyOptimizer, prompts: Sequence[Sequence[int]],
-                 tokenizer: Tokenizer, rewards: Sequence[Callable[[str, str], float]], *,
-                 prompts_per_step: int, group_size: int, max_new_tokens: int,
-                 temperature: float, updates: int, prompt_len: int, seed: int = 0,
-                 advantage: str = "grpo"):
+    def __init__(self, module: PolicyOptimizer, rows: Sequence[dict], tokenizer: Tokenizer,
+                 reward_funcs: Sequence[Callable], *, prompts_per_step: int, group_size: int,
+                 max_new_tokens: int, temperature: float, updates: int, prompt_len: int = 0,
+                 seed: int = 0, advantage: str = "grpo",
+                 reward_weights: Sequence[float] | None = None):
         if updates < 1:
             raise ConfigurationError(f"--grpo.updates={updates}: each generation batch feeds at "
                                      "least one optimizer step.")
+        messages, self.columns = prompt_rows(rows, "the GRPO prompts")
+        self.raw_prompts = [r["prompt"] for r in rows]
+        prompts = encode_prompts(tokenizer, messages)
         if not 0 < prompts_per_step <= len(prompts):
             raise ConfigurationError(
                 f"--data.prompts_per_step={prompts_per_step} must be between 1 and the "
@@ -313,8 +340,17 @@ class GenerationFeed:
         if longest > prompt_len:
             raise DataError(f"a prompt has {longest} tokens, more than --data.prompt_len "
                             f"{prompt_len}: raise it.")
-        self.module, self.prompts, self.tokenizer = module, [list(p) for p in prompts], tokenizer
-        self.rewards = list(rewards)
+        check_positions(module.decoder_config, prompt_len + max_new_tokens,
+                        f"GRPO: prompts of --data.prompt_len {prompt_len} tokens (chat template "
+                        f"included) plus --grpo.max_new_tokens {max_new_tokens} make",
+                        "drop or shorten the longest prompts, or lower --grpo.max_new_tokens")
+        self.module, self.prompts, self.tokenizer = module, prompts, tokenizer
+        self.reward_funcs = list(reward_funcs)
+        self.reward_weights = posttrain._rewards.check_weights(reward_weights,
+                                                               len(self.reward_funcs))
+        names = [posttrain.reward_name(f) for f in self.reward_funcs]
+        self.reward_names = [n if names.count(n) == 1 else f"{n}_{i}"
+                             for i, n in enumerate(names)]
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.updates, self.prompt_len, self.seed = updates, prompt_len, seed
@@ -332,11 +368,16 @@ class GenerationFeed:
     def __len__(self) -> int:  # no epochs: one endless pass, bounded by max_steps
         return 2 ** 62
 
-    def prompt_rows(self, generation: int) -> tuple[list[list[int]], int]:
-        """Generation `generation`'s prompts and sampling seed."""
+    def picked(self, generation: int) -> tuple[list[int], int]:
+        """Generation `generation`'s row indices and sampling seed."""
         rng = np.random.default_rng([self.seed, generation])
         picked = rng.choice(len(self.prompts), self.prompts_per_step, replace=False)
-        return [self.prompts[i] for i in picked], int(rng.integers(2 ** 31))
+        return [int(i) for i in picked], int(rng.integers(2 ** 31))
+
+    def prompt_rows(self, generation: int) -> tuple[list[list[int]], int]:
+        """Generation `generation`'s prompts (token ids) and sampling seed."""
+        picked, seed = self.picked(generation)
+        return [self.prompts[i] for i in picked], seed
 
     def _sampler(self) -> tuple[nnx.Module, Any]:
         module = self.module
@@ -357,18 +398,30 @@ class GenerationFeed:
 
     def _generate(self) -> dict[str, np.ndarray]:
         start = time.perf_counter()
-        prompts, seed = self.prompt_rows(self.generation)
+        picked, seed = self.picked(self.generation)
         policy, strategy = self._sampler()
         batch = posttrain.rollout(
-            policy, prompts, group_size=self.group_size, max_new_tokens=self.max_new_tokens,
-            rewards=self.rewards, decode=self.tokenizer.decode, temperature=self.temperature,
-            seed=seed, prompt_len=self.prompt_len, strategy=strategy)
-        if self.advantage != "grpo":
-            batch["advantages"] = np.asarray(posttrain.group_advantages(
-                jnp.asarray(batch["rewards"]), self.group_size, self.advantage))
+            policy, [self.prompts[i] for i in picked], group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens, reward_funcs=self.reward_funcs,
+            decode=self.tokenizer.decode, temperature=self.temperature, seed=seed,
+            prompt_len=self.prompt_len, strategy=strategy,
+            columns={k: [v[i] for i in picked] for k, v in self.columns.items()},
+            reward_weights=self.reward_weights,
+            reward_prompts=[self.raw_prompts[i] for i in picked], estimator=self.advantage)
         self.history.append((self.generation, float(batch["rewards"].mean()),
                              time.perf_counter() - start))
-        return {k: batch[k] for k in _BATCH_KEYS}
+        return {**{k: batch[k] for k in _BATCH_KEYS}, **self._stats(batch)}
+
+    def _stats(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The generation batch's figures to log, each repeated once per row."""
+        lengths, rows = batch["all_lengths"], len(batch["rewards"])  # every process's rows
+        # The reward figures are this process's rows' (all of them with one process).
+        figures = {"reward_std": float(batch["rewards"].std(ddof=1)) if rows > 1 else 0.0,
+                   "completions/mean_length": float(lengths.mean()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(batch["all_clipped"].mean()),
+                   **posttrain.reward_metrics(batch["rewards_by_fn"], self.reward_names)}
+        return {STATS + k: np.full(rows, v, np.float32) for k, v in figures.items()}
 
     def __iter__(self):
         while True:
@@ -394,14 +447,42 @@ class GenerationFeed:
 # -- evaluation and the recipe -----------------------------------------------------------------
 
 
-def greedy_reward(policy: nnx.Module, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
-                  max_new_tokens: int, strategy: Any = None) -> dict[str, float]:
-    """The mean reward (and its parts) of greedy completions of `prompts`."""
-    outs = generate(policy, prompts, max_new_tokens, strategy=strategy)
-    parts = np.array([[fn(tokenizer.decode(p), tokenizer.decode(c))
-                       for fn in reward_functions()] for p, c in zip(prompts, outs, strict=True)])
-    return {"reward": float(parts.sum(1).mean()), "correct": float(parts[:, 0].mean()),
-            "format": float((parts[:, 1] > 0).mean())}
+def greedy_reward(policy: nnx.Module, feed: GenerationFeed, rows: Sequence[dict],
+                  strategy: Any = None) -> dict[str, float]:
+    """The mean weighted reward of greedy completions of `rows`' prompts, and each reward
+    function's mean over the rows it applies to, with the feed's functions and weights."""
+    messages, columns = prompt_rows(rows, "the held-out prompts")
+    prompts = encode_prompts(feed.tokenizer, messages)
+    outs = generate(policy, prompts, feed.max_new_tokens, strategy=strategy)
+    raw = [r["prompt"] for r in rows]
+    texts = [feed.tokenizer.decode(c) for c in outs]
+    texts = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+             for p, t in zip(raw, texts, strict=True)]
+    by_fn = posttrain.score(feed.reward_funcs, raw, texts, outs, columns)
+    total = posttrain.combine(by_fn, feed.reward_weights)
+    out = {"reward": float(total.mean())}
+    for j, name in enumerate(feed.reward_names):
+        kept = by_fn[:, j][~np.isnan(by_fn[:, j])]
+        out[f"reward_{name}"] = float(kept.mean()) if kept.size else float("nan")
+    return out
+
+
+def task_rows(d: DataConfig) -> tuple[list[dict], list[dict]]:
+    """The training and held-out rows: `--data.path`'s, or the built-in task's."""
+    if d.path:
+        rows = read_rows(d.path)
+        if len(rows) <= d.val_rows:
+            raise DataError(f"{d.path} has {len(rows)} rows; holding out --data.val_rows "
+                            f"{d.val_rows} leaves none to train on: lower --data.val_rows.")
+        order = np.random.default_rng(d.seed).permutation(len(rows))
+        rows = [rows[i] for i in order]
+        return rows[d.val_rows:], rows[:d.val_rows]
+    if d.task == "arithmetic":
+        rows = arithmetic_rows(d.problems + d.val_rows, d.seed)
+        return rows[d.val_rows:], rows[:d.val_rows]
+    val_words = _words(d.val_words, d, set())
+    words = _words(d.words, dataclasses.replace(d, seed=d.seed + 1), set(val_words))
+    return reversal_rows(words), reversal_rows(val_words)
 
 
 def build(config: Config | None = None, max_steps: int | None = None
@@ -415,12 +496,18 @@ def build(config: Config | None = None, max_steps: int | None = None
     d, g, lora = config.data, config.grpo, config.lora
     for name, value, options in (("kl_mode", g.kl_mode, posttrain.KL_MODES),
                                  ("loss_agg_mode", g.loss_agg_mode, posttrain.AGGREGATIONS),
-                                 ("advantage", g.advantage, posttrain.ADVANTAGES)):
+                                 ("advantage", g.advantage, posttrain.ADVANTAGES),
+                                 ("task", d.task, tuple(TASKS))):
         if value not in options:
-            raise ConfigurationError(f"--grpo.{name}={value!r} is not one of {options}.")
+            section_name = "data" if name == "task" else "grpo"
+            raise ConfigurationError(
+                f"--{section_name}.{name}={value!r} is not one of {options}.")
+    posttrain.check_grpo_options(g.beta, g.epsilon, prefix="--grpo.")
+    reward_funcs = parse_reward_funcs(g.reward_funcs, d.task)
+    reward_weights = parse_weights(g.reward_weights)
+    posttrain._rewards.check_weights(reward_weights, len(reward_funcs))
     tokenizer = Tokenizer(config.model.pretrained)
-    val_words = _words(d.val_words, d, set())
-    words = _words(d.words, dataclasses.replace(d, seed=d.seed + 1), set(val_words))
+    rows, val_rows = task_rows(d)
     module = PolicyOptimizer(
         config.model.pretrained, base_weights(config.model.pretrained, config.model.dtype),
         lora_rank=lora.rank, lora_alpha=lora.alpha,
@@ -428,18 +515,16 @@ def build(config: Config | None = None, max_steps: int | None = None
         beta=g.beta, epsilon=g.epsilon, kl_mode=g.kl_mode, loss_agg_mode=g.loss_agg_mode,
         temperature=g.temperature, lr=config.optim.lr, dtype=config.model.dtype)
     feed = GenerationFeed(
-        module, encode_prompts(tokenizer, words), tokenizer, reward_functions(),
+        module, rows, tokenizer, reward_funcs, reward_weights=reward_weights,
         prompts_per_step=d.prompts_per_step, group_size=g.group_size,
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, updates=g.updates,
         prompt_len=d.prompt_len, seed=d.seed, advantage=g.advantage)
-    return module, RecipeData(train=feed, extras={
-        "tokenizer": tokenizer, "val_prompts": encode_prompts(tokenizer, val_words)})
+    return module, RecipeData(train=feed, extras={"tokenizer": tokenizer, "val_rows": val_rows})
 
 
 def _held_out(module: PolicyOptimizer, policy, data: RecipeData, config: Config,
               strategy=None) -> dict[str, float]:
-    return greedy_reward(policy, data.extras["tokenizer"], data.extras["val_prompts"],
-                         config.grpo.max_new_tokens, strategy)
+    return greedy_reward(policy, data.train, data.extras["val_rows"], strategy)
 
 
 def before_fit(fit, module: PolicyOptimizer, data: RecipeData, config: Config) -> dict:
@@ -461,8 +546,9 @@ def after_fit(fit, module: PolicyOptimizer, data: RecipeData, config: Config) ->
 
 RECIPE = Recipe(
     name="grpo",
-    summary="GRPO of a pretrained Hugging Face model on string reversal (verifiable rewards), "
-            "KL to a frozen reference; held-out greedy reward before/after",
+    summary="GRPO of a pretrained Hugging Face model on your prompts and reward functions "
+            "(TRL's contract) or a built-in verifiable task, KL to a frozen reference; held-out "
+            "greedy reward before/after",
     config=Config,
     build=build,
     fit_defaults={"max_steps": 40, "log_every_n_steps": 4},

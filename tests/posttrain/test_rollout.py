@@ -29,7 +29,15 @@ def _rollout(setup, **kw):
     kw = {"temperature": 1.0, "seed": 0, **kw}
     return posttrain.rollout(
         model, prompts, group_size=G, max_new_tokens=NEW, decode=tokenizer.decode,
-        rewards=[lambda p, c: float(len(c) <= 3), lambda p, c: float("a" in c)], **kw)
+        reward_funcs=[short, has_a], **kw)
+
+
+def short(prompts, completions, completion_ids, **_):
+    return [float(len(c) <= 3) for c in completions]
+
+
+def has_a(prompts, completions, completion_ids, **_):
+    return [float("a" in c) for c in completions]
 
 
 @pytest.mark.slow

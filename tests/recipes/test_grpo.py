@@ -122,8 +122,10 @@ def test_on_policy_when_each_batch_feeds_one_step():
     assert feed.generation == 2
     prompts, seed = feed.prompt_rows(1)
     again = posttrain.rollout(copies[1], prompts, group_size=4, max_new_tokens=4,
-                              rewards=grpo.reward_functions(), decode=feed.tokenizer.decode,
-                              seed=seed, prompt_len=feed.prompt_len, strategy=fit.strategy)
+                              reward_funcs=feed.reward_funcs, decode=feed.tokenizer.decode,
+                              seed=seed, prompt_len=feed.prompt_len, strategy=fit.strategy,
+                              columns={"word": [feed.columns["word"][i]
+                                                for i in feed.picked(1)[0]]})
     for key in ("tokens", "old_logps", "rewards"):
         np.testing.assert_array_equal(feed.batch[key], again[key])
 
@@ -157,11 +159,10 @@ def test_sigkill_mid_generation_resumes_bitwise(straight, tmp_path):
 
 
 def test_rewards_and_feed_state():
-    prompt = "user\nReverse abcd\nassistant\n"
-    assert grpo.reversal_reward(prompt, "dcba") == 1.0
-    assert grpo.reversal_reward(prompt, "dcbb") == 0.0
-    assert grpo.format_reward(prompt, "dcbb") == 0.5
-    assert grpo.format_reward(prompt, "dcb") == 0.0 and grpo.format_reward(prompt, "dc b!") == 0.0
+    prompts, word = ["Reverse abcd"] * 4, ["abcd"] * 4
+    completions = ["dcba", "dcbb", "dcb", "dc b!"]
+    assert grpo.reversal_reward(prompts, completions, None, word=word) == [1.0, 0.0, 0.0, 0.0]
+    assert grpo.format_reward(prompts, completions, None, word=word) == [0.5, 0.5, 0.0, 0.0]
     batch = {"tokens": np.arange(6, dtype=np.int32).reshape(2, 3),
              "old_logps": np.array([[-0.5, -1.25]], np.float32)}
     back = grpo._decode_batch(json.loads(json.dumps(grpo._encode_batch(batch))))
@@ -187,7 +188,9 @@ def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
     # The old log-probabilities of a slightly different policy: ratios off 1, clipping active.
     # The random fixture earns no task reward: a reward that varies with the text instead.
     batch = posttrain.rollout(module.policy(model), data.train.prompt_rows(0)[0], group_size=4,
-                              max_new_tokens=4, rewards=[lambda p, c: sum(map(ord, c)) % 7],
+                              max_new_tokens=4,
+                              reward_funcs=[lambda prompts, completions, completion_ids, **_:
+                                            [sum(map(ord, c)) % 7 for c in completions]],
                               decode=data.train.tokenizer.decode, temperature=1.0, seed=3)
     batch = {k: batch[k] for k in grpo._BATCH_KEYS}
     batch["old_logps"] = batch["old_logps"] + 0.3 * batch["mask"] * np.cos(

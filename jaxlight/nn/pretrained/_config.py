@@ -106,6 +106,9 @@ class DecoderConfig:
         token_ids: bos/eos/pad token ids from the config (eos may be a list).
         hf_config: the config.json as read (written back by `save_pretrained`).
         remat: what each layer recomputes in the backward pass (`jaxlight.nn.Stacked`).
+        kv_repeat: each key/value head's output is repeated this many times for the query
+            heads (its weights stay one unsharded copy): set by `from_pretrained` when the
+            tensor-parallel degree does not divide `num_kv_heads` (Gemma 3 1B's one).
         dtype: compute dtype (None: the parameters' dtype).
         param_dtype: parameter dtype.
     """
@@ -136,6 +139,7 @@ class DecoderConfig:
     token_ids: dict = dataclasses.field(default_factory=dict, compare=False)
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     remat: Any = False
+    kv_repeat: int = 1
     dtype: Any = None
     param_dtype: Any = jnp.float32
 

@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxlight import distributed
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight.nn.pretrained._model import DecoderLM, padded_positions
+from jaxlight.nn.pretrained._hf import resolve_strategy
+from jaxlight.nn.pretrained._model import DecoderLM, check_positions, padded_positions
 from jaxlight.sharding._layout import constrain
 
 _CACHE = (None, "batch", None, "activation_heads", "activation_kv")
@@ -142,8 +143,9 @@ def generate(model: DecoderLM, prompts: Sequence[Sequence[int]], max_new_tokens:
         model: a `DecoderLM` (its weights placed by `from_pretrained(path, strategy)`).
         prompts: token ids per row.
         max_new_tokens: tokens to generate per row at most.
-        strategy: the strategy the weights were loaded with (the caches and batch follow its
-            mesh); None: whatever devices the weights are on, no constraints.
+        strategy: the strategy the weights were loaded with, or its name as `from_pretrained`
+            takes it ("single", "fsdp", ...; the caches and batch follow its mesh); None:
+            whatever devices the weights are on, no constraints.
         temperature, top_k, top_p: sampling (temperature 0: greedy; see `Sampling`).
         stop_tokens: token ids that end a row (default: the config's eos ids).
         seed: the sampling seed (each row draws from its own key).
@@ -176,6 +178,11 @@ def generate(model: DecoderLM, prompts: Sequence[Sequence[int]], max_new_tokens:
         pad_id = config.token_ids.get("pad")
         pad_id = 0 if pad_id is None else int(pad_id)
     longest = max(len(p) for p in prompts)
+    check_positions(config, longest + max_new_tokens,
+                    f"generate: the longest prompt ({longest} tokens) plus max_new_tokens "
+                    f"({max_new_tokens}) make", "shorten the prompts or lower max_new_tokens")
+    if isinstance(strategy, str):
+        strategy = resolve_strategy(strategy)
     width = prompt_bucket or bucket(longest)
     if width < longest:
         raise DataError(f"prompt_bucket {width} is shorter than the longest prompt ({longest}).")

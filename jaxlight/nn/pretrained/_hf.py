@@ -25,12 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight import distributed, strategies
-from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight import distributed
+from jaxlight._errors import CheckpointError
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
-from jaxlight.state._state import TrainState, logical_names
+from jaxlight.nn.pretrained._placement import (
+    kv_repeat,
+    model_shardings,
+    resolve_strategy,
+    traced_model,
+)
 
 #: Files of a model directory that are the tokenizer and chat template (copied by
 #: `save_pretrained(..., tokenizer_from=...)`).
@@ -210,30 +215,6 @@ def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderCon
 # -- loading -------------------------------------------------------------------------------------
 
 
-def _resolve_strategy(strategy: Any):
-    strat = strategies.resolve(strategy if strategy is not None else "single")
-    if getattr(strat, "mesh", None) is None:
-        strat.setup()
-    if not hasattr(strat, "spec_for"):
-        raise ConfigurationError(
-            f"from_pretrained places weights with an SPMD strategy (single, dp, fsdp, tp, "
-            f"Hybrid); {type(strat).__name__} keeps its own copies per device. Load with "
-            "strategy='dp' for data parallelism.")
-    return strat
-
-
-def model_shardings(model: nnx.Module, strategy: Any) -> Any:
-    """The strategy's sharding of every `nnx.Param` of `model` (a pure dict), from its rules."""
-    state = nnx.state(model, nnx.Param)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            nnx.to_pure_dict(state))
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    shardings = strategy.state_shardings(
-        TrainState(scalar, abstract, (), {}),
-        TrainState(None, logical_names(state), (), {}))
-    return shardings.params
-
-
 def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
                     dtype: Any = None, remat: Any = False) -> DecoderLM:
     """Loads a Hugging Face model directory into a `DecoderLM`, each weight in its final sharding.
@@ -248,6 +229,12 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         param_dtype: parameter dtype (default: the checkpoint's, e.g. bfloat16).
         dtype: compute dtype (default: the parameters').
         remat: what each layer recomputes in the backward pass (see `jaxlight.nn.Stacked`).
+
+    Inside a `TrainModule.configure_model` (the fit traces it in a compiled function) the
+    weights are read whole and the fit's strategy places them; `strategy` is then unused.
+    Where the tensor-parallel degree does not divide the key/value heads (Gemma 3 1B's one
+    under tp 4), their projections stay whole on every device and each head's keys and values
+    are repeated `tp / heads` times (`config.kv_repeat`), as MaxText does.
 
     Returns:
         the model, its arrays sharded by `strategy`'s rules.
@@ -268,12 +255,21 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
     for entry in table:
         _check(entry, tensors, config)
     _unused(table, tensors, config)
-    strat = _resolve_strategy(strategy)
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+
+    def read(entry, layers, index):
+        return _read(entry, tensors, layers, index, np_dtype)
+
+    if isinstance(jnp.zeros(()), jax.core.Tracer):
+        # Called while JAX traces, as in a TrainModule's configure_model (the fit builds the
+        # model inside a compiled function that places it by the fit's strategy).
+        return traced_model(config, table, read)
+    strat = resolve_strategy(strategy)
+    config = dataclasses.replace(config, kv_repeat=kv_repeat(config, strat))
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: DecoderLM(config, rngs=nnx.Rngs(0)))
-    shardings = model_shardings(abstract, strat)
     values = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    shardings = model_shardings(abstract, strat)
     for entry in table:
         node, spot = values, shardings
         for key in entry.path[:-1]:

@@ -77,21 +77,27 @@ class Attention(nnx.Module):
         kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
         e, h, k, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         self.q_proj = Dense(e, (h, d), axes=("embed", "heads", "kv"), use_bias=c.qkv_bias, **kw)
-        self.k_proj = Dense(e, (k, d), axes=("embed", "heads", "kv"), use_bias=c.qkv_bias, **kw)
-        self.v_proj = Dense(e, (k, d), axes=("embed", "heads", "kv"), use_bias=c.qkv_bias, **kw)
+        # With kv_repeat the k/v projections keep the checkpoint's heads, unsharded, and their
+        # outputs are repeated: tensor parallelism splits the repeated heads (and the cache).
+        kv_axes = ("embed", None, "kv") if c.kv_repeat > 1 else ("embed", "heads", "kv")
+        self.k_proj = Dense(e, (k, d), axes=kv_axes, use_bias=c.qkv_bias, **kw)
+        self.v_proj = Dense(e, (k, d), axes=kv_axes, use_bias=c.qkv_bias, **kw)
         self.o_proj = Dense((h, d), e, axes=("heads", "kv", "embed"), use_bias=c.o_bias, **kw)
         norm = dict(eps=c.norm_eps, offset=c.norm_offset, param_dtype=c.param_dtype)
         self.q_norm = Norm(d, **norm) if c.qk_norm else None
         self.k_norm = Norm(d, **norm) if c.qk_norm else None
-        self.groups, self.scale = h // k, c.attn_scale
+        self.groups, self.scale, self.repeat = h // (k * c.kv_repeat), c.attn_scale, c.kv_repeat
 
     def __call__(self, x, ctx: Context, window, rope, cache=None):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.cos[rope], ctx.sin[rope]
+        k = rotate(k, cos, sin)
+        if self.repeat > 1:  # one gradient per checkpoint head: the copies' gradients add up
+            k, v = jnp.repeat(k, self.repeat, axis=2), jnp.repeat(v, self.repeat, axis=2)
         q = constrain(rotate(q, cos, sin), _HEADS)
-        k = constrain(rotate(k, cos, sin), _HEADS)
+        k = constrain(k, _HEADS)
         v = constrain(v, _HEADS)
         if cache is not None:
             start = ctx.query_slots[0]
@@ -237,6 +243,8 @@ class DecoderLM(nnx.Module):
             attention_mask: `(batch, length)`, 1 for real tokens, 0 for padding keys.
         """
         b, t = tokens.shape
+        check_positions(self.config, t, "DecoderLM's forward pass got",
+                        "cut the sequences (or their prompts) to fit")
         valid = (jnp.ones((b, t), bool) if attention_mask is None
                  else attention_mask.astype(bool))
         if positions is None:
@@ -263,10 +271,11 @@ class DecoderLM(nnx.Module):
         return self._head(x)
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> tuple[jax.Array, jax.Array]:
-        """Zeroed key and value caches `(layers, batch, length, kv_heads, head_dim)`."""
+        """Zeroed key and value caches `(layers, batch, length, kv_heads * kv_repeat,
+        head_dim)`."""
         c = self.config
         dtype = dtype or c.dtype or c.param_dtype
-        shape = (c.num_layers, batch, length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, batch, length, c.num_kv_heads * c.kv_repeat, c.head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def step(self, tokens: jax.Array, positions: jax.Array, start: jax.Array,
@@ -301,6 +310,22 @@ class DecoderLM(nnx.Module):
 
         x, k, v = run(self.layers.layers, x, windows, ropes, cache[0], cache[1])
         return self._head(x), (k, v)
+
+
+def max_positions(config: DecoderConfig) -> int | None:
+    """The positions the model was trained for (config.json's `max_position_embeddings`)."""
+    n = (config.hf_config or {}).get("max_position_embeddings")
+    return int(n) if n else None
+
+
+def check_positions(config: DecoderConfig, length: int, what: str, fix: str) -> None:
+    """Refuses `length` tokens beyond the model's positions: RoPE has no table past them (the
+    model was never trained there) and nothing else would say so."""
+    limit = max_positions(config)
+    if limit is not None and length > limit:
+        raise DataError(
+            f"{what} {length} tokens but the model has {limit} positions "
+            f"(max_position_embeddings in config.json): {fix}.")
 
 
 def padded_positions(valid: jax.Array) -> jax.Array:
