@@ -23,10 +23,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxlight._errors import ConfigurationError
 from jaxlight.nn._mpmd import STAGE_MODULES, MpmdConfig, mpmd_context, stage_index
-from jaxlight.nn._pipeline import bubble_fraction
 from jaxlight.sharding._layout import require_divisible
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd_runtime import MpmdProgram
+from jaxlight.strategies._mpmd_schedule import bubble as schedule_bubble
+from jaxlight.strategies._mpmd_schedule import check_schedule, microbatch_gradients
 from jaxlight.strategies._pipelined import (
     PIPE,
     check_microbatches_arg,
@@ -57,9 +58,11 @@ class MpmdGPipe(Strategy):
     name = "gpipe"
 
     def __init__(self, stages: int | None = None, microbatches: int | None = None, *,
-                 remat: bool = False, devices: Sequence[jax.Device] | None = None,
-                 **unsupported):
+                 schedule: str = "gpipe", remat: bool = False,
+                 devices: Sequence[jax.Device] | None = None, **unsupported):
         super().__init__()
+        if unsupported.get("repeats", 1) == 1:
+            unsupported.pop("repeats", None)
         if unsupported:
             raise ConfigurationError(
                 f"GPipe(mpmd=True) does not take {sorted(unsupported)}: it pipelines a "
@@ -72,6 +75,7 @@ class MpmdGPipe(Strategy):
                 f"GPipe: stages must be a positive int (or None for every device), got "
                 f"{stages!r}.")
         check_microbatches_arg(microbatches, "GPipe(mpmd=True)")
+        self.schedule = check_schedule(schedule, "GPipe(mpmd=True)")
         self._stages_arg = stages
         self.microbatches = microbatches
         self.pipeline_remat = bool(remat)
@@ -97,7 +101,9 @@ class MpmdGPipe(Strategy):
         warn_few_microbatches(p, self.microbatches, self._who())
 
     def _who(self) -> str:
-        return f"GPipe(stages={self.stages}, microbatches={self.microbatches}, mpmd=True)"
+        extra = "" if self.schedule == "gpipe" else f", schedule={self.schedule!r}"
+        return (f"GPipe(stages={self.stages}, microbatches={self.microbatches}{extra}, "
+                "mpmd=True)")
 
     @property
     def pipeline_devices(self) -> list[jax.Device]:
@@ -120,9 +126,13 @@ class MpmdGPipe(Strategy):
         if self.mesh is not None:
             out["pipeline"] = {
                 "stages": self.stages, "microbatches": self.microbatches, "repeats": 1,
-                "schedule": "gpipe", "mpmd": True, "remat": self.pipeline_remat,
+                "schedule": self.schedule, "mpmd": True, "remat": self.pipeline_remat,
                 "iterations": self.microbatches + self.stages - 1,
-                "bubble_fraction": bubble_fraction(self.stages, self.microbatches),
+                "bubble_fraction": schedule_bubble(self.schedule, self.stages,
+                                                   self.microbatches),
+                # Microbatches whose activations a device holds at once (device 0, the most).
+                "microbatches_in_flight": (self.microbatches if self.schedule == "gpipe"
+                                           else min(self.stages, self.microbatches)),
             }
         return out
 
@@ -179,6 +189,15 @@ class MpmdGPipe(Strategy):
     def trace_context(self):
         return mpmd_context(MpmdConfig(self.stages, self.microbatches, self.pipeline_remat))
 
+    def gradient_fn(self, grad_fn):
+        """GPipe: the whole batch's gradient (`Stages` splits it into the microbatches). 1F1B
+        and ZB-H1: one microbatch at a time, each with its own loss, so that its backward pass
+        can start before the other microbatches' forward passes (`_mpmd_schedule`)."""
+        if self.schedule == "gpipe":
+            return grad_fn
+        return microbatch_gradients(grad_fn, self.microbatches, self.stages,
+                                    self.pipeline_remat)
+
     def create(self, fn, shardings):
         """`fn()` run as a program per device: each array made on the device it lives on."""
         return self.compile(fn, (), (), shardings)()
@@ -187,7 +206,9 @@ class MpmdGPipe(Strategy):
         config = MpmdConfig(self.stages, self.microbatches, self.pipeline_remat)
         with mpmd_context(config):
             program = MpmdProgram(fn, tuple(abstract_args), in_shardings, out_shardings,
-                                  self.pipeline_devices, tuple(donate_argnums))
+                                  self.pipeline_devices, tuple(donate_argnums),
+                                  schedule=self.schedule, microbatches=self.microbatches,
+                                  who=self._who())
         if program.misplaced_bytes:
             warnings.warn(
                 f"{self._who()}: {program.misplaced_bytes} bytes of state are copied to another "
