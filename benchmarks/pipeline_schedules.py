@@ -5,7 +5,8 @@
 
 1. equivalence: 10 AdamW steps of the seeds' 784→512→256→10 MLP in 3 stages and of a
    StagedTransformerLM in 4 stages (embedding, 2 blocks, head; `Stages(packed=False)`)
-   against SingleDevice running the same model, for every schedule.
+   against SingleDevice running the same model, for every schedule; interleaved 1F1B (2
+   stages per device) on the MLP with a log-softmax fourth stage and the LM, on 2 devices.
 2. memory: per pipeline device, the runtime's own accounting of live buffers
    (`MpmdProgram.device_bytes`) at m = p, 2p, 4p, 8p microbatches of a fixed size:
    `activations` (the peak of the forward stage calls' outputs, copies included: what is kept
@@ -17,20 +18,24 @@
    (`MpmdProgram.simulate`: each device runs its segments in dispatch order, each as soon as
    its inputs exist) with unit-cost stage calls, against the textbook makespan and bubble
    (`_mpmd_schedule.makespan`, `bubble`): 2(m + p − 1) and (p − 1)/(m + p − 1) for GPipe and
-   1F1B, 3m + p − 1 and (p − 1)/(3m + p − 1) for ZB-H1 (m ≥ p; F = B = W = 1 unit). The
-   model has a learned scale in front of its stages so that every stage has an input gradient.
+   1F1B, 3m + p − 1 and (p − 1)/(3m + p − 1) for ZB-H1 (m ≥ p; F = B = W = 1 unit), and
+   2(v·m + p − 1), (p − 1)/(v·m + p − 1) for interleaved 1F1B with v = 2 stages per device
+   (m a multiple of p; a unit is one stage, 1/v of a device's). The model has a learned scale
+   in front of its stages so that every stage has an input gradient.
 4. overhead: Fit against a hand-written loop of the same schedule (per-device `jax.jit`
    functions for each stage's forward, input gradient and weight gradient of the seeds' MLP,
    dispatched in the textbook order, AdamW per device), alternated in rounds; the median step
    time of each and Fit / hand-written.
 
     python benchmarks/pipeline_schedules.py            # results/pipeline_schedules.json
+    python benchmarks/pipeline_schedules.py --sections schedule --keep   # one section again
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 import time
@@ -116,6 +121,23 @@ def equivalence(args) -> dict:
                          "ok": all(r["max_loss_rel_diff_vs_single"] <= 1e-5
                                    and r["max_param_abs_diff_vs_single"] <= 1e-5
                                    for r in (mlp, lm))}
+    # Interleaved 1F1B needs v ≥ 2 stages per device: the MLP with its log-softmax fourth
+    # stage and the LM's 4 stages, on 2 devices (stages 0 and 2 on the first, 1 and 3 on the
+    # second).
+    _, _, ref4, ref4_params, _ = fit_seed_mlp(strategies.SingleDevice(), 4, args.steps,
+                                              args.batch, packed=False)
+    fit, _, losses, params, _ = fit_seed_mlp(_strategy("interleaved-1f1b", 2, 4), 4,
+                                             args.steps, args.batch, packed=False)
+    mlp = {**_max_diffs(losses, params, ref4, ref4_params),
+           "compiles": fit.compile_counts.get("train")}
+    lm_fit, lm_losses, lm_params = _fit_lm(_strategy("interleaved-1f1b", 2, 4), args.steps)
+    lm = {**_max_diffs(lm_losses, lm_params, lm_ref, lm_ref_params),
+          "compiles": lm_fit.compile_counts.get("train")}
+    out["interleaved-1f1b"] = {"mlp_784_512_256_10_log_softmax_4_stages_on_2": mlp,
+                               "staged_lm_4_stages_on_2": lm,
+                               "ok": all(r["max_loss_rel_diff_vs_single"] <= 1e-5
+                                         and r["max_param_abs_diff_vs_single"] <= 1e-5
+                                         for r in (mlp, lm))}
     return out
 
 
@@ -185,21 +207,24 @@ class ScaledStages(jl.TrainModule):
 def schedule_rows(args) -> dict:
     out = {}
     rng = np.random.default_rng(0)
-    for schedule in SCHEDULES:
+    for schedule in (*SCHEDULES, "interleaved-1f1b"):
+        v = 2 if schedule == "interleaved-1f1b" else 1  # chunks (stages) per device
         for p in (2, 3, 4):
             rows = []
             for m in args.microbatches:
+                if m % p and v > 1:
+                    continue  # interleaved 1F1B runs microbatches in groups of p
                 data = [{"x": rng.normal(size=(2 * m, 8)).astype(np.float32),
                          "y": rng.normal(size=(2 * m, 8)).astype(np.float32)}]
                 fit = jl.Fit(strategy=_strategy(schedule, p, m), max_steps=1,
                              enable_progress_bar=False, enable_model_summary=False,
                              logger=False)
-                fit.fit(ScaledStages(p), data)
+                fit.fit(ScaledStages(p * v), data)
                 unit = fit.compiled_train_step.simulate(lambda s: float(s.stage is not None))
                 row = {"microbatches": m, "unit_makespan": unit["makespan"],
-                       "expected_makespan": makespan(schedule, p, m),
+                       "expected_makespan": makespan(schedule, p, m, v),
                        "bubble_fraction_schedule": 1 - max(unit["busy"]) / unit["makespan"],
-                       "bubble_fraction_theory": bubble(schedule, p, m)}
+                       "bubble_fraction_theory": bubble(schedule, p, m, v)}
                 row["ok"] = (row["unit_makespan"] == row["expected_makespan"] and abs(
                     row["bubble_fraction_schedule"] - row["bubble_fraction_theory"]) < 1e-12)
                 rows.append(row)
@@ -351,9 +376,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--sections", nargs="*",
                         default=["equivalence", "memory", "schedule", "overhead"])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the other sections of an existing results file")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)  # m < p warns by design
-    report = {"jax": jax.__version__, "cpus": os.cpu_count()}
+    report = {}
+    path = args.out or os.path.join(HERE, "results", "pipeline_schedules.json")
+    if args.keep and os.path.exists(path):  # sections run apart: the others kept
+        with open(path) as f:
+            report = json.load(f)
+    report.update(jax=jax.__version__, cpus=os.cpu_count())
     sections = {"equivalence": equivalence, "memory": memory, "schedule": schedule_rows,
                 "overhead": overhead}
     for name in args.sections:
@@ -361,7 +393,7 @@ def main(argv=None) -> dict:
         report[name] = sections[name](args)
         report[name]["seconds"] = time.perf_counter() - start
         print(name, "done", flush=True)
-    write_result("pipeline_schedules", report, args.out)
+    write_result("pipeline_schedules", report, path)
     return report
 
 

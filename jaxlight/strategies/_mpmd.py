@@ -77,6 +77,7 @@ class MpmdGPipe(Strategy):
         check_microbatches_arg(microbatches, "GPipe(mpmd=True)")
         self.schedule = check_schedule(schedule, "GPipe(mpmd=True)")
         self._stages_arg = stages
+        self._chunks = 1
         self.microbatches = microbatches
         self.pipeline_remat = bool(remat)
         self._devices = None if devices is None else list(devices)
@@ -98,6 +99,13 @@ class MpmdGPipe(Strategy):
         self.mesh = Mesh(np.asarray(pool[:p], dtype=object), (PIPE,))
         if self.microbatches is None:
             self.microbatches = 2 * p
+        if self.schedule == "interleaved-1f1b" and self.microbatches % p:
+            near = (self.microbatches // p * p, (self.microbatches // p + 1) * p)
+            raise ConfigurationError(
+                f"{self._who()}: interleaved 1F1B runs the microbatches in groups of the "
+                f"{p} pipeline devices, but {self.microbatches} is not a multiple of {p}. Use "
+                f"microbatches={' or '.join(str(n) for n in near if n)}, or "
+                "schedule='1f1b'.")
         warn_few_microbatches(p, self.microbatches, self._who())
 
     def _who(self) -> str:
@@ -124,17 +132,26 @@ class MpmdGPipe(Strategy):
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         if self.mesh is not None:
+            v = self._chunks
             out["pipeline"] = {
-                "stages": self.stages, "microbatches": self.microbatches, "repeats": 1,
+                "stages": self.stages, "microbatches": self.microbatches, "repeats": v,
                 "schedule": self.schedule, "mpmd": True, "remat": self.pipeline_remat,
-                "iterations": self.microbatches + self.stages - 1,
+                "iterations": v * self.microbatches + self.stages - 1,
                 "bubble_fraction": schedule_bubble(self.schedule, self.stages,
-                                                   self.microbatches),
-                # Microbatches whose activations a device holds at once (device 0, the most).
-                "microbatches_in_flight": (self.microbatches if self.schedule == "gpipe"
-                                           else min(self.stages, self.microbatches)),
+                                                   self.microbatches, v),
+                # Microbatches whose activations a device holds at once (device 0, the most;
+                # interleaved: chunk passes of 1/v of its layers, counted in microbatches).
+                "microbatches_in_flight": self._in_flight(),
             }
         return out
+
+    def _in_flight(self) -> float:
+        p, m, v = self.stages, self.microbatches, self._chunks
+        if self.schedule == "gpipe":
+            return m
+        if self.schedule == "interleaved-1f1b":
+            return min(2 * (p - 1) + (v - 1) * p + 1, v * m) / v
+        return min(p, m)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -154,10 +171,14 @@ class MpmdGPipe(Strategy):
         # last device holding only parameter-free stages would shift the placement; `compile`
         # then warns with the bytes copied per step.
         k = -(-(found[-1] + 1) // len(devices))
+        interleaved = self.schedule == "interleaved-1f1b"  # stage s on device s mod p
+        # (The model's chunks per device, for `describe`: fixed by the model, read here.)
+        self._chunks = k if interleaved else 1
 
         def place(path, _):
             s = stage_index(path)
-            return SingleDeviceSharding(devices[0 if s is None else s // k])
+            d = 0 if s is None else (s % len(devices) if interleaved else s // k)
+            return SingleDeviceSharding(devices[d])
 
         return jax.tree_util.tree_map_with_path(place, abstract_state)
 

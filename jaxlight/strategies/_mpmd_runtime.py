@@ -115,7 +115,8 @@ class MpmdProgram:
                 f"GPipe(mpmd=True): the model's Stages has {self.stages} stages, which do not "
                 f"split into {p} pipeline devices. Use a stage count that is a multiple of "
                 f"{p}, or stages = a divisor of {self.stages}.")
-        place(ops, inputs, outputs, in_flat, out_flat, self.devices, self.stages)
+        place(ops, inputs, outputs, in_flat, out_flat, self.devices, self.stages,
+              round_robin=schedule == "interleaved-1f1b")
         ops = order_ops(ops, schedule, p, microbatches, self.stages, who)
         self.segments = cut_segments(ops)
         self._home = {k: device_of_sharding(s, self.devices)

@@ -54,6 +54,8 @@ SCHEDULES = {
     "1f1b": "one forward, one backward: at most p microbatches' activations, GPipe's bubble",
     "zb-h1": "1F1B with the backward split into input and weight gradients, the weight "
              "gradients filling the bubble: 1F1B's memory, about a third of its bubble",
+    "interleaved-1f1b": "1F1B over v = S/p chunks per device (stage s on device s mod p): "
+                        "bubble (p − 1)/(v·m + p − 1) for v times the copies; m a multiple of p",
 }
 #: The name scope around each microbatch's gradient (its index follows).
 MICROBATCH = "jaxlight_microbatch_"
@@ -101,13 +103,39 @@ def device_orders(schedule: str, p: int, m: int) -> list[list[tuple[str, int]]]:
     return orders
 
 
-def timeline(schedule: str, p: int, m: int, cost: Callable[[str], float] = lambda kind: 1.0
-             ) -> dict[tuple[int, str, int], tuple[float, float]]:
-    """`{(device, kind, microbatch): (start, end)}` when every device runs `device_orders` in
-    order, each pass as soon as its inputs exist, taking `cost(kind)`: F after the previous
-    device's F of the microbatch, B after the next device's B (the last device's after its own
-    F), W after its own B."""
-    orders = device_orders(schedule, p, m)
+def interleaved_orders(p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Interleaved 1F1B (Megatron's virtual pipeline): per device d, `(kind, microbatch,
+    stage)` in order, stage c·p + d being d's c-th chunk. Forward passes go through groups of
+    p microbatches chunk by chunk; device d runs 2(p − d − 1) + (v − 1)·p of them ahead, then
+    alternates one forward and one backward pass (m must be a multiple of p)."""
+    orders = []
+    for d in range(p):
+        def one(k, forward, d=d):
+            c = (k // p) % v
+            return ("F" if forward else "B", (k // (p * v)) * p + k % p,
+                    (c if forward else v - 1 - c) * p + d)
+        n = m * v
+        warm = min(2 * (p - d - 1) + (v - 1) * p, n)
+        order = [one(k, True) for k in range(warm)]
+        for j in range(n - warm):
+            order += [one(warm + j, True), one(j, False)]
+        orders.append(order + [one(j, False) for j in range(n - warm, n)])
+    return orders
+
+
+def timeline(schedule: str, p: int, m: int, cost: Callable[[str], float] = lambda kind: 1.0,
+             v: int = 1) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """`{(slot, kind, microbatch): (start, end)}` when every device runs its passes in the
+    schedule's order, each as soon as its inputs exist, taking `cost(kind)`: F after the
+    previous slot's F of the microbatch, B after the next slot's B (the last slot's after its
+    own F), W after its own B. A slot is a device (its stages together), or under interleaved
+    1F1B one of the p·v stages (stage s on device s mod p)."""
+    if schedule == "interleaved-1f1b":
+        orders = interleaved_orders(p, m, v)
+    else:
+        orders = [[(kind, i, d) for kind, i in order]
+                  for d, order in enumerate(device_orders(schedule, p, m))]
+    last = p * v - 1 if schedule == "interleaved-1f1b" else p - 1
     done: dict = {}
     free = [0.0] * p
     at = [0] * p
@@ -116,37 +144,40 @@ def timeline(schedule: str, p: int, m: int, cost: Callable[[str], float] = lambd
         moved = False
         for d in range(p):
             while at[d] < len(orders[d]):
-                kind, i = orders[d][at[d]]
-                need = {"F": (d - 1, "F", i) if d else None,
-                        "B": (d + 1, "B", i) if d < p - 1 else (d, "F", i),
-                        "W": (d, "B", i)}[kind]
+                kind, i, s = orders[d][at[d]]
+                need = {"F": (s - 1, "F", i) if s else None,
+                        "B": (s + 1, "B", i) if s < last else (s, "F", i),
+                        "W": (s, "B", i)}[kind]
                 if need is not None and need not in done:
                     break
                 start = max(free[d], done[need][1] if need else 0.0)
-                done[(d, kind, i)] = (start, start + cost(kind))
+                done[(s, kind, i)] = (start, start + cost(kind))
                 free[d] = start + cost(kind)
                 at[d] += 1
                 left -= 1
                 moved = True
         if not moved:  # (each order respects the dependencies: cannot happen)
-            raise AssertionError(f"schedule {schedule} deadlocks at p={p}, m={m}")
+            raise AssertionError(f"schedule {schedule} deadlocks at p={p}, m={m}, v={v}")
     return done
 
 
-def makespan(schedule: str, p: int, m: int) -> int:
+def makespan(schedule: str, p: int, m: int, v: int = 1) -> int:
     """The textbook step length in units of one pass per stage: F = B = 1 for GPipe and 1F1B
     (2(m + p − 1)); F = B = W = 1 for ZB-H1 (3m + p − 1 when m ≥ p; with fewer microbatches
-    the last microbatch's chain of passes, 2m + 2p − 1, is longer)."""
+    the last microbatch's chain of passes, 2m + 2p − 1, is longer); interleaved 1F1B in passes
+    of one chunk (1/v of a device's stages), 2(v·m + p − 1)."""
     if schedule == "zb-h1":
         return 3 * m + p - 1 + max(0, p - m)
+    if schedule == "interleaved-1f1b":
+        return 2 * (v * m + p - 1)
     return 2 * (m + p - 1)
 
 
-def bubble(schedule: str, p: int, m: int) -> float:
+def bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     """The fraction of the step each device idles: (p − 1)/(m + p − 1) for GPipe and 1F1B;
-    (p − 1)/(3m + p − 1) for ZB-H1 when m ≥ p."""
-    work = (3 if schedule == "zb-h1" else 2) * m
-    return 1 - work / makespan(schedule, p, m)
+    (p − 1)/(3m + p − 1) for ZB-H1 when m ≥ p; (p − 1)/(v·m + p − 1) interleaved."""
+    work = {"zb-h1": 3 * m, "interleaved-1f1b": 2 * v * m}.get(schedule, 2 * m)
+    return 1 - work / makespan(schedule, p, m, v)
 
 
 # -- the gradient, one microbatch at a time --------------------------------------------------
@@ -208,7 +239,8 @@ def order_ops(ops: list, schedule: str, p: int, m: int, stages: int, who: str) -
     if schedule == "gpipe" or not calls or all(op.microbatch is None for op in calls):
         return ops
     k = max(1, stages // p)
-    times = timeline(schedule, p, m)
+    interleaved = schedule == "interleaved-1f1b"
+    times = timeline(schedule, p, m, v=k if interleaved else 1)
     seen: set = set()
     for op in calls:
         key = (op.stage, op.kind, op.microbatch)
@@ -227,8 +259,8 @@ def order_ops(ops: list, schedule: str, p: int, m: int, stages: int, who: str) -
         ins = [a for a in op.ins if isinstance(a, Key) and a in when]
         ready = None
         if op.stage is not None:
-            sub = op.stage % k if op.kind == "F" else k - 1 - op.stage % k
-            start, end = times[(op.device, op.kind, op.microbatch)]
+            sub = 0 if interleaved else (op.stage % k if op.kind == "F" else k - 1 - op.stage % k)
+            start, end = times[(op.stage if interleaved else op.device, op.kind, op.microbatch)]
             prio[j], ready = (start, sub), (end, sub)
         elif ins:
             prio[j] = ready = max(when[a] for a in ins)
@@ -279,5 +311,6 @@ def _ready_first(ops: list, keys: list) -> list:
     return out
 
 
-__all__ = ["MICROBATCH", "SCHEDULES", "bubble", "check_schedule", "device_orders", "makespan",
+__all__ = ["MICROBATCH", "SCHEDULES", "bubble", "check_schedule", "device_orders",
+           "interleaved_orders", "makespan",
            "microbatch_gradients", "order_ops", "tag", "timeline"]

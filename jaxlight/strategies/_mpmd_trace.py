@@ -164,14 +164,16 @@ def device_of_sharding(sharding, devices: Sequence[jax.Device]) -> int:
 
 
 def place(ops: Sequence[Op], inputs: Sequence[Key], outputs: Sequence, in_flat: Sequence,
-          out_flat: Sequence, devices: Sequence[jax.Device], stages: int) -> None:
-    """Sets each op's device (see the module docstring, step 2)."""
+          out_flat: Sequence, devices: Sequence[jax.Device], stages: int,
+          round_robin: bool = False) -> None:
+    """Sets each op's device (see the module docstring, step 2); `round_robin` puts stage s
+    on device s mod p (interleaved 1F1B) instead of contiguous groups."""
     home: dict = {k: device_of_sharding(s, devices) for k, s in zip(inputs, in_flat, strict=True)}
     k = max(1, stages // len(devices)) if stages else 1
     staged: set = set()  # values computed from a stage call's output
     for op in ops:
         if op.stage is not None:
-            op.device = op.stage // k
+            op.device = op.stage % len(devices) if round_robin else op.stage // k
         else:
             # Equal bytes on two devices (a loss reading the last stage's output and labels as
             # large): the stage's side, where the schedule expects it (1F1B's backward pass

@@ -1,4 +1,4 @@
-"""Pipeline schedules of GPipe(mpmd=True): 1F1B and ZB-H1 beside GPipe's order.
+"""Pipeline schedules of GPipe(mpmd=True): 1F1B, ZB-H1 and interleaved 1F1B beside GPipe's.
 
 The textbook schedules (`_mpmd_schedule`) are checked on their own (fast); the programs the
 strategy builds are checked against them, against one device, for memory, and for
@@ -22,6 +22,7 @@ from jaxlight import callbacks, nn, strategies
 from jaxlight.strategies._mpmd_schedule import (
     bubble,
     device_orders,
+    interleaved_orders,
     makespan,
     timeline,
 )
@@ -87,6 +88,27 @@ def test_textbook_makespan_bubble_and_memory(schedule):
     assert bubble("zb-h1", 4, 12) == pytest.approx(3 / 39)  # (p − 1)/(3m + p − 1)
 
 
+def test_textbook_interleaved_1f1b():
+    """Megatron's interleaved order: every device runs each of its v chunks' passes once per
+    microbatch, and the timeline in passes of one chunk is 2(v·m + p − 1) long: bubble
+    (p − 1)/(v·m + p − 1)."""
+    for p in range(2, 5):
+        for v in (2, 3):
+            for m in range(p, 17, p):
+                orders = interleaved_orders(p, m, v)
+                for d, order in enumerate(orders):
+                    assert sorted(order) == sorted((k, i, c * p + d) for k in "FB"
+                                                   for i in range(m) for c in range(v))
+                times = timeline("interleaved-1f1b", p, m, v=v)
+                assert max(end for _, end in times.values()) == makespan(
+                    "interleaved-1f1b", p, m, v) == 2 * (v * m + p - 1)
+    assert bubble("interleaved-1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    strategy = _mpmd("interleaved-1f1b", p=2, m=3)
+    with pytest.raises(jl.ConfigurationError, match=r"3 is not a multiple of 2\. Use "
+                                                    r"microbatches=2 or 4, or schedule='1f1b'"):
+        strategy.setup(jax.devices()[:2])
+
+
 def test_unknown_or_unsupported_schedule_is_refused():
     with pytest.raises(jl.ConfigurationError,
                        match=r"schedule='1F1' is not a pipeline schedule.*'gpipe'.*'1f1b'.*"
@@ -124,6 +146,30 @@ def test_staged_lm_in_four_stages_matches_single_device(schedule):
     ref = logged_fit("single", MpmdLM(), data, STEPS)
     run = logged_fit(_mpmd(schedule, p=4), MpmdLM(), data, STEPS)
     _close(run, ref)
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_matches_single_device_in_its_order():
+    """Interleaved 1F1B, 2 stages per device (stage s on device s mod 2): the MLP with its
+    log-softmax fourth stage and the LM's 4 stages equal one device; the MLP's program runs
+    Megatron's order, makespan 2(v·m + p − 1) unit stage calls."""
+    loader = jl.data.ArrayLoader(stage_data(192), BATCH, seed=1)
+    ref = logged_fit("single", StageMLP(4, packed=False), loader, STEPS)
+    run = logged_fit(_mpmd("interleaved-1f1b", p=2), StageMLP(4, packed=False), loader, STEPS)
+    _close(run, ref)
+    program = run["fit"].compiled_train_step
+    for d, order in enumerate(interleaved_orders(2, M, 2)):
+        assert [(s.ops[0].kind, s.ops[0].microbatch, s.stage) for s in program.segments
+                if s.stage is not None and s.device == d] == order
+    assert program.simulate(lambda seg: float(seg.stage is not None))["makespan"] == \
+        makespan("interleaved-1f1b", 2, M, 2)
+    devices = jax.devices()[:2]
+    model = run["module"].model
+    assert model.stage(2).kernel[...].sharding.device_set == {devices[0]}
+    assert run["fit"].strategy.describe()["pipeline"]["repeats"] == 2
+    data = jl.data.ArrayLoader(lm_data(160, 9), 16, seed=1)
+    _close(logged_fit(_mpmd("interleaved-1f1b", p=2), MpmdLM(), data, STEPS),
+           logged_fit("single", MpmdLM(), data, STEPS))
 
 
 @pytest.mark.slow
