@@ -25,7 +25,8 @@ from jaxlight.strategies._spmd import SpmdStrategy, with_default_rules
 _SPMD_SCHEDULES = (
     " without mpmd=True: one SPMD program runs every microbatch's forward pass in a loop, then "
     "the backward pass of that loop. GPipe(stages, microbatches, schedule=..., mpmd=True) runs "
-    "1f1b and zb-h1 with a program per device (a jaxlight.nn.Stages(..., packed=False) model)")
+    "1f1b, zb-h1 and interleaved-1f1b with a program per device (a "
+    "jaxlight.nn.Stages(..., packed=False) model)")
 
 
 class GPipe(Pipelined, SpmdStrategy):
@@ -53,8 +54,9 @@ class GPipe(Pipelined, SpmdStrategy):
             multiple of microbatches × the data-parallel degree. Fewer microbatches than stages
             is allowed, with a warning giving the bubble fraction.
         schedule: "gpipe" here; with `mpmd=True` also "1f1b" (one forward, one backward:
-            at most p microbatches' activations per device whatever m is) and "zb-h1" (1F1B
-            with weight gradients filling the bubble). See `jaxlight.strategies._mpmd_schedule`.
+            at most p microbatches' activations per device whatever m is), "zb-h1" (1F1B
+            with weight gradients filling the bubble) and "interleaved-1f1b". See
+            `jaxlight.strategies._mpmd_schedule`.
         remat: recompute each stage's activations in the backward pass (`jax.checkpoint`),
             storing only each stage's input per iteration.
         repeats: v > 1 runs the interleaved (circular) schedule: the layers split into

@@ -6,7 +6,8 @@ the same shape of every parameter whatever its stage owns (`jaxlight.nn.Stages` 
 stage's row to the largest). This strategy instead places each stage's arrays on its own device
 (`SingleDeviceSharding`) and runs the step through `MpmdProgram`
 (`jaxlight.strategies._mpmd_runtime`): traced once, cut into per-device executables, dispatched
-from the host in the GPipe order. It pipelines `jaxlight.nn.Stages(..., packed=False)` on one
+from the host in the schedule's order (GPipe's, 1F1B, ZB-H1 or interleaved 1F1B:
+`_mpmd_schedule.py`). It pipelines `jaxlight.nn.Stages(..., packed=False)` on one
 process; the state is the canonical pytree, so checkpoints move to and from every other
 strategy unchanged.
 """
@@ -50,6 +51,11 @@ class MpmdGPipe(Strategy):
     Args:
         stages: pipeline devices p (None: every device).
         microbatches: microbatches per batch (None: 2p); the training batch must divide.
+        schedule: the order each device runs its passes in (`_mpmd_schedule.SCHEDULES`):
+            "gpipe" (every forward pass, then every backward pass), "1f1b" (device d at most
+            p − d microbatches' activations, whatever m), "zb-h1" (1F1B with weight gradients
+            filling the bubble) or "interleaved-1f1b" (a Stages of v·p stages, stage s on
+            device s mod p: bubble (p − 1)/(v·m + p − 1); m a multiple of p).
         remat: each stage stores only its input per microbatch and recomputes the rest in the
             backward pass.
         devices: the devices to use (default: all local ones).

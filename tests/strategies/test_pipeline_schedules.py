@@ -137,6 +137,11 @@ def runs(tmp_path_factory):
 def test_mlp_matches_single_device(runs, schedule):
     _close(runs[schedule], runs["single"])
     assert runs[schedule]["fit"].compile_counts["train"] == 1
+    # Auto's roofline prices the schedule's own order (the makespan of its dispatch order):
+    # with every stage call at its roofline time, no longer than GPipe's for the same work.
+    program, gpipe = (runs[k]["fit"].compiled_train_step for k in (schedule, "gpipe"))
+    speeds = (1e11, 1e11, 1e15)  # FLOP/s, memory and link bytes/s: copies ~free
+    assert 0 < program.roofline_seconds(*speeds) <= gpipe.roofline_seconds(*speeds) * 1.01
 
 
 @pytest.mark.slow
