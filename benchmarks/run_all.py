@@ -35,6 +35,7 @@ BENCHMARKS = {
     "pipeline_stages": [],
     "pipeline_interleaved": [],
     "pipeline_mpmd": [],
+    "pipeline_schedules": [],
     "tp_overlap": [],
     "context": [],
     "overhead": ["--steps", "150", "--rounds", "9"],
@@ -344,6 +345,36 @@ def summarize_pipeline_mpmd(r):
                      f"{tb['max_bubble_abs_error']:.3f}",
                      f"≤ {tb['gpipe_precision_pipeline_stages_p4']:.3f}",
                      tb["within_gpipe_precision"]))
+    return rows
+
+
+def summarize_pipeline_schedules(r):
+    rows = []
+    for name, run in r.get("equivalence", {}).items():
+        if name == "seconds":
+            continue
+        parts = [v for k, v in run.items() if k != "ok"]
+        worst = max(v["max_loss_rel_diff_vs_single"] for v in parts)
+        param = max(v["max_param_abs_diff_vs_single"] for v in parts)
+        rows.append((f"GPipe(mpmd=True, schedule={name!r}): loss vs one device (max parameter "
+                     "difference), MLP and staged LM, 10 AdamW steps",
+                     f"{_fmt(worst, 2)} ({_fmt(param, 3)})", "≤ 1e-5", worst <= 1e-5))
+    mem = r.get("memory")
+    if mem:
+        act = mem["activation_bytes_per_device"]
+        rows.append(("activation bytes per device, 1F1B, m = p..8p (flat) / GPipe at 8p",
+                     f"{act['1f1b']['m=24']} / {act['gpipe']['m=24']}", "flat; ≤ p/m × GPipe",
+                     mem["activations_flat_in_m"]["1f1b"] and mem["at_m_4p"]["ok"]))
+    sched = r.get("schedule")
+    if sched:
+        ms = [row["microbatches"] for row in sched["1f1b p=2"]["rows"]]
+        rows.append(("schedule read from the program = textbook makespan and bubble, every "
+                     f"schedule, m = {ms}, p = 2..4", "all" if sched["all_ok"] else "not all",
+                     "all", sched["all_ok"]))
+    for name, run in (r.get("overhead") or {}).items():
+        if isinstance(run, dict) and "median_ratio" in run:
+            rows.append((f"Fit / hand-written {name} loop (step time, median of rounds)",
+                         _fmt(run["median_ratio"], 3), "≤ 1.02", run["median_ratio"] <= 1.02))
     return rows
 
 

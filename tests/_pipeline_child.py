@@ -2,6 +2,7 @@
 
 Usage: python _pipeline_child.py '<json config>' with "kind": "stages" (StageMLP under
 GPipe(3, 4) on 6 devices), "stages_mpmd" (the same under GPipe(3, 4, mpmd=True) on 3),
+"stages_1f1b" and "stages_zb-h1" (that under schedule="1f1b" or "zb-h1"),
 "staged_lm" (StagedTransformerLM under GPipe(4, 4) on 8 devices) or
 "interleaved" (the 8-layer stack under GPipe(4, 4, repeats=2) on 4 devices); prints `STEP <n>`
 after every step.

@@ -32,6 +32,10 @@ def pipelined_run(kind: str, devices):
     if kind == "stages_mpmd":  # a program per device, 3 devices
         return (strategies.GPipe(3, 4, mpmd=True, devices=devices[:3]), StageMLP(packed=False),
                 jl.data.ArrayLoader(stage_data(192), 24, seed=1))
+    if kind in ("stages_1f1b", "stages_zb-h1"):  # the same under another schedule
+        return (strategies.GPipe(3, 4, schedule=kind.split("_")[1], mpmd=True,
+                                 devices=devices[:3]), StageMLP(packed=False),
+                jl.data.ArrayLoader(stage_data(192), 24, seed=1))
     if kind == "staged_lm":  # data 2 × pipe 4: embedding, block, block, head
         return (strategies.GPipe(4, 4, devices=devices[:8]), StagedLM(),
                 jl.data.ArrayLoader(lm_data(160, 9), 16, seed=1))

@@ -17,9 +17,16 @@ import jax
 
 from jaxlight._errors import ConfigurationError
 from jaxlight.strategies._mpmd import MpmdGPipe
+from jaxlight.strategies._mpmd_schedule import check_schedule
 from jaxlight.strategies._pipelined import Pipelined
 from jaxlight.strategies._rules import normalize_rules
 from jaxlight.strategies._spmd import SpmdStrategy, with_default_rules
+
+_SPMD_SCHEDULES = (
+    " without mpmd=True: one SPMD program runs every microbatch's forward pass in a loop, then "
+    "the backward pass of that loop. GPipe(stages, microbatches, schedule=..., mpmd=True) runs "
+    "1f1b, zb-h1 and interleaved-1f1b with a program per device (a "
+    "jaxlight.nn.Stages(..., packed=False) model)")
 
 
 class GPipe(Pipelined, SpmdStrategy):
@@ -46,6 +53,10 @@ class GPipe(Pipelined, SpmdStrategy):
         microbatches: microbatches per batch; None means 2 × stages. The global batch must be a
             multiple of microbatches × the data-parallel degree. Fewer microbatches than stages
             is allowed, with a warning giving the bubble fraction.
+        schedule: "gpipe" here; with `mpmd=True` also "1f1b" (one forward, one backward:
+            at most p microbatches' activations per device whatever m is), "zb-h1" (1F1B
+            with weight gradients filling the bubble) and "interleaved-1f1b". See
+            `jaxlight.strategies._mpmd_schedule`.
         remat: recompute each stage's activations in the backward pass (`jax.checkpoint`),
             storing only each stage's input per iteration.
         repeats: v > 1 runs the interleaved (circular) schedule: the layers split into
@@ -66,6 +77,7 @@ class GPipe(Pipelined, SpmdStrategy):
         >>> from jaxlight import strategies
         >>> strategy = strategies.GPipe(stages=4, microbatches=8)
         >>> interleaved = strategies.GPipe(stages=4, microbatches=8, repeats=2)
+        >>> one_f_one_b = strategies.GPipe(stages=4, microbatches=8, schedule="1f1b", mpmd=True)
     """
 
     name = "gpipe"
@@ -80,6 +92,7 @@ class GPipe(Pipelined, SpmdStrategy):
         stages: int | None = None,
         microbatches: int | None = None,
         *,
+        schedule: str = "gpipe",
         remat: bool = False,
         repeats: int = 1,
         rules=None,
@@ -88,6 +101,7 @@ class GPipe(Pipelined, SpmdStrategy):
         mpmd: bool = False,
     ):
         del mpmd  # (True returned an MpmdGPipe from __new__)
+        check_schedule(schedule, "GPipe", supported=("gpipe",), why=_SPMD_SCHEDULES)
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)
                                    or stages < 1):
             raise ConfigurationError(

@@ -6,7 +6,8 @@ the same shape of every parameter whatever its stage owns (`jaxlight.nn.Stages` 
 stage's row to the largest). This strategy instead places each stage's arrays on its own device
 (`SingleDeviceSharding`) and runs the step through `MpmdProgram`
 (`jaxlight.strategies._mpmd_runtime`): traced once, cut into per-device executables, dispatched
-from the host in the GPipe order. It pipelines `jaxlight.nn.Stages(..., packed=False)` on one
+from the host in the schedule's order (GPipe's, 1F1B, ZB-H1 or interleaved 1F1B:
+`_mpmd_schedule.py`). It pipelines `jaxlight.nn.Stages(..., packed=False)` on one
 process; the state is the canonical pytree, so checkpoints move to and from every other
 strategy unchanged.
 """
@@ -23,10 +24,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxlight._errors import ConfigurationError
 from jaxlight.nn._mpmd import STAGE_MODULES, MpmdConfig, mpmd_context, stage_index
-from jaxlight.nn._pipeline import bubble_fraction
 from jaxlight.sharding._layout import require_divisible
 from jaxlight.strategies._base import Strategy
 from jaxlight.strategies._mpmd_runtime import MpmdProgram
+from jaxlight.strategies._mpmd_schedule import bubble as schedule_bubble
+from jaxlight.strategies._mpmd_schedule import check_schedule, microbatch_gradients
 from jaxlight.strategies._pipelined import (
     PIPE,
     check_microbatches_arg,
@@ -49,6 +51,11 @@ class MpmdGPipe(Strategy):
     Args:
         stages: pipeline devices p (None: every device).
         microbatches: microbatches per batch (None: 2p); the training batch must divide.
+        schedule: the order each device runs its passes in (`_mpmd_schedule.SCHEDULES`):
+            "gpipe" (every forward pass, then every backward pass), "1f1b" (device d at most
+            p − d microbatches' activations, whatever m), "zb-h1" (1F1B with weight gradients
+            filling the bubble) or "interleaved-1f1b" (a Stages of v·p stages, stage s on
+            device s mod p: bubble (p − 1)/(v·m + p − 1); m a multiple of p).
         remat: each stage stores only its input per microbatch and recomputes the rest in the
             backward pass.
         devices: the devices to use (default: all local ones).
@@ -57,9 +64,11 @@ class MpmdGPipe(Strategy):
     name = "gpipe"
 
     def __init__(self, stages: int | None = None, microbatches: int | None = None, *,
-                 remat: bool = False, devices: Sequence[jax.Device] | None = None,
-                 **unsupported):
+                 schedule: str = "gpipe", remat: bool = False,
+                 devices: Sequence[jax.Device] | None = None, **unsupported):
         super().__init__()
+        if unsupported.get("repeats", 1) == 1:
+            unsupported.pop("repeats", None)
         if unsupported:
             raise ConfigurationError(
                 f"GPipe(mpmd=True) does not take {sorted(unsupported)}: it pipelines a "
@@ -72,7 +81,9 @@ class MpmdGPipe(Strategy):
                 f"GPipe: stages must be a positive int (or None for every device), got "
                 f"{stages!r}.")
         check_microbatches_arg(microbatches, "GPipe(mpmd=True)")
+        self.schedule = check_schedule(schedule, "GPipe(mpmd=True)")
         self._stages_arg = stages
+        self._chunks = 1
         self.microbatches = microbatches
         self.pipeline_remat = bool(remat)
         self._devices = None if devices is None else list(devices)
@@ -94,10 +105,19 @@ class MpmdGPipe(Strategy):
         self.mesh = Mesh(np.asarray(pool[:p], dtype=object), (PIPE,))
         if self.microbatches is None:
             self.microbatches = 2 * p
+        if self.schedule == "interleaved-1f1b" and self.microbatches % p:
+            near = (self.microbatches // p * p, (self.microbatches // p + 1) * p)
+            raise ConfigurationError(
+                f"{self._who()}: interleaved 1F1B runs the microbatches in groups of the "
+                f"{p} pipeline devices, but {self.microbatches} is not a multiple of {p}. Use "
+                f"microbatches={' or '.join(str(n) for n in near if n)}, or "
+                "schedule='1f1b'.")
         warn_few_microbatches(p, self.microbatches, self._who())
 
     def _who(self) -> str:
-        return f"GPipe(stages={self.stages}, microbatches={self.microbatches}, mpmd=True)"
+        extra = "" if self.schedule == "gpipe" else f", schedule={self.schedule!r}"
+        return (f"GPipe(stages={self.stages}, microbatches={self.microbatches}{extra}, "
+                "mpmd=True)")
 
     @property
     def pipeline_devices(self) -> list[jax.Device]:
@@ -118,13 +138,26 @@ class MpmdGPipe(Strategy):
     def describe(self) -> dict[str, Any]:
         out = super().describe()
         if self.mesh is not None:
+            v = self._chunks
             out["pipeline"] = {
-                "stages": self.stages, "microbatches": self.microbatches, "repeats": 1,
-                "schedule": "gpipe", "mpmd": True, "remat": self.pipeline_remat,
-                "iterations": self.microbatches + self.stages - 1,
-                "bubble_fraction": bubble_fraction(self.stages, self.microbatches),
+                "stages": self.stages, "microbatches": self.microbatches, "repeats": v,
+                "schedule": self.schedule, "mpmd": True, "remat": self.pipeline_remat,
+                "iterations": v * self.microbatches + self.stages - 1,
+                "bubble_fraction": schedule_bubble(self.schedule, self.stages,
+                                                   self.microbatches, v),
+                # Microbatches whose activations a device holds at once (device 0, the most;
+                # interleaved: chunk passes of 1/v of its layers, counted in microbatches).
+                "microbatches_in_flight": self._in_flight(),
             }
         return out
+
+    def _in_flight(self) -> float:
+        p, m, v = self.stages, self.microbatches, self._chunks
+        if self.schedule == "gpipe":
+            return m
+        if self.schedule == "interleaved-1f1b":
+            return min(2 * (p - 1) + (v - 1) * p + 1, v * m) / v
+        return min(p, m)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -144,10 +177,14 @@ class MpmdGPipe(Strategy):
         # last device holding only parameter-free stages would shift the placement; `compile`
         # then warns with the bytes copied per step.
         k = -(-(found[-1] + 1) // len(devices))
+        interleaved = self.schedule == "interleaved-1f1b"  # stage s on device s mod p
+        # (The model's chunks per device, for `describe`: fixed by the model, read here.)
+        self._chunks = k if interleaved else 1
 
         def place(path, _):
             s = stage_index(path)
-            return SingleDeviceSharding(devices[0 if s is None else s // k])
+            d = 0 if s is None else (s % len(devices) if interleaved else s // k)
+            return SingleDeviceSharding(devices[d])
 
         return jax.tree_util.tree_map_with_path(place, abstract_state)
 
@@ -179,6 +216,15 @@ class MpmdGPipe(Strategy):
     def trace_context(self):
         return mpmd_context(MpmdConfig(self.stages, self.microbatches, self.pipeline_remat))
 
+    def gradient_fn(self, grad_fn):
+        """GPipe: the whole batch's gradient (`Stages` splits it into the microbatches). 1F1B
+        and ZB-H1: one microbatch at a time, each with its own loss, so that its backward pass
+        can start before the other microbatches' forward passes (`_mpmd_schedule`)."""
+        if self.schedule == "gpipe":
+            return grad_fn
+        return microbatch_gradients(grad_fn, self.microbatches, self.stages,
+                                    self.pipeline_remat)
+
     def create(self, fn, shardings):
         """`fn()` run as a program per device: each array made on the device it lives on."""
         return self.compile(fn, (), (), shardings)()
@@ -187,7 +233,9 @@ class MpmdGPipe(Strategy):
         config = MpmdConfig(self.stages, self.microbatches, self.pipeline_remat)
         with mpmd_context(config):
             program = MpmdProgram(fn, tuple(abstract_args), in_shardings, out_shardings,
-                                  self.pipeline_devices, tuple(donate_argnums))
+                                  self.pipeline_devices, tuple(donate_argnums),
+                                  schedule=self.schedule, microbatches=self.microbatches,
+                                  who=self._who())
         if program.misplaced_bytes:
             warnings.warn(
                 f"{self._who()}: {program.misplaced_bytes} bytes of state are copied to another "

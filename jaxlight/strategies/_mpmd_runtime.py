@@ -39,6 +39,8 @@ from jax.extend import core as jex_core
 from jaxlight._errors import ConfigurationError
 from jaxlight.analysis._flops import compiled_flops
 from jaxlight.nn._mpmd import STAGE_PREFIX
+from jaxlight.strategies._mpmd_schedule import order_ops, tag
+from jaxlight.strategies._mpmd_split import split_backward
 from jaxlight.strategies._mpmd_trace import (
     ANY,
     Const,
@@ -87,9 +89,16 @@ class MpmdProgram:
     """
 
     def __init__(self, fn: Callable, abstract_args: tuple, in_shardings: Any, out_shardings: Any,
-                 devices: Sequence[jax.Device], donate_argnums: tuple[int, ...] = ()):
+                 devices: Sequence[jax.Device], donate_argnums: tuple[int, ...] = (),
+                 schedule: str = "gpipe", microbatches: int = 1, who: str = "GPipe(mpmd=True)"):
         self.devices = list(devices)
+        self.schedule = schedule
         ops, inputs, outputs, out_shape = trace(fn, abstract_args)
+        for op in ops:
+            if op.stage is not None:
+                op.kind, op.microbatch = tag(op)
+        if schedule == "zb-h1":
+            ops = split_backward(ops)
         self._out_tree = jax.tree.structure(out_shape)
         in_flat = broadcast(in_shardings, abstract_args)
         out_flat = broadcast(out_shardings, out_shape)
@@ -106,7 +115,9 @@ class MpmdProgram:
                 f"GPipe(mpmd=True): the model's Stages has {self.stages} stages, which do not "
                 f"split into {p} pipeline devices. Use a stage count that is a multiple of "
                 f"{p}, or stages = a divisor of {self.stages}.")
-        place(ops, inputs, outputs, in_flat, out_flat, self.devices, self.stages)
+        place(ops, inputs, outputs, in_flat, out_flat, self.devices, self.stages,
+              round_robin=schedule == "interleaved-1f1b")
+        ops = order_ops(ops, schedule, p, microbatches, self.stages, who)
         self.segments = cut_segments(ops)
         self._home = {k: device_of_sharding(s, self.devices)
                       for k, s in zip(inputs, in_flat, strict=True)}
@@ -327,8 +338,10 @@ class MpmdProgram:
     def device_bytes(self) -> list[dict[str, int]]:
         """Per device, over one call replayed in the program's order: `argument` (its inputs),
         `output`, `temp` (the peak of its live values plus the running segment's temporaries,
-        the copies it receives included) and `intermediate` (the same peak without the step's
-        inputs and outputs: activations kept for the backward pass, gradients)."""
+        the copies it receives included), `intermediate` (the same peak without the step's
+        inputs and outputs: activations kept for the backward pass, gradients) and
+        `activations` (the peak of the forward stage calls' outputs alone, copies included:
+        what a pipeline schedule keeps for the backward pass)."""
         p = len(self.devices)
         args, outs = [0] * p, [0] * p
         for key in self._inputs:
@@ -339,9 +352,11 @@ class MpmdProgram:
             d = self._home.get(key, 0)
             outs[0 if d == ANY else d] += nbytes(key.aval)
         temps = {id(e): e.memory_analysis().temp_size_in_bytes for e in self._executables}
-        live, mid = [0] * p, [0] * p
-        peak, peak_mid = [0] * p, [0] * p
+        live, mid, act = [0] * p, [0] * p, [0] * p
+        peak, peak_mid, peak_act = [0] * p, [0] * p, [0] * p
         held: dict = {}
+        forward = {k for seg in self.segments if seg.stage is not None
+                   and seg.ops[0].kind == "F" for k in seg.outputs}
         for i, seg in enumerate(self.segments):
             d = seg.device
             new = [k for k in seg.inputs if self._home.get(k) != d and (k, d) not in held]
@@ -351,6 +366,9 @@ class MpmdProgram:
                 live[d] += held[(key, d)]
                 if key not in self._final:
                     mid[d] += held[(key, d)]
+                if key in forward:
+                    act[d] += held[(key, d)]
+                    peak_act[d] = max(peak_act[d], act[d])
             temp = temps[id(seg.executable)]
             peak[d] = max(peak[d], live[d] + temp)
             peak_mid[d] = max(peak_mid[d], mid[d] + temp)
@@ -360,8 +378,9 @@ class MpmdProgram:
                         size = held.pop((key, dev), 0)
                         live[dev] -= size
                         mid[dev] -= size
+                        act[dev] -= size if key in forward else 0
         return [{"argument": args[d], "output": outs[d], "temp": peak[d],
-                 "intermediate": peak_mid[d]} for d in range(p)]
+                 "intermediate": peak_mid[d], "activations": peak_act[d]} for d in range(p)]
 
     def memory_analysis(self) -> Any:
         """The device with the most bytes, in `jax.stages.Compiled.memory_analysis`'s fields

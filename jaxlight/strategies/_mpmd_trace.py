@@ -51,6 +51,8 @@ class Op:
     outs: list  # Key or None (a dropped output)
     stage: int | None
     device: int | None = None
+    kind: str | None = None  # a stage call's pass: F, B or W (`_mpmd_schedule.tag`)
+    microbatch: int | None = None
 
 
 @dataclasses.dataclass
@@ -162,20 +164,29 @@ def device_of_sharding(sharding, devices: Sequence[jax.Device]) -> int:
 
 
 def place(ops: Sequence[Op], inputs: Sequence[Key], outputs: Sequence, in_flat: Sequence,
-          out_flat: Sequence, devices: Sequence[jax.Device], stages: int) -> None:
-    """Sets each op's device (see the module docstring, step 2)."""
+          out_flat: Sequence, devices: Sequence[jax.Device], stages: int,
+          round_robin: bool = False) -> None:
+    """Sets each op's device (see the module docstring, step 2); `round_robin` puts stage s
+    on device s mod p (interleaved 1F1B) instead of contiguous groups."""
     home: dict = {k: device_of_sharding(s, devices) for k, s in zip(inputs, in_flat, strict=True)}
     k = max(1, stages // len(devices)) if stages else 1
+    staged: set = set()  # values computed from a stage call's output
     for op in ops:
         if op.stage is not None:
-            op.device = op.stage // k
+            op.device = op.stage % len(devices) if round_robin else op.stage // k
         else:
-            weight: dict[int, int] = {}
+            # Equal bytes on two devices (a loss reading the last stage's output and labels as
+            # large): the stage's side, where the schedule expects it (1F1B's backward pass
+            # starts there as soon as the forward pass ends).
+            weight: dict[int, tuple[int, int]] = {}
             for a in op.ins:
                 d = home.get(a, ANY) if isinstance(a, Key) else ANY
                 if d not in (ANY, None):
-                    weight[d] = weight.get(d, 0) + nbytes(a.aval)
-            op.device = max(weight, key=lambda d: (weight[d], -d)) if weight else None
+                    n, s = weight.get(d, (0, 0))
+                    weight[d] = (n + nbytes(a.aval), s + (nbytes(a.aval) if a in staged else 0))
+            op.device = max(weight, key=lambda d: (*weight[d], -d)) if weight else None
+        if op.stage is not None or any(isinstance(a, Key) and a in staged for a in op.ins):
+            staged.update(key for key in op.outs if key is not None)
         for key in op.outs:
             if key is not None:
                 home[key] = op.device
