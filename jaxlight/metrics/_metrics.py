@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlight._errors import ConfigurationError, StepOutputError
+from jaxlight._errors import ConfigurationError, JaxlightWarning, StepOutputError, user_frame
 
 #: Where `self.log` inside a step writes (None outside a traced step).
 _ACTIVE: contextvars.ContextVar[LogCollector | None] = contextvars.ContextVar(
@@ -120,11 +121,32 @@ class LogCollector:
                     "carries its own counts. Drop batch_size."
                 )
         else:
+            if not isinstance(value, jax.core.Tracer):
+                _warn_host_constant(where, value, train)
             value = as_scalar(value, f"{self.where} logged value {name!r}")
             if batch_size is not None:
                 batch_size = as_scalar(batch_size, f"{self.where} batch_size of {name!r}")
         self.entries[name] = Logged(value, LogOptions(on_step, on_epoch, bool(prog_bar)),
                                     batch_size)
+
+
+def _warn_host_constant(where: str, value: Any, train: bool) -> None:
+    """A logged value that is not traced is a constant of the compiled step: the value it had
+    at the trace is logged at every step (a host counter, an episode's reward)."""
+    shown = (f"the {type(value).__name__} {value!r}" if isinstance(value, int | float | bool)
+             else f"a {type(value).__name__} that is not computed from the step's inputs")
+    fix = ("compute it inside the step from the model and the batch, or log a host value from "
+           "a hook: self.log(name, value) in on_train_batch_start / on_train_batch_end logs it "
+           "with that step's metrics, as Lightning does" if train else
+           "compute it inside the step from the model and the batch")
+    message = (f"{where} logs {shown}, a host value: the step is traced once and compiled, so "
+               f"this value, as it was at the trace, is logged at every step. To log what "
+               f"changes, {fix}.")
+    found = user_frame()
+    if found is None:
+        warnings.warn(message, JaxlightWarning, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, JaxlightWarning, found[0], found[1])
 
 
 def as_scalar(value: Any, what: str) -> jax.Array:
@@ -154,16 +176,64 @@ def in_step() -> bool:
     return _ACTIVE.get() is not None
 
 
-def active(module_name: str) -> LogCollector:
-    """The collector of the step being traced; refuses `self.log` outside a step."""
-    collector = _ACTIVE.get()
+def active(module_name: str) -> LogCollector | HostLogs:
+    """The collector of the step being traced, or of the training batch whose hooks run;
+    refuses `self.log` anywhere else."""
+    collector = _ACTIVE.get() or _HOST.get()
     if collector is None:
         raise ConfigurationError(
-            f"{module_name}.log(...) was called outside a step. self.log / self.log_dict record "
-            "values while training_step, validation_step or test_step is traced; from a hook or "
-            "a callback send host values with fit.log_metrics({...}). See docs/porting.md."
+            f"{module_name}.log(...) was called outside a step and outside the training batch "
+            "hooks. self.log / self.log_dict record values while training_step, "
+            "validation_step or test_step is traced, and host values in on_train_batch_start / "
+            "on_train_batch_end (logged with that step's metrics); from another hook send host "
+            "values with fit.log_metrics({...}). See docs/porting.md."
         )
     return collector
+
+
+class HostLogs:
+    """What `self.log` recorded in one training batch's hooks (`on_train_batch_start`,
+    `on_train_batch_end`): host values, logged with that step's metrics at its log interval,
+    as Lightning logs a hook's `self.log` (read on the host only when the step is logged)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.prog_bar: set[str] = set()
+
+    def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
+            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
+        del batch_size, reduce_fx  # one value per step: nothing to weigh or reduce
+        where = f"self.log({name!r}, ...) in a training batch hook"
+        if on_epoch or on_step is False:
+            raise ConfigurationError(
+                f"{where} sets on_step={on_step}, on_epoch={on_epoch}: a value logged from "
+                "on_train_batch_start / on_train_batch_end is logged with its step's metrics "
+                "(on_step). For an epoch's mean, log the value from training_step with "
+                "on_epoch=True, or keep it on the host and send it from on_train_epoch_end "
+                "with self.trainer.log_metrics({...})."
+            )
+        if is_mergeable(value) or getattr(value, "shape", ()) != ():
+            raise StepOutputError(f"{where}: log a scalar, got {type(value).__name__}.")
+        if name in self.values:
+            raise ConfigurationError(f"{where} logs {name!r} twice for one step; log it once.")
+        self.values[name] = value
+        if prog_bar:
+            self.prog_bar.add(name)
+
+
+#: Where `self.log` in a training batch hook writes (None outside those hooks).
+_HOST: contextvars.ContextVar[HostLogs | None] = contextvars.ContextVar("jaxlight_host_logs",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def batch_hooks(logs: HostLogs) -> Iterator[HostLogs]:
+    """Makes `self.log` inside the block (a training batch's hooks) write to `logs`."""
+    token = _HOST.set(logs)
+    try:
+        yield logs
+    finally:
+        _HOST.reset(token)
 
 
 # -- training --------------------------------------------------------------------------------

@@ -194,10 +194,15 @@ _SELF_USE_FIX = {
     "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
     "self.log(...)": "self.log records traced values while a step is traced, so it works in "
                      "training_step / validation_step / test_step (and helpers they call; "
-                     "on_epoch=True aggregates over the epoch); from a hook, send host values "
-                     "with fit.log_metrics({...}) in a callback",
+                     "on_epoch=True aggregates over the epoch), and host values in "
+                     "on_train_batch_start / on_train_batch_end (logged with that step's "
+                     "metrics); from another hook, send host values with "
+                     "self.trainer.log_metrics({...}) (fit.log_metrics in a callback)",
 }
 _SELF_USE_FIX["self.log_dict(...)"] = _SELF_USE_FIX["self.log(...)"]
+
+#: Hooks where `self.log` records host values, logged with that training step's metrics.
+BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 
 #: Methods that never run inside a traced step: `self.log` there has no step to record into.
 OUTSIDE_STEPS = ("configure_model", "configure_optimizers", "setup", "teardown",
@@ -253,7 +258,9 @@ def check_module(module: Any) -> None:
         if not _overrides(module, name) or not callable(getattr(module, name, None)):
             continue
         in_step = name in STEPS
-        for what, line in _self_uses(getattr(module, name), logging=not in_step):
+        # self.log in a training batch's hooks logs host values with that step's metrics.
+        logging = not in_step and name not in BATCH_HOOKS
+        for what, line in _self_uses(getattr(module, name), logging=logging):
             fix = _SELF_USE_FIX.get(what, COLLECTING_FIX)
             if not in_step and what in ("self(...)", "self.forward(...)"):
                 fix = "outside a step, run the current model as self.model(x)"

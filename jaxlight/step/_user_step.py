@@ -4,7 +4,9 @@ data and the batch it was traced for (a bare `KeyError: 'y'` names none of them)
 The loop says which batch a step is being traced for with `tracing_for(...)`; the step builders
 call the user's `training_step`/`validation_step`/... through `call_user_step`, which turns any
 exception that is not already a `JaxlightError` into a `UserStepError` whose `__cause__` is the
-original (its traceback still points into the user's code).
+original (its traceback still points into the user's code); a traced value used as a Python
+value (`if loss > 1:`) becomes a `PortingError` with the jax form. The trace-time guards
+(`jaxlight.step._guards`) watch every such call.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxlight._errors import JaxlightError, UserStepError
+from jaxlight.step import _guards
 
 _TRACING_FOR: contextvars.ContextVar[tuple[str, str, str] | None] = contextvars.ContextVar(
     "jaxlight_tracing_for", default=None)
@@ -61,10 +64,16 @@ def call_user_step(fn: Callable, where: str, *args: Any) -> Any:
         *args: what it is called with (model, batch).
     """
     try:
-        return fn(*args)
+        # Host state the step changes, and what it reads from self: _guards' docstring.
+        owner = getattr(getattr(fn, "func", fn), "__self__", None)  # a bound step, or a partial
+        with _guards.watch(owner, where, fn):
+            return fn(*args)
     except JaxlightError:
         raise  # jaxlight's own errors already say what to do
     except Exception as err:  # noqa: BLE001 - re-raised with context, original as __cause__
+        porting = _guards.traced_on_host(err, where)
+        if porting is not None:
+            raise porting from err
         context = _TRACING_FOR.get()
         on, advice = "", ""
         if context is not None:
