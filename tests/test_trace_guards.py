@@ -18,6 +18,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks
 from tests.models import MLP, Classifier, classification_data
+from tests.test_mistakes import _Steps  # the steps taken (a refusal comes before the first)
 
 
 def _fit(**kw) -> jl.Fit:
@@ -28,16 +29,6 @@ def _fit(**kw) -> jl.Fit:
 
 def _data(n=128, batch=32):
     return jl.data.ArrayLoader(classification_data(n), batch)
-
-
-class _Steps(callbacks.Callback):
-    """Records the training steps taken (a refusal must come before the first)."""
-
-    def __init__(self):
-        self.steps = []
-
-    def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
-        self.steps.append(fit.global_step)
 
 
 # -- (f) a Python branch on a traced value -------------------------------------------------

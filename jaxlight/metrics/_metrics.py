@@ -161,14 +161,17 @@ def as_scalar(value: Any, what: str) -> jax.Array:
 
 
 @contextlib.contextmanager
-def collecting(kind: str, where: str) -> Iterator[LogCollector]:
-    """Makes `self.log` inside the block write to a fresh collector."""
-    collector = LogCollector(kind, where)
-    token = _ACTIVE.set(collector)
+def _setting(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
+    token = var.set(value)
     try:
-        yield collector
+        yield value
     finally:
-        _ACTIVE.reset(token)
+        var.reset(token)
+
+
+def collecting(kind: str, where: str) -> contextlib.AbstractContextManager[LogCollector]:
+    """Makes `self.log` inside the block write to a fresh collector."""
+    return _setting(_ACTIVE, LogCollector(kind, where))
 
 
 def in_step() -> bool:
@@ -226,14 +229,9 @@ _HOST: contextvars.ContextVar[HostLogs | None] = contextvars.ContextVar("jaxligh
                                                                         default=None)
 
 
-@contextlib.contextmanager
-def batch_hooks(logs: HostLogs) -> Iterator[HostLogs]:
+def batch_hooks(logs: HostLogs) -> contextlib.AbstractContextManager[HostLogs]:
     """Makes `self.log` inside the block (a training batch's hooks) write to `logs`."""
-    token = _HOST.set(logs)
-    try:
-        yield logs
-    finally:
-        _HOST.reset(token)
+    return _setting(_HOST, logs)
 
 
 # -- training --------------------------------------------------------------------------------

@@ -23,8 +23,10 @@ trace (and at epoch ends), never per step, and say what to write instead:
   parameter: `TrainModule.trainable` leaves it out of training, and the step keeps its value).
 
 Where a guard cannot be exact (docs/porting.md, 'What a compiled step cannot see') it says so:
-objects are followed to a bounded depth and size, and in-place changes inside an object that is
-not an array, a network, a number or a plain container are not compared at epoch ends.
+objects are followed to a bounded depth and size, not into data (objects with `__iter__` or
+`__next__`, which the prefetching thread may read while a step is traced), and in-place changes
+inside an object that is not an array, a network, a number or a plain container are not
+compared at epoch ends.
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ def _summarize(path: str, value: Any, out: _Summary, deep: bool, depth: int = 0,
     elif (deep and hasattr(value, "__dict__")
           and not isinstance(value, type | types.ModuleType | types.FunctionType
                              | types.MethodType)
-          and not type(value).__module__.startswith("jaxlight.")):
+          and not type(value).__module__.startswith("jaxlight.")
+          # Data (an iterable or iterator): the prefetching thread may read it during a trace.
+          and not hasattr(type(value), "__iter__") and not hasattr(type(value), "__next__")):
         seen.add(id(value))
         out.add(path, ("object", id(value)), f"a {type(value).__name__}")
         out.keep.append(value)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jaxlight as jl
@@ -76,3 +77,18 @@ def test_tau_moves_the_copy_a_fraction_toward_the_network():
     grads = nnx.grad(lambda m: m.target(jnp.ones((1, 16))).sum(),
                      argnums=nnx.DiffState(0, nnx.All(jl.nn.Synced, nnx.PathContains("net"))))(pair)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.slow
+def test_the_copy_follows_alike_under_every_data_parallel_strategy():
+    finals = {}
+    for strategy in ("single", "dp", "fsdp", "ddp"):
+        module = _Periodic()
+        jl.Fit(strategy, max_steps=4, enable_progress_bar=False, logger=False,
+               enable_model_summary=False).fit(
+            module, jl.data.ArrayLoader(classification_data(128), 32, shuffle=False))
+        assert int(module.model.target.count[...]) == 4, strategy
+        finals[strategy] = _kernels(module.model.target.net)
+    for strategy, kernel in finals.items():  # synced at step 3 from the net trained 3 steps
+        np.testing.assert_allclose(kernel, finals["single"], rtol=1e-5, atol=1e-6,
+                                   err_msg=strategy)
