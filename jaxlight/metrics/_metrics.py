@@ -201,11 +201,12 @@ class HostLogs:
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
-        self.prog_bar: set[str] = set()
 
     def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
             on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
-        del batch_size, reduce_fx  # one value per step: nothing to weigh or reduce
+        # One value per step: nothing to weigh or reduce; it reaches the loggers and
+        # callback_metrics (not the progress bar, whose fields the traced steps fix).
+        del batch_size, reduce_fx, prog_bar
         where = f"self.log({name!r}, ...) in a training batch hook"
         if on_epoch or on_step is False:
             raise ConfigurationError(
@@ -220,8 +221,6 @@ class HostLogs:
         if name in self.values:
             raise ConfigurationError(f"{where} logs {name!r} twice for one step; log it once.")
         self.values[name] = value
-        if prog_bar:
-            self.prog_bar.add(name)
 
 
 #: Where `self.log` in a training batch hook writes (None outside those hooks).

@@ -39,6 +39,7 @@ import hashlib
 import inspect
 import linecache
 import random
+import sys
 import textwrap
 import traceback
 import types
@@ -340,8 +341,8 @@ def refuse_assignment(module: Any, name: str, value: Any) -> None:
     `TrainModule.__setattr__` outside steps while a stage runs; between stages an assignment
     is allowed, and the next stage compiles its steps again: `changed_reads`)."""
     where = _read_by(module, name)
-    if where is None:
-        return
+    if where is None or not is_user_file(sys._getframe(2).f_code.co_filename):
+        return  # jaxlight's own assignments (a tuner's rate) are followed by a new set-up
     old = module.__dict__.get(name)
     if value is old:
         return
