@@ -241,6 +241,19 @@ def test_self_log_in_batch_hooks_is_logged_with_the_steps_loss_at_log_intervals(
     assert [s for s, m in rounds.rows if "start_val" in m] == [s for s, _ in train]
 
 
+def test_trainer_log_metrics_from_a_module_batch_hook_warns_with_the_steps():
+    class Direct(Classifier):
+        def on_train_batch_start(self, batch, batch_idx):
+            self.trainer.log_metrics({"reward": 1.0})
+
+    rounds = _Rounds()
+    with pytest.warns(jl.JaxlightWarning, match=r"Direct\.on_train_batch_start calls "
+                      r"self\.trainer\.log_metrics, which logs at once, at step 0, at every step"
+                      r"(.|\n)*its loss is logged at step 1(.|\n)*self\.log\(name, value\)"):
+        _fit(max_steps=2, callbacks=[rounds]).fit(Direct(), _data())
+    assert [step for step, m in rounds.rows if "reward" in m] == [0, 1]
+
+
 def test_self_log_in_a_batch_hook_refuses_on_epoch():
     class EpochHook(Classifier):
         def on_train_batch_end(self, outputs, batch, batch_idx):

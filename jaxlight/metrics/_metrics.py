@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -226,6 +227,23 @@ class HostLogs:
 #: Where `self.log` in a training batch hook writes (None outside those hooks).
 _HOST: contextvars.ContextVar[HostLogs | None] = contextvars.ContextVar("jaxlight_host_logs",
                                                                         default=None)
+
+
+def warn_direct_log(step: int) -> None:
+    """`self.trainer.log_metrics(...)` from a module's training batch hook (a Lightning port's
+    stand-in for `self.log`): it logs at once, at every call, apart from the step's metrics."""
+    frame = sys._getframe(2)  # the caller of Fit.log_metrics
+    hook, owner = frame.f_code.co_name, frame.f_locals.get("self")
+    batch_hook = hook in ("on_train_batch_start", "on_train_batch_end")
+    if _HOST.get() is None or not hasattr(owner, "training_step") or not batch_hook:
+        return
+    loss_step = step + 1 if hook == "on_train_batch_start" else step
+    warnings.warn_explicit(
+        f"{type(owner).__name__}.{hook} calls self.trainer.log_metrics, which logs at once, at "
+        f"step {step}, at every step: apart from this step's metrics (its loss is logged at step "
+        f"{loss_step}, every log_every_n_steps). To log with the step's metrics, as Lightning's "
+        "self.log in this hook does, write self.log(name, value) (or self.log_dict).",
+        JaxlightWarning, frame.f_code.co_filename, frame.f_lineno)
 
 
 def batch_hooks(logs: HostLogs) -> contextlib.AbstractContextManager[HostLogs]:
