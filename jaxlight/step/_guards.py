@@ -39,6 +39,7 @@ import hashlib
 import inspect
 import linecache
 import random
+import re
 import sys
 import textwrap
 import traceback
@@ -193,10 +194,10 @@ def _summarize(path: str, value: Any, out: _Summary, deep: bool, depth: int = 0,
 def _host_state(module: Any) -> _Summary:
     """Everything a step could change on the host: `self`'s attributes (deep), and NumPy's
     and Python's global random states."""
-    out = _Summary()
+    out, seen = _Summary(), set()  # an object reachable twice is followed once
     for name, value in list(vars(module).items()):
         if name not in INTERNAL:
-            _summarize(f"self.{name}", value, out, deep=True)
+            _summarize(f"self.{name}", value, out, deep=True, seen=seen)
     state = np.random.get_state(legacy=False)
     out.add("numpy.random's global state (np.random.*)",
             ("np.random", _digest(state["state"]["key"]), state["state"]["pos"]), "")
@@ -280,9 +281,13 @@ def _refuse_host_changes(module, where: str, fn, before: _Summary, after: _Summa
     changes = _changes(before, after)
     if not changes:
         return
-    lines = []
-    for path, was, now in changes[:6]:
+    groups: dict[str, list] = {}  # per attribute of self (or global random state)
+    for path, was, now in changes:
         attr = path[len("self."):].split(".")[0].split("[")[0] if path.startswith("self.") else None
+        groups.setdefault(f"self.{attr}" if attr else path, []).append((path, was, now))
+    lines = []
+    for key, items in list(groups.items())[:6]:
+        attr = key[len("self."):] if key.startswith("self.") else None
         if attr is not None and watched.assignments.get(attr):
             at = watched.assignments[attr]
         elif attr is not None:
@@ -291,9 +296,15 @@ def _refuse_host_changes(module, where: str, fn, before: _Summary, after: _Summa
             at = _source_line(fn, lambda n: isinstance(n, ast.Attribute) and n.attr in (
                 "random", "rand", "randn", "randint", "choice", "shuffle", "normal", "uniform",
                 "sample", "permutation"))
-        change = f"{was} -> {now}" if was or now else "advanced"
-        lines.append(f"  {path}: {change}" + (f", at {at}" if at else ""))
-    more = f"\n  ... and {len(changes) - 6} more" if len(changes) > 6 else ""
+        if len(items) == 1:
+            path, was, now = items[0]
+            change = f"{path}: {was} -> {now}" if was or now else f"{path}: advanced"
+        else:  # several fields of one object: name them
+            fields = dict.fromkeys(re.split(r"[.\[]", p[len(key):].lstrip("."), maxsplit=1)[0]
+                                   or p[len(key):] for p, _, _ in items)
+            change = f"{key}: {', '.join(fields)} changed"
+        lines.append(f"  {change}" + (f", at {at}" if at else ""))
+    more = f"\n  ... and {len(groups) - 6} more" if len(groups) > 6 else ""
     raise PortingError(
         f"{where} changed host state while jaxlight traced it:\n" + "\n".join(lines) + more
         + "\nA step is traced once and compiled: this Python ran once, at the trace, not at "
