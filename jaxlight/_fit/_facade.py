@@ -33,7 +33,7 @@ from jaxlight.checkpoint._restore import load_checkpoint, restore_training
 from jaxlight.data._datamodule import DataModule
 from jaxlight.data._feed import TrainFeed
 from jaxlight.distributed._devices import check_strategy_devices, select_devices
-from jaxlight.metrics._metrics import warn_direct_log
+from jaxlight.metrics._host_logs import warn_direct_log
 from jaxlight.module._module import TrainModule
 from jaxlight.module._porting import check_module, refuse_fit_kwargs
 

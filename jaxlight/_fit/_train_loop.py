@@ -37,7 +37,8 @@ from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher, prefetch_depth
-from jaxlight.metrics._metrics import EpochAccumulator, HostLogs, batch_hooks
+from jaxlight.metrics._host_logs import HostLogs, batch_hooks
+from jaxlight.metrics._metrics import EpochAccumulator
 from jaxlight.sharding import _batch
 from jaxlight.step._guards import check_reads
 from jaxlight.step._microbatch import GroupTransfer, stack_batches
@@ -374,9 +375,8 @@ class TrainLoop:
             if validation_due():
                 self.evaluator.run_validation(val_data, epoch_end=True)
             call("on_train_epoch_end")
-            # Arrays, networks and numbers on the module that a compiled step read must be the
-            # ones it was traced with (a network re-synced in place from a hook never reaches
-            # the step): compared once per epoch, never per step.
+            # What a compiled step read from the module must be what it was traced with (a
+            # network re-synced in place from a hook never reaches it): once per epoch.
             check_reads(session.module, f"the end of epoch {pos.epoch} (step {pos.global_step})")
             if pos.multi_process:
                 pos.agree_stop()

@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import sys
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -32,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlight._errors import ConfigurationError, JaxlightWarning, StepOutputError, user_frame
+from jaxlight.metrics._host_logs import HostLogs, batch_collector, scoped
 
 #: Where `self.log` inside a step writes (None outside a traced step).
 _ACTIVE: contextvars.ContextVar[LogCollector | None] = contextvars.ContextVar(
@@ -161,18 +160,9 @@ def as_scalar(value: Any, what: str) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
-    token = var.set(value)
-    try:
-        yield value
-    finally:
-        var.reset(token)
-
-
 def collecting(kind: str, where: str) -> contextlib.AbstractContextManager[LogCollector]:
     """Makes `self.log` inside the block write to a fresh collector."""
-    return _setting(_ACTIVE, LogCollector(kind, where))
+    return scoped(_ACTIVE, LogCollector(kind, where))
 
 
 def in_step() -> bool:
@@ -183,7 +173,7 @@ def in_step() -> bool:
 def active(module_name: str) -> LogCollector | HostLogs:
     """The collector of the step being traced, or of the training batch whose hooks run;
     refuses `self.log` anywhere else."""
-    collector = _ACTIVE.get() or _HOST.get()
+    collector = _ACTIVE.get() or batch_collector()
     if collector is None:
         raise ConfigurationError(
             f"{module_name}.log(...) was called outside a step and outside the training batch "
@@ -193,62 +183,6 @@ def active(module_name: str) -> LogCollector | HostLogs:
             "values with fit.log_metrics({...}). See docs/porting.md."
         )
     return collector
-
-
-class HostLogs:
-    """What `self.log` recorded in one training batch's hooks (`on_train_batch_start`,
-    `on_train_batch_end`): host values, logged with that step's metrics at its log interval,
-    as Lightning logs a hook's `self.log` (read on the host only when the step is logged)."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, Any] = {}
-
-    def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
-            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
-        # One value per step: nothing to weigh or reduce; it reaches the loggers and
-        # callback_metrics (not the progress bar, whose fields the traced steps fix).
-        del batch_size, reduce_fx, prog_bar
-        where = f"self.log({name!r}, ...) in a training batch hook"
-        if on_epoch or on_step is False:
-            raise ConfigurationError(
-                f"{where} sets on_step={on_step}, on_epoch={on_epoch}: a value logged from "
-                "on_train_batch_start / on_train_batch_end is logged with its step's metrics "
-                "(on_step). For an epoch's mean, log the value from training_step with "
-                "on_epoch=True, or keep it on the host and send it from on_train_epoch_end "
-                "with self.trainer.log_metrics({...})."
-            )
-        if is_mergeable(value) or getattr(value, "shape", ()) != ():
-            raise StepOutputError(f"{where}: log a scalar, got {type(value).__name__}.")
-        if name in self.values:
-            raise ConfigurationError(f"{where} logs {name!r} twice for one step; log it once.")
-        self.values[name] = value
-
-
-#: Where `self.log` in a training batch hook writes (None outside those hooks).
-_HOST: contextvars.ContextVar[HostLogs | None] = contextvars.ContextVar("jaxlight_host_logs",
-                                                                        default=None)
-
-
-def warn_direct_log(step: int) -> None:
-    """`self.trainer.log_metrics(...)` from a module's training batch hook (a Lightning port's
-    stand-in for `self.log`): it logs at once, at every call, apart from the step's metrics."""
-    frame = sys._getframe(2)  # the caller of Fit.log_metrics
-    hook, owner = frame.f_code.co_name, frame.f_locals.get("self")
-    batch_hook = hook in ("on_train_batch_start", "on_train_batch_end")
-    if _HOST.get() is None or not hasattr(owner, "training_step") or not batch_hook:
-        return
-    loss_step = step + 1 if hook == "on_train_batch_start" else step
-    warnings.warn_explicit(
-        f"{type(owner).__name__}.{hook} calls self.trainer.log_metrics, which logs at once, at "
-        f"step {step}, at every step: apart from this step's metrics (its loss is logged at step "
-        f"{loss_step}, every log_every_n_steps). To log with the step's metrics, as Lightning's "
-        "self.log in this hook does, write self.log(name, value) (or self.log_dict).",
-        JaxlightWarning, frame.f_code.co_filename, frame.f_lineno)
-
-
-def batch_hooks(logs: HostLogs) -> contextlib.AbstractContextManager[HostLogs]:
-    """Makes `self.log` inside the block (a training batch's hooks) write to `logs`."""
-    return _setting(_HOST, logs)
 
 
 # -- training --------------------------------------------------------------------------------

@@ -17,8 +17,6 @@ trace (and at epoch ends), never per step, and say what to write instead:
   a compiled step read, from a hook or anywhere outside a step.
 - `check_reads` (at every training epoch's end): the arrays, networks and numbers a compiled
   step read are the ones it was traced with (an in-place `nnx.update` of a network on `self`).
-- `traced_on_host`: `if loss > 1:`, `int(x)`, `np.asarray(x)` on a traced value, with the
-  jax form (`jnp.where`, `jax.lax.cond`) instead of JAX's bare TracerBoolConversionError.
 - `check_frozen_writes`: a step that assigns to a variable it does not carry out (a frozen
   parameter: `TrainModule.trainable` leaves it out of training, and the step keeps its value).
 
@@ -42,7 +40,6 @@ import random
 import re
 import sys
 import textwrap
-import traceback
 import types
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -72,7 +69,8 @@ _DIGEST_BYTES = 64 << 20  # numpy arrays up to this size are hashed whole, large
 # -- where in the user's code ----------------------------------------------------------------
 
 
-def _location(filename: str, lineno: int) -> str:
+def location(filename: str, lineno: int) -> str:
+    """`file:line (`code`)`: where a message points in the user's code."""
     code = linecache.getline(filename, lineno).strip()
     return f"{filename}:{lineno}" + (f" (`{code}`)" if code else "")
 
@@ -80,14 +78,7 @@ def _location(filename: str, lineno: int) -> str:
 def caller_location() -> str | None:
     """`file:line (`code`)` of the innermost frame of the user's code now running."""
     found = user_frame()
-    return None if found is None else _location(*found)
-
-
-def _traceback_location(err: BaseException) -> str | None:
-    for summary in reversed(traceback.extract_tb(err.__traceback__)):
-        if is_user_file(summary.filename):
-            return _location(summary.filename, summary.lineno)
-    return None
+    return None if found is None else location(*found)
 
 
 def _source_line(fn: Any, wanted) -> str | None:
@@ -103,7 +94,7 @@ def _source_line(fn: Any, wanted) -> str | None:
         return None
     hits = sorted(node.lineno for node in ast.walk(tree)
                   if hasattr(node, "lineno") and wanted(node))
-    return _location(filename, first + (hits[0] if hits else 1) - 1)
+    return location(filename, first + (hits[0] if hits else 1) - 1)
 
 
 # -- host state summaries ----------------------------------------------------------------------
@@ -386,43 +377,15 @@ def check_reads(module: Any, when: str) -> None:
     """Refuses arrays, networks or numbers on `self` that changed since a compiled step read
     them (an in-place `nnx.update(self.target, ...)` in a hook); `when`: for the message."""
     for where, path, was, is_ in changed_reads(module)[:1]:
-            raise PortingError(
-                f"{path} changed ({was} -> {is_}, or its arrays replaced in place) by "
-                f"{when}, but the compiled {where} read it when it was traced and holds the "
-                f"value it saw then as a constant: the change never reaches the step (a target "
-                f"network synced from a hook never updates). For a network synced with another, "
-                f"{SYNCED}. See {GUIDE}."
-            )
+        raise PortingError(
+            f"{path} changed ({was} -> {is_}, or its arrays replaced in place) by {when}, but "
+            f"the compiled {where} read it when it was traced and holds the value it saw then "
+            f"as a constant: the change never reaches the step (a target network synced from a "
+            f"hook never updates). For a network synced with another, {SYNCED}. See {GUIDE}."
+        )
 
 
-# -- errors raised while tracing ---------------------------------------------------------------
-
-_HOST_READS = (jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError,
-               jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
-
-
-def traced_on_host(err: BaseException, where: str) -> PortingError | None:
-    """The jaxlight message for a traced value used as a Python value (None for other errors)."""
-    if not isinstance(err, _HOST_READS):
-        return None
-    at = _traceback_location(err)
-    at = f" at {at}" if at else ""
-    if isinstance(err, jax.errors.TracerBoolConversionError):
-        what = (f"{where} branches with Python on a traced value{at}: the step is traced once "
-                "and compiled, so a Python `if`, `while`, `and`/`or` or `assert` cannot see each "
-                "step's value. Compute both sides and choose with jnp.where(cond, a, b) (for "
-                "example loss = jnp.where(loss > 1, loss / 2, loss)), or run one side with "
-                "jax.lax.cond(cond, true_fn, false_fn, *operands); loops over traced counts are "
-                "jax.lax.while_loop / fori_loop")
-    else:
-        what = (f"{where} turns a traced value into a host value{at} (int(x), float(x), "
-                "x.item(), np.asarray(x), or a host function given it): the step is traced "
-                "once and compiled, so there is no per-step value to read there. Keep the "
-                "computation in jax.numpy inside the step; host work that needs the model's "
-                "output (an environment step, a replay buffer) belongs in a hook "
-                "(on_train_batch_start, where self.model(x) runs the current model) or in the "
-                "data, not in the step (docs/rl.md)")
-    return PortingError(f"{what}. JAX's error: {type(err).__name__}. See {GUIDE}.")
+# -- frozen parameters -----------------------------------------------------------------------
 
 
 def check_frozen_writes(kept: Any, out: Any, mask: Any, where: str, trainable: Any) -> None:
