@@ -37,7 +37,7 @@ from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher, prefetch_depth
-from jaxlight.metrics._host_logs import HostLogs, batch_hooks
+from jaxlight.metrics._host_logs import HostLogs
 from jaxlight.metrics._metrics import EpochAccumulator
 from jaxlight.sharding import _batch
 from jaxlight.step._guards import check_reads
@@ -306,7 +306,7 @@ class TrainLoop:
                     taken = 1 if k == 1 else len(batch)
                     batch = batch if k == 1 else batch[-1]
                     host_logs = HostLogs()  # self.log in this batch's hooks
-                    with batch_hooks(host_logs):
+                    with host_logs:
                         call("on_train_batch_start", batch, pos.batch_idx + taken - 1)
                     step = (partial.step(f"training batch {pos.batch_idx} of epoch "
                                          f"{pos.epoch}") if k == 1 and is_partial(batch)
@@ -324,7 +324,7 @@ class TrainLoop:
                         self._retire(oldest)
                     log = pos.global_step % config.log_every_n_steps == 0
                     in_flight.append(_Pending(pos.global_step, metrics, log, host_logs))
-                    with batch_hooks(host_logs):
+                    with host_logs:
                         call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
                              pos.batch_idx - 1)
                     self.after_step()

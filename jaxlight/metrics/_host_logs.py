@@ -27,10 +27,23 @@ def scoped(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
 class HostLogs:
     """What `self.log` recorded in one training batch's hooks (`on_train_batch_start`,
     `on_train_batch_end`): host values, logged with that step's metrics at its log interval,
-    as Lightning logs a hook's `self.log` (read on the host only when the step is logged)."""
+    as Lightning logs a hook's `self.log` (read on the host only when the step is logged).
+
+    `with logs:` around a hook makes `self.log` there write to `logs` (a plain context manager:
+    the loop enters one twice per step, so it costs a context variable's set and reset)."""
+
+    __slots__ = ("values", "_token")
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
+        self._token = None
+
+    def __enter__(self) -> HostLogs:
+        self._token = _HOST.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _HOST.reset(self._token)
 
     def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
             on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
@@ -73,11 +86,6 @@ def warn_direct_log(step: int) -> None:
         f"{loss_step}, every log_every_n_steps). To log with the step's metrics, as Lightning's "
         "self.log in this hook does, write self.log(name, value) (or self.log_dict).",
         JaxlightWarning, frame.f_code.co_filename, frame.f_lineno)
-
-
-def batch_hooks(logs: HostLogs) -> contextlib.AbstractContextManager[HostLogs]:
-    """Makes `self.log` inside the block (a training batch's hooks) write to `logs`."""
-    return scoped(_HOST, logs)
 
 
 def batch_collector() -> HostLogs | None:
