@@ -86,6 +86,9 @@ class SyncedCopy(nnx.Module):
             every: copy outright on every `every`-th call, the first (call 0) included:
                 `optax.periodic_update`. Called once per step after the loss, this is
                 Lightning's DQN `if global_step % sync_rate == 0: load_state_dict(...)`.
+                The count is of calls: with `accumulate_grad_batches=k` (or
+                `Microbatches(k)`) the step runs `training_step` k times, so every N
+                optimizer steps is `every=N * k`.
             tau: move each parameter a fraction `tau` toward `online`'s (Polyak averaging,
                 `optax.incremental_update`): `copy = tau * online + (1 - tau) * copy`.
         """
