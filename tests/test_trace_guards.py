@@ -6,6 +6,7 @@ re-synced from a hook) is refused with a message leading to docs/rl.md's form.""
 from __future__ import annotations
 
 import collections
+import functools
 import random
 import warnings
 
@@ -91,10 +92,19 @@ def test_a_host_random_draw_in_the_step_is_refused(draw):
 
 
 def test_a_module_without_host_effects_trains_without_a_guard_firing():
+    class Cached(Classifier):
+        @functools.cached_property
+        def scale(self):  # computed at the first trace: a cache, not a side effect
+            return np.float32(1.0)
+
+        def training_step(self, model, batch):
+            loss, metrics = super().training_step(model, batch)
+            return loss * self.scale, metrics
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", jl.JaxlightWarning)
         fit = _fit(max_steps=6)
-        fit.fit(Classifier(), _data(), _data(64))
+        fit.fit(Cached(), _data(), _data(64))
     assert fit.global_step == 6
 
 

@@ -33,6 +33,7 @@ import ast
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import inspect
 import linecache
@@ -216,23 +217,19 @@ class _Watch:
 
 _WATCH: contextvars.ContextVar[_Watch | None] = contextvars.ContextVar("jaxlight_watch",
                                                                        default=None)
-_RECORDERS: dict[type, type] = {}
-
-
 def _recorder(cls: type) -> type:
-    """A subclass of `cls` that notes every instance attribute read while a step is traced."""
-    if cls not in _RECORDERS:
-        def __getattribute__(self, name, _get=cls.__getattribute__):
-            watch = _WATCH.get()
-            if (watch is not None and watch.module is self and name not in INTERNAL
-                    and name in object.__getattribute__(self, "__dict__")):
-                watch.reads.add(name)
-            return _get(self, name)
+    """A subclass of `cls` that notes every instance attribute read while a step is traced
+    (made per trace, so that no class outlives the fit that traced it)."""
+    def __getattribute__(self, name, _get=cls.__getattribute__):
+        watch = _WATCH.get()
+        if (watch is not None and watch.module is self and name not in INTERNAL
+                and name in object.__getattribute__(self, "__dict__")):
+            watch.reads.add(name)
+        return _get(self, name)
 
-        _RECORDERS[cls] = type(cls.__name__, (cls,), {
-            "__getattribute__": __getattribute__, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__})
-    return _RECORDERS[cls]
+    return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__,
+                                       "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def watching() -> bool:
@@ -269,7 +266,10 @@ def watch(module: Any, where: str, fn: Any) -> Iterator[None]:
 
 def _refuse_host_changes(module, where: str, fn, before: _Summary, after: _Summary,
                          watched: _Watch) -> None:
-    changes = _changes(before, after)
+    # A functools.cached_property computed for the first time is a cache, not a side effect.
+    cached = {f"self.{n}" for c in type(module).__mro__ for n, v in vars(c).items()
+              if isinstance(v, functools.cached_property)}
+    changes = [c for c in _changes(before, after) if not (c[0] in cached and c[1] == "absent")]
     if not changes:
         return
     groups: dict[str, list] = {}  # per attribute of self (or global random state)
