@@ -189,7 +189,10 @@ def _host_state(module: Any) -> _Summary:
     out, seen = _Summary(), set()  # an object reachable twice is followed once
     for name, value in list(vars(module).items()):
         if name not in INTERNAL:
-            _summarize(f"self.{name}", value, out, deep=True, seen=seen)
+            try:
+                _summarize(f"self.{name}", value, out, deep=True, seen=seen)
+            except Exception:  # noqa: BLE001 - an object that cannot be read is not compared
+                out.add(f"self.{name}", ("unreadable", id(value)), "")
     state = np.random.get_state(legacy=False)
     out.add("numpy.random's global state (np.random.*)",
             ("np.random", _digest(state["state"]["key"]), state["state"]["pos"]), "")
