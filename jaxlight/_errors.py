@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 
 
 class JaxlightError(Exception):
@@ -89,3 +91,29 @@ def suggest(name: str, options) -> str:
     """Returns ' Did you mean X?' for the closest option, or ''."""
     match = difflib.get_close_matches(str(name), [str(o) for o in options], n=1)
     return f" Did you mean {match[0]!r}?" if match else ""
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether `filename` is the user's code: not jaxlight's (its recipes are user code), not
+    an installed library's, not the standard library's."""
+    path = os.path.abspath(filename)
+    if path.startswith(os.path.join(_PACKAGE, "recipes") + os.sep):
+        return True
+    if path.startswith(_PACKAGE + os.sep) or f"{os.sep}site-packages{os.sep}" in path:
+        return False
+    return not path.startswith(_STDLIB + os.sep)
+
+
+def user_frame() -> tuple[str, int] | None:
+    """`(filename, line)` of the innermost frame of the user's code now running, for messages
+    that name the line (None when no user code is on the stack)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if is_user_file(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None

@@ -33,6 +33,7 @@ from jaxlight.checkpoint._restore import load_checkpoint, restore_training
 from jaxlight.data._datamodule import DataModule
 from jaxlight.data._feed import TrainFeed
 from jaxlight.distributed._devices import check_strategy_devices, select_devices
+from jaxlight.metrics._host_logs import warn_direct_log
 from jaxlight.module._module import TrainModule
 from jaxlight.module._porting import check_module, refuse_fit_kwargs
 
@@ -171,6 +172,8 @@ class Fit(FitView):
             ...     def on_train_batch_end(self, fit, module, outputs, batch, batch_idx):
             ...         fit.log_metrics({"data/queue_depth": 3.0})
         """
+        if step is None:
+            warn_direct_log(self._position.global_step)  # from a module's batch hook
         self._log.log(metrics, self._position.global_step if step is None else step)
 
     def request_stop(self, reason: str = "requested by a callback") -> None:

@@ -28,6 +28,7 @@ from jaxlight.optim import build_optimizer, build_train_step  # named & manual o
 from jaxlight.schedules._configure import ScheduleUpdate
 from jaxlight.sharding import _batch
 from jaxlight.state._state import TrainState, make_init_fn, model_spec, split_model
+from jaxlight.step import _guards
 from jaxlight.step._step import build_eval_step, build_params_transform, build_predict_step
 
 
@@ -96,7 +97,8 @@ class Session:
         self.module = module
         if self.strategy.mesh is None:
             self.strategy.setup(self.devices)
-        if self._spec is None or self._spec_module is not module:
+        # An attribute a compiled step read changed between stages: compile them again.
+        if self._spec is None or self._spec_module is not module or _guards.changed_reads(module):
             tx, scheduler = build_optimizer(module, self.callbacks)
             self._tx = tx
             #: The lr_scheduler of configure_optimizers' dict, run between steps (or None).
@@ -106,6 +108,7 @@ class Session:
             self._spec = model_spec(module, tx, self.seed, self._params_transform)
             self._spec_module = module
             self._compiled = {}
+            _guards.forget_reads(module)  # what earlier compiled steps read no longer matters
             self.log_spec = _metrics.LogSpec()
             self._eval_specs = {}
             self.eval_loaders = {}

@@ -37,8 +37,10 @@ from jaxlight.callbacks._accumulation import batches_per_step
 from jaxlight.data._convert import check_dtypes
 from jaxlight.data._feed import TrainFeed
 from jaxlight.data._prefetch import Prefetcher, prefetch_depth
+from jaxlight.metrics._host_logs import HostLogs
 from jaxlight.metrics._metrics import EpochAccumulator
 from jaxlight.sharding import _batch
+from jaxlight.step._guards import check_reads
 from jaxlight.step._microbatch import GroupTransfer, stack_batches
 from jaxlight.step._user_step import tracing_for
 
@@ -63,10 +65,12 @@ def _grouped(pairs: Iterator, k: int) -> Iterator[tuple[list, Any]]:
 class _Pending:
     """A dispatched step whose metrics the host has not looked at yet."""
 
-    __slots__ = ("step", "metrics", "log")
+    __slots__ = ("step", "metrics", "log", "host")
 
-    def __init__(self, step: int, metrics: dict, log: bool):
+    def __init__(self, step: int, metrics: dict, log: bool, host: HostLogs):
         self.step, self.metrics, self.log = step, metrics, log
+        #: What `self.log` recorded in this batch's hooks (logged with the step's metrics).
+        self.host = host
 
 
 class StepOutput:
@@ -172,6 +176,7 @@ class TrainLoop:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
             metrics = {"loss": float(host.pop("loss"))} if "loss" in host else {}
             metrics.update((k, float(v)) for k, v in host.items())
+            metrics.update((k, float(v)) for k, v in pending.host.values.items())
             # Loggers also get the epoch (as Lightning's do); callback_metrics, as Lightning's,
             # hold no "epoch", and the bare name of an on_step+on_epoch value.
             self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
@@ -300,7 +305,9 @@ class TrainLoop:
                     # Accumulating: the hooks get the group's last loader batch and its index.
                     taken = 1 if k == 1 else len(batch)
                     batch = batch if k == 1 else batch[-1]
-                    call("on_train_batch_start", batch, pos.batch_idx + taken - 1)
+                    host_logs = HostLogs()  # self.log in this batch's hooks
+                    with host_logs:
+                        call("on_train_batch_start", batch, pos.batch_idx + taken - 1)
                     step = (partial.step(f"training batch {pos.batch_idx} of epoch "
                                          f"{pos.epoch}") if k == 1 and is_partial(batch)
                             else compiled)
@@ -316,9 +323,10 @@ class TrainLoop:
                         logged = logged or oldest.log
                         self._retire(oldest)
                     log = pos.global_step % config.log_every_n_steps == 0
-                    in_flight.append(_Pending(pos.global_step, metrics, log))
-                    call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
-                         pos.batch_idx - 1)
+                    in_flight.append(_Pending(pos.global_step, metrics, log, host_logs))
+                    with host_logs:
+                        call("on_train_batch_end", StepOutput(pos.global_step, metrics), batch,
+                             pos.batch_idx - 1)
                     self.after_step()
                     if val_data is not None and validates_after_step(
                             config, val_every, pos.global_step, pos.epoch, pos.batch_idx, taken):
@@ -367,6 +375,9 @@ class TrainLoop:
             if validation_due():
                 self.evaluator.run_validation(val_data, epoch_end=True)
             call("on_train_epoch_end")
+            # What a compiled step read from the module must be what it was traced with (a
+            # network re-synced in place from a hook never reaches it): once per epoch.
+            check_reads(session.module, f"the end of epoch {pos.epoch} (step {pos.global_step})")
             if pos.multi_process:
                 pos.agree_stop()
             if mid_epoch:

@@ -22,14 +22,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlight._errors import ConfigurationError, StepOutputError
+from jaxlight._errors import ConfigurationError, JaxlightWarning, StepOutputError, user_frame
+from jaxlight.metrics._host_logs import HostLogs, batch_collector, scoped
 
 #: Where `self.log` inside a step writes (None outside a traced step).
 _ACTIVE: contextvars.ContextVar[LogCollector | None] = contextvars.ContextVar(
@@ -120,11 +121,32 @@ class LogCollector:
                     "carries its own counts. Drop batch_size."
                 )
         else:
+            if not isinstance(value, jax.core.Tracer):
+                _warn_host_constant(where, value, train)
             value = as_scalar(value, f"{self.where} logged value {name!r}")
             if batch_size is not None:
                 batch_size = as_scalar(batch_size, f"{self.where} batch_size of {name!r}")
         self.entries[name] = Logged(value, LogOptions(on_step, on_epoch, bool(prog_bar)),
                                     batch_size)
+
+
+def _warn_host_constant(where: str, value: Any, train: bool) -> None:
+    """A logged value that is not traced is a constant of the compiled step: the value it had
+    at the trace is logged at every step (a host counter, an episode's reward)."""
+    shown = (f"the {type(value).__name__} {value!r}" if isinstance(value, int | float | bool)
+             else f"a {type(value).__name__} that is not computed from the step's inputs")
+    fix = ("compute it inside the step from the model and the batch, or log a host value from "
+           "a hook: self.log(name, value) in on_train_batch_start / on_train_batch_end logs it "
+           "with that step's metrics, as Lightning does" if train else
+           "compute it inside the step from the model and the batch")
+    message = (f"{where} logs {shown}, a host value: the step is traced once and compiled, so "
+               f"this value, as it was at the trace, is logged at every step. To log what "
+               f"changes, {fix}.")
+    found = user_frame()
+    if found is None:
+        warnings.warn(message, JaxlightWarning, stacklevel=4)
+    else:
+        warnings.warn_explicit(message, JaxlightWarning, found[0], found[1])
 
 
 def as_scalar(value: Any, what: str) -> jax.Array:
@@ -138,15 +160,9 @@ def as_scalar(value: Any, what: str) -> jax.Array:
     return jnp.asarray(value, jnp.float32)
 
 
-@contextlib.contextmanager
-def collecting(kind: str, where: str) -> Iterator[LogCollector]:
+def collecting(kind: str, where: str) -> contextlib.AbstractContextManager[LogCollector]:
     """Makes `self.log` inside the block write to a fresh collector."""
-    collector = LogCollector(kind, where)
-    token = _ACTIVE.set(collector)
-    try:
-        yield collector
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, LogCollector(kind, where))
 
 
 def in_step() -> bool:
@@ -154,14 +170,17 @@ def in_step() -> bool:
     return _ACTIVE.get() is not None
 
 
-def active(module_name: str) -> LogCollector:
-    """The collector of the step being traced; refuses `self.log` outside a step."""
-    collector = _ACTIVE.get()
+def active(module_name: str) -> LogCollector | HostLogs:
+    """The collector of the step being traced, or of the training batch whose hooks run;
+    refuses `self.log` anywhere else."""
+    collector = _ACTIVE.get() or batch_collector()
     if collector is None:
         raise ConfigurationError(
-            f"{module_name}.log(...) was called outside a step. self.log / self.log_dict record "
-            "values while training_step, validation_step or test_step is traced; from a hook or "
-            "a callback send host values with fit.log_metrics({...}). See docs/porting.md."
+            f"{module_name}.log(...) was called outside a step and outside the training batch "
+            "hooks. self.log / self.log_dict record values while training_step, "
+            "validation_step or test_step is traced, and host values in on_train_batch_start / "
+            "on_train_batch_end (logged with that step's metrics); from another hook send host "
+            "values with fit.log_metrics({...}). See docs/porting.md."
         )
     return collector
 

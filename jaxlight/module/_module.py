@@ -19,6 +19,7 @@ from jaxlight.hparams import _hparams
 from jaxlight.metrics import _metrics
 from jaxlight.module._hooks import ModuleHooks
 from jaxlight.module._porting import GUIDE
+from jaxlight.step import _guards
 
 Batch = Any
 Metrics = dict[str, Any]
@@ -119,6 +120,16 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
     @model.setter
     def model(self, value: nnx.Module) -> None:
         object.__setattr__(self, "_model", value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A compiled step holds what it read from self as constants: an assignment inside a
+        # step runs once (noted for the trace-time check), one from a hook to an attribute a
+        # compiled step read never reaches it (refused). See jaxlight.step._guards.
+        if _guards.watching():
+            _guards.note_assignment(name)
+        elif self._model_source is not None:  # a stage runs
+            _guards.refuse_assignment(self, name, value)
+        super().__setattr__(name, value)
 
     # -- the run, as a LightningModule reaches it ---------------------------------------------
 

@@ -137,9 +137,10 @@ class _SelfUse(ast.NodeVisitor):
     """Finds `self(...)`, `self.forward(...)`, `self.parameters()` and `.backward()` calls (and
     with `logging=True`, `self.log(...)` / `self.log_dict(...)`)."""
 
-    def __init__(self, self_name: str, logging: bool = False):
+    def __init__(self, self_name: str, logging: bool = False, collecting: bool = True):
         self.self_name = self_name
         self.logging = logging
+        self.collecting = collecting  # in a step: values appended to lists on self
         self.found: list[tuple[str, int]] = []
 
     def visit_Call(self, node: ast.Call) -> None:
@@ -156,7 +157,7 @@ class _SelfUse(ast.NodeVisitor):
                     self.found.append((f"self.{func.attr}(...)", node.lineno))
             elif func.attr == "backward" and not node.args and not node.keywords:
                 self.found.append(("<tensor>.backward()", node.lineno))
-            elif (not self.logging and func.attr in _COLLECTING and isinstance(owner, ast.Attribute)
+            elif (self.collecting and func.attr in _COLLECTING and isinstance(owner, ast.Attribute)
                   and isinstance(owner.value, ast.Name) and owner.value.id == self.self_name):
                 # Lightning's `self.training_step_outputs.append(loss)`, read in an epoch-end
                 # hook: inside a compiled step the value is a tracer, not one per batch.
@@ -164,7 +165,7 @@ class _SelfUse(ast.NodeVisitor):
         self.generic_visit(node)
 
 
-def _self_uses(fn, logging: bool = False) -> list[tuple[str, int]]:
+def _self_uses(fn, logging: bool = False, collecting: bool = True) -> list[tuple[str, int]]:
     """Lightning-only uses of `self` in a method's source ([] when the source is unavailable)."""
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -175,7 +176,7 @@ def _self_uses(fn, logging: bool = False) -> list[tuple[str, int]]:
     func = tree.body[0] if tree.body else None
     if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef) or not func.args.args:
         return []
-    visitor = _SelfUse(func.args.args[0].arg, logging)
+    visitor = _SelfUse(func.args.args[0].arg, logging, collecting)
     visitor.visit(func)
     return [(what, first_line + line - 1) for what, line in visitor.found]
 
@@ -194,10 +195,15 @@ _SELF_USE_FIX = {
     "<tensor>.backward()": "return the loss; the compiled step takes gradients with jax.grad",
     "self.log(...)": "self.log records traced values while a step is traced, so it works in "
                      "training_step / validation_step / test_step (and helpers they call; "
-                     "on_epoch=True aggregates over the epoch); from a hook, send host values "
-                     "with fit.log_metrics({...}) in a callback",
+                     "on_epoch=True aggregates over the epoch), and host values in "
+                     "on_train_batch_start / on_train_batch_end (logged with that step's "
+                     "metrics); from another hook, send host values with "
+                     "self.trainer.log_metrics({...}) (fit.log_metrics in a callback)",
 }
 _SELF_USE_FIX["self.log_dict(...)"] = _SELF_USE_FIX["self.log(...)"]
+
+#: Hooks where `self.log` records host values, logged with that training step's metrics.
+BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
 
 #: Methods that never run inside a traced step: `self.log` there has no step to record into.
 OUTSIDE_STEPS = ("configure_model", "configure_optimizers", "setup", "teardown",
@@ -253,7 +259,10 @@ def check_module(module: Any) -> None:
         if not _overrides(module, name) or not callable(getattr(module, name, None)):
             continue
         in_step = name in STEPS
-        for what, line in _self_uses(getattr(module, name), logging=not in_step):
+        # self.log in a training batch's hooks logs host values with that step's metrics.
+        logging = not in_step and name not in BATCH_HOOKS
+        for what, line in _self_uses(getattr(module, name), logging=logging,
+                                     collecting=in_step):
             fix = _SELF_USE_FIX.get(what, COLLECTING_FIX)
             if not in_step and what in ("self(...)", "self.forward(...)"):
                 fix = "outside a step, run the current model as self.model(x)"

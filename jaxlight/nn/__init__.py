@@ -17,6 +17,7 @@ to mesh axes.
 | `TransformerLM` | all of the above |
 | `StagedTransformerLM` | `TransformerLM` as `Stages`: embedding, blocks, head in the pipeline |
 | `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
+| `SyncedCopy` | a copy following a network (a DQN target, a momentum encoder): `Synced` |
 
 The building blocks (`nn/_*.py`) may import `sharding` and the root modules; this `__init__`
 also re-exports `nn.pretrained`'s names, so it sits above `strategies` (layer 13 of
@@ -41,6 +42,7 @@ from jaxlight.nn._layers import (
 )
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._stages import Stages
+from jaxlight.nn._synced import Synced, SyncedCopy
 from jaxlight.nn._transformer import (
     StagedTransformerLM,
     TransformerBlock,
@@ -69,6 +71,8 @@ __all__ = [
     "Stacked",
     "StagedTransformerLM",
     "Stages",
+    "Synced",
+    "SyncedCopy",
     "TransformerBlock",
     "TransformerConfig",
     "Tokenizer",

@@ -46,6 +46,7 @@ from jaxlight.schedules import _configure
 from jaxlight.sharding._layout import activation_sharding
 from jaxlight.state import _frozen
 from jaxlight.state._state import TrainState
+from jaxlight.step import _guards
 from jaxlight.step._user_step import call_user_step
 
 LossFn = Callable[[Any, Any, Any], tuple[jax.Array, tuple[dict, Any]]]
@@ -121,9 +122,10 @@ def check_scalar_metrics(metrics: Any, where: str) -> None:
             )
 
 
-def make_loss_fn(module, graphdef, log_spec: _metrics.LogSpec | None = None) -> LossFn:
+def make_loss_fn(module, graphdef, log_spec: _metrics.LogSpec | None = None,
+                 frozen: Any = None) -> LossFn:
     """The user's `training_step` as `loss_fn`; `self.log` values join its metrics (and their
-    options `log_spec`)."""
+    options `log_spec`). A write to a frozen parameter (`frozen`) is refused at the trace."""
     where = f"{type(module).__name__}.training_step"
 
     def loss_fn(params, rest, batch):
@@ -133,8 +135,11 @@ def make_loss_fn(module, graphdef, log_spec: _metrics.LogSpec | None = None) -> 
         loss, metrics = split_loss_output(out, where)
         metrics = _metrics.merge_training_logs(metrics, logs, log_spec, where)
         _, _, new_rest = nnx.split(model, module.trainable, ...)
+        new_rest = nnx.to_pure_dict(new_rest)
+        if _frozen.has_frozen(frozen):
+            _guards.check_frozen_writes(rest, new_rest, frozen, where, module.trainable)
         metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-        return loss.astype(jnp.float32), (metrics, nnx.to_pure_dict(new_rest))
+        return loss.astype(jnp.float32), (metrics, new_rest)
 
     return loss_fn
 
@@ -152,7 +157,7 @@ def build_train_step(
     """
     for cb in callbacks:
         cb.setup_step(strategy)
-    user_loss_fn = make_loss_fn(module, graphdef, log_spec)
+    user_loss_fn = make_loss_fn(module, graphdef, log_spec, frozen)
 
     def gradients(state: TrainState) -> GradFn:
         """The step's gradient function, built while the step starting from `state` is traced
