@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxlight import distributed, strategies
 from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight.nn.pretrained import _moe_hf as moe
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
@@ -71,8 +72,9 @@ class Entry:
         return self.hf.format(i=layer)
 
 
-def tensor_table(c: DecoderConfig) -> list[Entry]:
-    """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout."""
+def tensor_table(c: DecoderConfig, layout: moe.ExpertLayout | None = None) -> list[Entry]:
+    """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout
+    (an MoE model's experts are `_moe_hf`'s; `layout` says where its router is)."""
     e, h, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     out: list[Entry] = [Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False,
                               ((c.vocab_size,), (e,)), (0, 1))]
@@ -108,9 +110,13 @@ def tensor_table(c: DecoderConfig) -> list[Entry]:
     dense(("self_attn", "k_proj"), "self_attn.k_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "v_proj"), "self_attn.v_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "o_proj"), "self_attn.o_proj", (h, d), (e,), c.o_bias)
-    dense(("mlp", "gate_proj"), "mlp.gate_proj", (e,), (f,), c.mlp_bias)
-    dense(("mlp", "up_proj"), "mlp.up_proj", (e,), (f,), c.mlp_bias)
-    dense(("mlp", "down_proj"), "mlp.down_proj", (f,), (e,), c.mlp_bias)
+    if c.num_experts:
+        dense(("mlp", "router"), moe.router_name(c.model_type, layout), (e,), (c.num_experts,),
+              False)
+    else:
+        dense(("mlp", "gate_proj"), "mlp.gate_proj", (e,), (f,), c.mlp_bias)
+        dense(("mlp", "up_proj"), "mlp.up_proj", (e,), (f,), c.mlp_bias)
+        dense(("mlp", "down_proj"), "mlp.down_proj", (f,), (e,), c.mlp_bias)
     out.append(Entry(("norm", "weight"), "model.norm.weight", False, ((e,),), (0,)))
     if not c.tie_embeddings:
         out.append(Entry(("lm_head", "kernel"), "lm_head.weight", False, ((c.vocab_size,), (e,)),
@@ -195,8 +201,10 @@ def _check(entry: Entry, tensors: dict[str, st.TensorInfo], c: DecoderConfig) ->
                 f"{entry.hf_shape}; the weights and the config do not belong together.")
 
 
-def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderConfig) -> None:
+def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderConfig,
+            experts: set[str] = frozenset()) -> None:
     known = {e.name(i) for e in table for i in (range(c.num_layers) if e.stacked else [None])}
+    known |= experts
     if c.tie_embeddings:
         known.add("lm_head.weight")  # some checkpoints store the tied head anyway
     extra = sorted(n for n in tensors if n not in known and not _IGNORED.search(n))
@@ -264,10 +272,11 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
             else np.float32
     config = from_hf_config(read_config(path), param_dtype=jnp.dtype(param_dtype), dtype=dtype,
                             remat=remat)
-    table = tensor_table(config)
+    layout = moe.detect_layout(tensors, config) if config.num_experts else None
+    table = tensor_table(config, layout)
     for entry in table:
         _check(entry, tensors, config)
-    _unused(table, tensors, config)
+    _unused(table, tensors, config, layout.tensor_names(config) if layout else set())
     strat = _resolve_strategy(strategy)
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(lambda: DecoderLM(config, rngs=nnx.Rngs(0)))
@@ -281,6 +290,8 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         leaf = node[entry.path[-1]]
         sharding = spot[entry.path[-1]]
         node[entry.path[-1]] = _place(entry, tensors, tuple(leaf.shape), sharding, np_dtype)
+    if layout is not None:
+        moe.place_experts(values, shardings, tensors, layout, config, np_dtype)
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, values)
     graphdef, _ = nnx.split(abstract)
@@ -380,6 +391,8 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
             store = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(
                 _param_dtype(model, entry))
             entries.append((entry.name(layer), entry.hf_shape, store, fetch))
+    if config.num_experts:
+        entries += moe.save_entries(model, None if dtype is None else jnp.dtype(dtype))
     if jax.process_index() != 0:
         for *_, fetch in entries:  # every process takes part in each gather
             fetch()
