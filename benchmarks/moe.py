@@ -24,7 +24,6 @@ training step (`Fit.plan`: parameter placement, optimizer bytes and the HLO's co
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
