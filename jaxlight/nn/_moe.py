@@ -34,6 +34,7 @@ from jaxlight.nn._moe_routing import (
     balance_bias_update,
     capacity,
     check_routing,
+    manual_token_axes,
     route,
 )
 from jaxlight.nn._stacked import Stacked
@@ -112,7 +113,8 @@ class MoE(nnx.Module):
         bias = None if self.router_bias is None else jax.lax.stop_gradient(
             self.router_bias[...])
         routing = route(logits, self.k, router=self.router_name, renormalize=self.renormalize,
-                        capacity_factor=self.capacity_factor, bias=bias)
+                        capacity_factor=self.capacity_factor, bias=bias,
+                        token_axes=manual_token_axes())
         if self.router_bias is not None and not self.deterministic:
             self.router_bias[...] = balance_bias_update(
                 self.router_bias[...], jax.lax.stop_gradient(routing.stats["load"]),

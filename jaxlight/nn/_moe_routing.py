@@ -123,14 +123,33 @@ def _capacity_mask(experts: jax.Array, num_experts: int, cap: int) -> jax.Array:
     return jnp.swapaxes((position < cap).reshape(b, k, length), 1, 2)
 
 
+#: Mesh axes that split tokens: inside a `shard_map` manual over some of them (the per-replica
+#: gradient scan of `FSDP`, for example) the routing sees a shard of the batch.
+TOKEN_AXES = ("data", "fsdp", "expert", "context")
+
+
+def manual_token_axes() -> tuple[str, ...]:
+    """The token-splitting mesh axes that are manual where this is traced (usually none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    return tuple(a for a in TOKEN_AXES if a in mesh.manual_axes and mesh.shape.get(a, 1) > 1)
+
+
 def route(logits: jax.Array, k: int, *, router: str = "softmax_topk", renormalize: bool = True,
-          capacity_factor: float | None = None, bias: jax.Array | None = None) -> Routing:
+          capacity_factor: float | None = None, bias: jax.Array | None = None,
+          token_axes: tuple[str, ...] = ()) -> Routing:
     """Routes tokens from router logits `(batch, length, E)` (any float dtype; computed in
     float32).
 
     `stats` holds `aux_loss` (load balancing), `z_loss`, `dropped_fraction` (of the T·k
     choices) and `load` (tokens per expert, `(E,)` float32, dropped choices included: what the
     router asked for).
+
+    Inside a `shard_map` manual over `token_axes` (a shard of the batch per device), `load` is
+    summed over them, so the bias update sees the global load, and `aux_loss` uses the global
+    load fractions with this shard's mean probabilities: its mean over the shards is the
+    global loss, and so is the mean of its gradients (the load has none).
 
     Example:
         >>> import jax.numpy as jnp
@@ -144,6 +163,9 @@ def route(logits: jax.Array, k: int, *, router: str = "softmax_topk", renormaliz
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # (b, l, k, E)
     load = jnp.sum(onehot, axis=(0, 1, 2))
     tokens = b * length
+    if token_axes:
+        load = jax.lax.psum(load, token_axes)
+        tokens = jax.lax.psum(tokens, token_axes)
     aux = num_experts * jnp.sum(load / tokens * jnp.mean(probs, axis=(0, 1)))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     if capacity_factor is None:
@@ -169,4 +191,5 @@ def balance_bias_update(bias: jax.Array, load: jax.Array, rate: float) -> jax.Ar
     return bias + rate * jnp.sign(jnp.mean(load) - load)
 
 
-__all__ = ["ROUTERS", "Routing", "balance_bias_update", "capacity", "check_routing", "route"]
+__all__ = ["ROUTERS", "TOKEN_AXES", "Routing", "balance_bias_update", "capacity", "check_routing",
+           "manual_token_axes", "route"]

@@ -48,3 +48,16 @@ def test_expert_parallel_matches_single_device(name, reference):
     gate = fit.state.params["blocks"]["layers"]["moe"]["gate"]
     shard = gate.addressable_shards[0].data.shape
     assert shard[1] == gate.shape[1] // shape["expert"], (shard, gate.shape)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "tp2", "auto"])
+def test_moe_under_other_strategies_matches_single_device(name, reference):
+    """Without an expert axis the experts run per data-parallel shard (FSDP gathers them at
+    the layer, tp splits their width); "auto" is whatever Fit() picks for the MoE LM."""
+    strategy = {"fsdp": strategies.FSDP, "tp2": lambda: strategies.TensorParallel(2),
+                "auto": lambda: "auto"}[name]()
+    _, losses, params = _run(strategy, bias_update_rate=1e-3)
+    _, ref_losses, ref_params = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    assert_params_close(name, params, ref_params, RTOL)
