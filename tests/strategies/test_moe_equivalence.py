@@ -61,3 +61,33 @@ def test_moe_under_other_strategies_matches_single_device(name, reference):
     _, ref_losses, ref_params = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(name, params, ref_params, RTOL)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_moves_between_layouts(tmp_path, reference):
+    """4 steps under data 2 x expert 4, saved; resumed on one device for the last 6 (the
+    experts and the auxiliary-loss-free bias come back whole): the single device's run."""
+    import jaxlight as jl
+    from jaxlight import callbacks
+    from tests.strategies.test_equivalence import LossRecorder
+
+    batches = token_batches(STEPS, batch=16)
+    first = jl.Fit(strategy=strategies.Hybrid({"data": 2, "expert": 4}), max_steps=4,
+                   enable_progress_bar=False, enable_model_summary=False, logger=False,
+                   callbacks=[callbacks.ModelCheckpoint(str(tmp_path), every_n_steps=4)])
+    first.fit(TinyMoELM(bias_update_rate=1e-3), batches)
+    recorder = LossRecorder()
+    module = TinyMoELM(bias_update_rate=1e-3)
+    second = jl.Fit(strategy=strategies.SingleDevice(), max_steps=STEPS, log_every_n_steps=1,
+                    enable_progress_bar=False, enable_model_summary=False, logger=False,
+                    callbacks=[recorder])
+    second.fit(module, batches, ckpt_path=str(tmp_path / "4"))
+    assert min(recorder.losses) == 5 and second.global_step == STEPS  # resumed at step 4
+    _, ref_losses, ref_params = reference
+    np.testing.assert_allclose([recorder.losses[s] for s in range(5, STEPS + 1)],
+                               ref_losses[4:], rtol=RTOL)
+    from flax import nnx
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+    assert_params_close("resumed", params, ref_params, RTOL)
+    bias = np.asarray(module.model.blocks.layers.moe.router_bias[...])
+    assert np.abs(bias).max() > 0  # the bias moved and came back
