@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlight._errors import ConfigurationError, DataError
-from jaxlight.nn._layers import MLP, Dense, Embed, MultiHeadAttention, RMSNorm, annotated_param
+from jaxlight.nn._layers import MLP, Dense, annotated_param
 from jaxlight.nn._moe_dispatch import moe_experts
 from jaxlight.nn._moe_routing import (
     balance_bias_update,
@@ -37,8 +37,7 @@ from jaxlight.nn._moe_routing import (
     manual_token_axes,
     route,
 )
-from jaxlight.nn._stacked import Stacked
-from jaxlight.nn._transformer import TransformerConfig
+from jaxlight.nn._transformer import TransformerConfig, TransformerLM, pre_norm_attention
 from jaxlight.sharding._layout import constrain
 
 #: The per-layer statistics `MoE` returns (scalars, and `load` per expert).
@@ -174,13 +173,7 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         c = config
-        kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
-        self.attn_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
-                                 rngs=rngs)
-        self.attn = MultiHeadAttention(c.embed_dim, c.num_heads, head_dim=c.resolved_head_dim,
-                                       rope_theta=c.rope_theta, attention=c.attention, **kw)
-        self.mlp_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
-                                rngs=rngs)
+        kw = pre_norm_attention(self, c, rngs)
         self.moe = MoE(c.embed_dim, c.resolved_expert_dim, num_experts=c.num_experts,
                        experts_per_token=c.experts_per_token, router=c.router,
                        renormalize=c.renormalize, capacity_factor=c.capacity_factor,
@@ -195,7 +188,7 @@ class MoEBlock(nnx.Module):
         return x, jax.tree.map(jnp.add, totals, stats)
 
 
-class MoETransformerLM(nnx.Module):
+class MoETransformerLM(TransformerLM):
     """`TransformerLM` whose blocks' MLPs are `MoE` layers.
 
     `model(tokens)` returns float32 logits; `model(tokens, return_aux=True)` returns
@@ -214,40 +207,24 @@ class MoETransformerLM(nnx.Module):
         ((2, 8, 32), ['aux_loss', 'dropped_fraction', 'load', 'loss', 'z_loss'])
     """
 
+    block_type = MoEBlock
+
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         if not isinstance(config, MoEConfig):
             raise ConfigurationError(
                 f"MoETransformerLM takes a MoEConfig, got {type(config).__name__}; use "
                 "jaxlight.nn.MoEConfig(..., num_experts=8, experts_per_token=2).")
-        c = self.config = config
-        self.embed = Embed(c.vocab_size, c.embed_dim, param_dtype=c.param_dtype, rngs=rngs)
-        self.blocks = Stacked(lambda r: MoEBlock(c, rngs=r), c.num_layers, rngs=rngs,
-                              remat=c.remat)
-        self.final_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
-                                  rngs=rngs)
-        self.head = None if c.tie_embeddings else Dense(
-            c.embed_dim, c.vocab_size, axes=("embed", "vocab"), dtype=c.dtype,
-            param_dtype=c.param_dtype, rngs=rngs)
+        super().__init__(config, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                  return_aux: bool = False):
-        if tokens.ndim != 2:
-            raise DataError(f"MoETransformerLM takes tokens of shape (batch, length), got "
-                            f"{tokens.shape}.")
         c = self.config
-        if positions is None:
-            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = self.embed(tokens)
-        if c.dtype is not None:
-            x = x.astype(c.dtype)
-        x = constrain(x, ("batch", "length", "activation_embed"))
+        x, positions = self._inputs(tokens, positions)
         zero = jnp.zeros((), jnp.float32)
         totals = {"aux_loss": zero, "z_loss": zero, "dropped_fraction": zero,
                   "load": jnp.zeros((c.num_experts,), jnp.float32)}
         x, totals = self.blocks((x, totals), positions)
-        x = self.final_norm(x)
-        logits = self.embed.attend(x) if self.head is None else self.head(x)
-        logits = constrain(logits.astype(jnp.float32), ("batch", "length", "activation_vocab"))
+        logits = self._logits(x)
         if not return_aux:
             return logits
         aux = {name: totals[name] / c.num_layers

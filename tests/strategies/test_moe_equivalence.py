@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxlight import strategies
+import jaxlight as jl
+from jaxlight import callbacks, strategies
 from tests.strategies.lm import token_batches
 from tests.strategies.moe_lm import TinyMoELM
-from tests.strategies.test_equivalence import assert_params_close, train
+from tests.strategies.test_equivalence import LossRecorder, assert_params_close, train
 
 RTOL = 1e-5
 STEPS = 10
@@ -67,10 +69,6 @@ def test_moe_under_other_strategies_matches_single_device(name, reference):
 def test_moe_checkpoint_moves_between_layouts(tmp_path, reference):
     """4 steps under data 2 x expert 4, saved; resumed on one device for the last 6 (the
     experts and the auxiliary-loss-free bias come back whole): the single device's run."""
-    import jaxlight as jl
-    from jaxlight import callbacks
-    from tests.strategies.test_equivalence import LossRecorder
-
     batches = token_batches(STEPS, batch=16)
     first = jl.Fit(strategy=strategies.Hybrid({"data": 2, "expert": 4}), max_steps=4,
                    enable_progress_bar=False, enable_model_summary=False, logger=False,
@@ -86,8 +84,26 @@ def test_moe_checkpoint_moves_between_layouts(tmp_path, reference):
     _, ref_losses, ref_params = reference
     np.testing.assert_allclose([recorder.losses[s] for s in range(5, STEPS + 1)],
                                ref_losses[4:], rtol=RTOL)
-    from flax import nnx
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     assert_params_close("resumed", params, ref_params, RTOL)
     bias = np.asarray(module.model.blocks.layers.moe.router_bias[...])
     assert np.abs(bias).max() > 0  # the bias moved and came back
+
+
+@pytest.mark.slow
+def test_moe_with_gradient_accumulation_under_expert_axis():
+    """GradientAccumulation(2) scans per data-parallel replica (manual over data and expert):
+    there each replica gathers every expert and routes its own tokens, with the global load
+    (no all-to-all); the run equals one device's with the same accumulation."""
+    batches = token_batches(STEPS, batch=16)
+
+    def run(strategy):
+        recorder = LossRecorder()
+        fit = jl.Fit(strategy=strategy, max_steps=4, log_every_n_steps=1,
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     callbacks=[recorder, callbacks.GradientAccumulation(2)])
+        fit.fit(TinyMoELM(bias_update_rate=1e-3), batches)
+        return np.array([recorder.losses[s] for s in range(1, 5)])
+
+    np.testing.assert_allclose(run(strategies.Hybrid({"data": 2, "expert": 4})),
+                               run(strategies.SingleDevice()), rtol=RTOL)
