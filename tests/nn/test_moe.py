@@ -177,3 +177,13 @@ def test_mesh_shape_grammar_takes_expert():
     strategy.setup()
     assert dict(strategy.mesh.shape) == {"data": 2, "expert": 4}
     assert strategy.data_parallel_size == 8  # tokens split over data and expert
+
+
+def test_shared_expert_adds_a_dense_swiglu():
+    moe = MoE(D, F, num_experts=E, experts_per_token=K, shared_expert_dim=8, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (2, 6, D))
+    y, _ = nnx.jit(lambda moe, x: moe(x))(moe, x)
+    r = route(moe.router(x), K)
+    routed = _dense_reference(x, r, moe.gate[...], moe.up[...], moe.down[...])
+    np.testing.assert_allclose(y, routed + moe.shared(x), atol=2e-5)
+    assert moe.shared.gate_up.kernel.shape == (D, 2, 8)

@@ -50,6 +50,7 @@ def test_expert_parallel_matches_single_device(name, reference):
     gate = fit.state.params["blocks"]["layers"]["moe"]["gate"]
     shard = gate.addressable_shards[0].data.shape
     assert shard[1] == gate.shape[1] // shape["expert"], (shard, gate.shape)
+    assert fit.compile_counts["train"] == 1  # one compiled step for the 10 steps
 
 
 @pytest.mark.slow
