@@ -46,12 +46,16 @@ def test_moe_logits_match_transformers(family, layout):
     assert gate.addressable_shards[0].data.shape[1] == gate.shape[1] // shards
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_moe_greedy_generation_matches_transformers(family):
+@pytest.mark.parametrize("family,layout", [
+    ("qwen3_moe", "single"), ("mixtral", "single"),
+    pytest.param("mixtral", "data2_expert4", marks=pytest.mark.slow)])
+def test_moe_greedy_generation_matches_transformers(family, layout):
     path, ref = fixture(family)
-    model = from_pretrained(path, "single")
+    strategy = LAYOUTS[layout]()
+    strategy.setup()
+    model = from_pretrained(path, strategy)
     prompts = [[int(t) for t in row[:6]] for row in ref["tokens"]]
-    out = generate(model, prompts, 8, stop_tokens=[])
+    out = generate(model, prompts, 8, strategy=strategy, stop_tokens=[])
     np.testing.assert_array_equal(np.asarray(out), ref["generated"])
 
 
