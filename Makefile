@@ -75,6 +75,7 @@ HF_PYTHON ?= python3
 
 fixtures:  ## regenerate the tiny pretrained-model fixtures and transformers' reference outputs
 	HF_HUB_OFFLINE=1 $(HF_PYTHON) tests/nn/pretrained/make_fixtures.py
+	HF_HUB_OFFLINE=1 $(HF_PYTHON) tests/nn/pretrained/make_moe_fixtures.py
 
 # Tunix, the oracle of the post-training losses, lives in a venv of its own: it brings
 # tensorflow-datasets, which jaxlight's environment never gets.

@@ -105,7 +105,7 @@ def _add_tail(parser) -> None:
     parser.add_argument("--mesh_shape", type=Any, default=None,
                         help="jaxlight: the mesh of strategies.Hybrid: '{\"data\": 2, \"fsdp\": "
                              "4}', 'data=2,fsdp=4' or the Tunix form '[[4,2],[\"fsdp\",\"tp\"]]' "
-                             "(axes data, pipe, fsdp, context, tp)")
+                             "(axes data, pipe, fsdp, context, expert, tp)")
     parser.add_argument("--checkpoint_every_n_steps", type=int | None, default=None,
                         help="jaxlight: save a checkpoint every N steps under "
                              "<default_root_dir>/checkpoints (callbacks.ModelCheckpoint)")

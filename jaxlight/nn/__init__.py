@@ -16,6 +16,7 @@ to mesh axes.
 | `Stages` | stages of any shape, packed per dtype as `(stages, n)` with `("layers", "embed")` |
 | `TransformerLM` | all of the above |
 | `StagedTransformerLM` | `TransformerLM` as `Stages`: embedding, blocks, head in the pipeline |
+| `MoE`, `MoETransformerLM` | experts `("expert", "embed", "mlp")` / `("expert", "mlp", "embed")` |
 | `DecoderLM` | Llama 3, Qwen 2-3, Gemma 3 (`jaxlight.nn.pretrained`: Hugging Face I/O) |
 | `SyncedCopy` | a copy following a network (a DQN target, a momentum encoder): `Synced` |
 
@@ -40,6 +41,7 @@ from jaxlight.nn._layers import (
     apply_rope,
     causal_attention,
 )
+from jaxlight.nn._moe import MoE, MoEConfig, MoETransformerLM
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._stages import Stages
 from jaxlight.nn._synced import Synced, SyncedCopy
@@ -63,6 +65,9 @@ __all__ = [
     "DecoderLM",
     "LAYERS",
     "MLP",
+    "MoE",
+    "MoEConfig",
+    "MoETransformerLM",
     "Dense",
     "Embed",
     "MultiHeadAttention",

@@ -91,6 +91,17 @@ class TransformerConfig:
         return self.mlp_dim or 4 * self.embed_dim
 
 
+def pre_norm_attention(block: nnx.Module, c: TransformerConfig, rngs: nnx.Rngs) -> dict:
+    """Gives `block` a block's attention half and MLP norm (`attn_norm`, `attn`, `mlp_norm`);
+    returns the dtype keywords for its MLP (shared by `TransformerBlock` and `MoEBlock`)."""
+    kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
+    block.attn_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+    block.attn = MultiHeadAttention(c.embed_dim, c.num_heads, head_dim=c.resolved_head_dim,
+                                    rope_theta=c.rope_theta, attention=c.attention, **kw)
+    block.mlp_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+    return kw
+
+
 class TransformerBlock(nnx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
 
@@ -100,15 +111,8 @@ class TransformerBlock(nnx.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-        c = config
-        kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
-        self.attn_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
-                                 rngs=rngs)
-        self.attn = MultiHeadAttention(c.embed_dim, c.num_heads, head_dim=c.resolved_head_dim,
-                                       rope_theta=c.rope_theta, attention=c.attention, **kw)
-        self.mlp_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
-                                rngs=rngs)
-        self.mlp = MLP(c.embed_dim, c.resolved_mlp_dim, **kw)
+        kw = pre_norm_attention(self, config, rngs)
+        self.mlp = MLP(config.embed_dim, config.resolved_mlp_dim, **kw)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x), positions)
@@ -132,10 +136,14 @@ class TransformerLM(nnx.Module):
         (2, 8, 32)
     """
 
+    #: The repeated block (`MoETransformerLM` swaps in `MoEBlock`).
+    block_type: type = TransformerBlock
+
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         c = self.config = config
+        block_type = type(self).block_type
         self.embed = Embed(c.vocab_size, c.embed_dim, param_dtype=c.param_dtype, rngs=rngs)
-        self.blocks = Stacked(lambda r: TransformerBlock(c, rngs=r), c.num_layers, rngs=rngs,
+        self.blocks = Stacked(lambda r: block_type(c, rngs=r), c.num_layers, rngs=rngs,
                               remat=c.remat)
         self.final_norm = RMSNorm(c.embed_dim, eps=c.norm_eps, param_dtype=c.param_dtype,
                                   rngs=rngs)
@@ -145,16 +153,22 @@ class TransformerLM(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Logits for `tokens` `(batch, length)`; positions default to `0..length-1`."""
+        x, positions = self._inputs(tokens, positions)
+        return self._logits(self.blocks(x, positions))
+
+    def _inputs(self, tokens, positions) -> tuple[jax.Array, jax.Array]:
+        """The embedded tokens and their positions (default `0..length-1`)."""
         if tokens.ndim != 2:
-            raise DataError(f"TransformerLM takes tokens of shape (batch, length), got "
+            raise DataError(f"{type(self).__name__} takes tokens of shape (batch, length), got "
                             f"{tokens.shape}.")
         if positions is None:
             positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = self.embed(tokens)
         if self.config.dtype is not None:
             x = x.astype(self.config.dtype)
-        x = constrain(x, ("batch", "length", "activation_embed"))
-        x = self.blocks(x, positions)
+        return constrain(x, ("batch", "length", "activation_embed")), positions
+
+    def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
         logits = self.embed.attend(x) if self.head is None else self.head(x)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "activation_vocab"))

@@ -212,6 +212,12 @@ def activation_sharding(mesh: Mesh | None, rules: Sequence = ()) -> Iterator[Non
         _ACTIVE.reset(token)
 
 
+def active_layout() -> tuple[Mesh, tuple] | None:
+    """(mesh, rules) of the SPMD step being traced, or None outside one (layers that place
+    their own collectives, such as the mixture-of-experts dispatch, read it)."""
+    return _ACTIVE.get()
+
+
 def logical_to_spec(mesh: Mesh, rules: Sequence, names: Sequence[str | None],
                     shape: Sequence[int]) -> PartitionSpec:
     """A PartitionSpec for an activation, by `partition_spec`.

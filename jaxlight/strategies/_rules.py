@@ -13,13 +13,14 @@ first rule naming an axis wins, so user rules go in front of the defaults. Mesh 
 | `heads` | attention heads | `tp` |
 | `kv` | per-head width | None |
 | `norm` | norm scales | None |
-| `batch` | activation batch | `data`, `fsdp` |
+| `expert` | the experts of a mixture-of-experts layer | `expert` |
+| `batch` | activation batch | `fsdp`, `data`, `expert` |
 | `length` | activation sequence | `context` (context parallelism) |
 | `activation_embed` | activation model width | None |
 | `activation_heads`, `activation_mlp`, `activation_vocab` | sharded activations | `tp` |
 | `activation_kv` | activation per-head width | None |
 
-| `data`, `pipe`, `fsdp`, `context`, `tp` | a mesh axis named directly | itself |
+| `data`, `pipe`, `fsdp`, `context`, `expert`, `tp` | a mesh axis named directly | itself |
 
 Activation names are only used by `constrain` (sharding constraints inside the model); the
 parameter names decide where weights, gradients and optimizer state live. The mesh-axis rows let
@@ -69,7 +70,7 @@ from jaxlight.strategies.rules import SETS
 #: split over (data, fsdp) in that order, and right ones over (fsdp, data)
 #: (tests/strategies/test_partitioner.py). Batches are placed `data` major (`_spmd.BATCH_AXES`)
 #: and the training step relays them out (`SpmdStrategy.relayout_batch`).
-COMPUTE_BATCH_AXES = ("fsdp", "data")
+COMPUTE_BATCH_AXES = ("fsdp", "data", "expert")
 
 #: The default rules table shared by every SPMD strategy (see the module docstring).
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
@@ -94,6 +95,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("pipe", "pipe"),
     ("fsdp", "fsdp"),
     ("context", "context"),
+    ("expert", "expert"),  # also the logical name of the experts' axis (jaxlight.nn.MoE)
     ("tp", "tp"),
 )
 
@@ -212,7 +214,7 @@ def _fsdp_major(target: tuple) -> tuple:
     the same devices hold the same number of rows either way, and with `data` first XLA
     computes wrong gradients (a model constraining its input by such a "batch" rule: step
     losses 5.7% off on tests/strategies/test_partitioner.py's net)."""
-    major, minor = COMPUTE_BATCH_AXES
+    major, minor = COMPUTE_BATCH_AXES[:2]
     if major in target and minor in target:
         i, j = target.index(minor), target.index(major)
         if i < j:
@@ -255,7 +257,7 @@ def check_path_rules(rules: Sequence, who: str) -> None:
 #: Mesh axes, outermost first: data-parallel axes outside so that their collectives cross the
 #: slowest links, tensor parallelism innermost (fastest links); context parallelism's ring of
 #: key/value permutes next to it.
-MESH_AXES = ("data", "pipe", "fsdp", "context", "tp")
+MESH_AXES = ("data", "pipe", "fsdp", "context", "expert", "tp")
 
 #: Other names for mesh axes (the seeds' and other frameworks' spellings), accepted everywhere.
 AXIS_ALIASES = {"model": "tp", "tensor": "tp", "pipeline": "pipe", "stage": "pipe",
@@ -265,7 +267,8 @@ MESH_FORMS = """accepted forms of a mesh shape:
   {"data": 4, "tp": 2}          a mapping of axis name to size (also as JSON or YAML text)
   'data=4,tp=2'                 axis=size pairs
   [[4, 2], ["data", "tp"]]      the Tunix form: [sizes, axis names] (also as text)
-one size may be -1 (it fills the remaining devices); mesh axes: data, pipe, fsdp, context, tp
+one size may be -1 (it fills the remaining devices); mesh axes: data, pipe, fsdp, context,
+expert, tp
 (aliases: model -> tp, tensor -> tp, pipeline -> pipe, stage -> pipe, sequence -> context)"""
 
 

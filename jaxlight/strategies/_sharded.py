@@ -198,6 +198,10 @@ class Hybrid(Pipelined, SpmdStrategy):
     a `pipe` axis too, each pipeline stage runs on its devices' shards of the sequence (the
     schedule is manual over both axes).
 
+    With an `expert` axis the experts of every `jaxlight.nn.MoE` layer are split over it
+    (`W[E_expert, D, F_tp]`) and each layer moves its tokens to their experts' devices and back
+    by two all-to-alls; the batch is split over `expert` too (see docs/moe.md).
+
     Args:
         mesh_shape: `{"data": 2, "fsdp": 2, "tp": 2}` or the Tunix form
             `[[2, 2, 2], ["data", "fsdp", "tp"]]`; one size may be -1 (the remaining devices).
@@ -217,6 +221,7 @@ class Hybrid(Pipelined, SpmdStrategy):
         >>> strategy = strategies.Hybrid([[2, -1, 2], ["data", "fsdp", "tp"]])
         >>> pipelined = strategies.Hybrid({"data": 2, "pipe": 4}, microbatches=8)
         >>> long_sequences = strategies.Hybrid({"data": 2, "context": 4})
+        >>> experts = strategies.Hybrid({"data": 2, "expert": 4})
     """
 
     name = "hybrid"

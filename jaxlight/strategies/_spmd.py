@@ -46,7 +46,7 @@ Rules = Sequence[tuple[str, Any]]
 
 #: Mesh axes that split the batch, in the order batches are placed: `data` major, so that each
 #: process feeds a contiguous share of the global batch (data spans processes).
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class SpmdStrategy(Strategy):

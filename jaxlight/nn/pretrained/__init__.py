@@ -1,8 +1,9 @@
-"""Pretrained decoder families (Llama 3, Qwen 2/3, Mistral, Gemma 3) in Hugging Face's layout.
+"""Pretrained decoder families (Llama 3, Qwen 2/3, Qwen 3 MoE, Mistral, Mixtral, Gemma 3) in
+Hugging Face's layout.
 
     >>> from jaxlight.nn import pretrained
     >>> sorted(pretrained.FAMILIES)
-    ['gemma3_text', 'llama', 'mistral', 'qwen2', 'qwen3']
+    ['gemma3_text', 'llama', 'mistral', 'mixtral', 'qwen2', 'qwen3', 'qwen3_moe']
 
 `from_pretrained(path, strategy)` reads config.json and the safetensors files straight into the
 strategy's shards, `save_pretrained(model, path)` writes them back, and `generate` samples with

@@ -26,15 +26,18 @@ FAMILIES = {
     "qwen2": "llama",
     "qwen3": "qwen3",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3",
+    "mixtral": "llama",
 }
+
+#: The mixture-of-experts families: model_type -> (router, renormalize by default).
+MOE_FAMILIES = {"qwen3_moe": ("softmax_topk", False), "mixtral": ("topk_softmax", True)}
 
 #: What is refused, with why (multimodal checkpoints carry a vision tower).
 UNSUPPORTED = {
     "gemma3": "Gemma 3 with its SigLIP vision tower (Gemma3ForConditionalGeneration); jaxlight "
               "loads the text-only Gemma3ForCausalLM (model_type 'gemma3_text', the 1B model, or "
               "a text model exported from a multimodal one)",
-    "qwen3_moe": "Qwen 3 mixture-of-experts layers",
-    "mixtral": "Mixtral's mixture-of-experts layers",
     "llama4": "Llama 4 (mixture of experts, vision)",
     "qwen2_vl": "Qwen 2 VL's vision tower",
     "qwen2_5_vl": "Qwen 2.5 VL's vision tower",
@@ -105,6 +108,14 @@ class DecoderConfig:
         final_logit_softcap: `tanh(logits / c) * c`, or None.
         token_ids: bos/eos/pad token ids from the config (eos may be a list).
         hf_config: the config.json as read (written back by `save_pretrained`).
+        num_experts: experts per MoE layer (0: a dense model; every layer is an MoE layer
+            otherwise, `jaxlight.nn.MoE`).
+        experts_per_token: k.
+        expert_size: each expert's hidden width (`moe_intermediate_size`, Mixtral's
+            `intermediate_size`).
+        router: "softmax_topk" (Qwen 3 MoE) or "topk_softmax" (Mixtral).
+        renormalize: divide the k routing weights by their sum (`norm_topk_prob`).
+        capacity_factor: None (dropless) or capacity dropping (see `jaxlight.nn.MoE`).
         remat: what each layer recomputes in the backward pass (`jaxlight.nn.Stacked`).
         kv_repeat: each key/value head's output is repeated this many times for the query
             heads (its weights stay one unsharded copy): set by `from_pretrained` when the
@@ -138,6 +149,12 @@ class DecoderConfig:
     final_logit_softcap: float | None = None
     token_ids: dict = dataclasses.field(default_factory=dict, compare=False)
     hf_config: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    router: str = "softmax_topk"
+    renormalize: bool = True
+    capacity_factor: float | None = None
     remat: Any = False
     kv_repeat: int = 1
     dtype: Any = None
@@ -278,9 +295,34 @@ def from_hf_config(hf: dict, **overrides) -> DecoderConfig:
                   qkv_bias=attention_bias or model_type == "qwen2",
                   o_bias=attention_bias, mlp_bias=bool(hf.get("mlp_bias", False)),
                   qk_norm=family == "qwen3")
+    if model_type in MOE_FAMILIES:
+        kw.update(_moe_fields(hf, model_type, layers, who))
     eos = hf.get("eos_token_id")
     kw["token_ids"] = {"bos": hf.get("bos_token_id"), "pad": hf.get("pad_token_id"),
                        "eos": [eos] if isinstance(eos, int) else list(eos or [])}
     kw["hf_config"] = dict(hf)
     kw.update(overrides)
     return DecoderConfig(**kw)
+
+
+def _moe_fields(hf: dict, model_type: str, layers: int, who: str) -> dict[str, Any]:
+    """The experts' fields of a Qwen 3 MoE or Mixtral config (every layer sparse)."""
+    router, renormalize = MOE_FAMILIES[model_type]
+    dense = sorted(set(hf.get("mlp_only_layers") or []))
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    if step != 1:
+        dense = sorted(set(dense) | {i for i in range(layers) if (i + 1) % step})
+    if dense:
+        raise ConfigurationError(
+            f"{who}: layers {dense} are dense MLP layers (mlp_only_layers="
+            f"{hf.get('mlp_only_layers')}, decoder_sparse_step={step}) among mixture-of-experts "
+            "layers; jaxlight scans one layer body, so it loads models whose every layer is an "
+            "MoE layer (mlp_only_layers=[] and decoder_sparse_step=1, as Qwen3-30B-A3B and "
+            "Mixtral ship).")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not experts:
+        raise ConfigurationError(f"{who} lacks 'num_experts' (or 'num_local_experts').")
+    size = hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None
+    return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
+                expert_size=int(size or hf["intermediate_size"]), router=router,
+                renormalize=bool(hf.get("norm_topk_prob", renormalize)))

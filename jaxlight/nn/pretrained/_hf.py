@@ -26,7 +26,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlight import distributed
-from jaxlight._errors import CheckpointError
+from jaxlight._errors import CheckpointError, ConfigurationError
+from jaxlight.nn.pretrained import _moe_hf as moe
 from jaxlight.nn.pretrained import _safetensors as st
 from jaxlight.nn.pretrained._config import DecoderConfig, from_hf_config, read_config
 from jaxlight.nn.pretrained._model import DecoderLM
@@ -76,8 +77,9 @@ class Entry:
         return self.hf.format(i=layer)
 
 
-def tensor_table(c: DecoderConfig) -> list[Entry]:
-    """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout."""
+def tensor_table(c: DecoderConfig, layout: moe.ExpertLayout | None = None) -> list[Entry]:
+    """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout
+    (an MoE model's experts are `_moe_hf`'s; `layout` says where its router is)."""
     e, h, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     out: list[Entry] = [Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False,
                               ((c.vocab_size,), (e,)), (0, 1))]
@@ -113,9 +115,13 @@ def tensor_table(c: DecoderConfig) -> list[Entry]:
     dense(("self_attn", "k_proj"), "self_attn.k_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "v_proj"), "self_attn.v_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "o_proj"), "self_attn.o_proj", (h, d), (e,), c.o_bias)
-    dense(("mlp", "gate_proj"), "mlp.gate_proj", (e,), (f,), c.mlp_bias)
-    dense(("mlp", "up_proj"), "mlp.up_proj", (e,), (f,), c.mlp_bias)
-    dense(("mlp", "down_proj"), "mlp.down_proj", (f,), (e,), c.mlp_bias)
+    if c.num_experts:
+        dense(("mlp", "router"), moe.router_name(c.model_type, layout), (e,), (c.num_experts,),
+              False)
+    else:
+        dense(("mlp", "gate_proj"), "mlp.gate_proj", (e,), (f,), c.mlp_bias)
+        dense(("mlp", "up_proj"), "mlp.up_proj", (e,), (f,), c.mlp_bias)
+        dense(("mlp", "down_proj"), "mlp.down_proj", (f,), (e,), c.mlp_bias)
     out.append(Entry(("norm", "weight"), "model.norm.weight", False, ((e,),), (0,)))
     if not c.tie_embeddings:
         out.append(Entry(("lm_head", "kernel"), "lm_head.weight", False, ((c.vocab_size,), (e,)),
@@ -200,8 +206,10 @@ def _check(entry: Entry, tensors: dict[str, st.TensorInfo], c: DecoderConfig) ->
                 f"{entry.hf_shape}; the weights and the config do not belong together.")
 
 
-def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderConfig) -> None:
+def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderConfig,
+            experts: set[str] = frozenset()) -> None:
     known = {e.name(i) for e in table for i in (range(c.num_layers) if e.stacked else [None])}
+    known |= experts
     if c.tie_embeddings:
         known.add("lm_head.weight")  # some checkpoints store the tied head anyway
     extra = sorted(n for n in tensors if n not in known and not _IGNORED.search(n))
@@ -251,10 +259,11 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
             else np.float32
     config = from_hf_config(read_config(path), param_dtype=jnp.dtype(param_dtype), dtype=dtype,
                             remat=remat)
-    table = tensor_table(config)
+    layout = moe.detect_layout(tensors, config) if config.num_experts else None
+    table = tensor_table(config, layout)
     for entry in table:
         _check(entry, tensors, config)
-    _unused(table, tensors, config)
+    _unused(table, tensors, config, layout.tensor_names(config) if layout else set())
     np_dtype = np.dtype(jnp.dtype(param_dtype))
 
     def read(entry, layers, index):
@@ -263,6 +272,13 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
     if isinstance(jnp.zeros(()), jax.core.Tracer):
         # Called while JAX traces, as in a TrainModule's configure_model (the fit builds the
         # model inside a compiled function that places it by the fit's strategy).
+        if layout is not None:
+            raise ConfigurationError(
+                f"from_pretrained({path!r}) inside configure_model: a mixture-of-experts model "
+                f"({config.model_type}, {config.num_experts} experts) is not read inside the "
+                "fit's compiled function yet. Load it before the fit, in the layout the fit "
+                "uses: `model = from_pretrained(path, strategy)` in the TrainModule's __init__, "
+                "and pass the same strategy to Fit.")
         return traced_model(config, table, read)
     strat = resolve_strategy(strategy)
     config = dataclasses.replace(config, kv_repeat=kv_repeat(config, strat))
@@ -277,6 +293,8 @@ def from_pretrained(path: str, strategy: Any = None, *, param_dtype: Any = None,
         leaf = node[entry.path[-1]]
         sharding = spot[entry.path[-1]]
         node[entry.path[-1]] = _place(entry, tensors, tuple(leaf.shape), sharding, np_dtype)
+    if layout is not None:
+        moe.place_experts(values, shardings, tensors, layout, config, np_dtype)
     state = nnx.state(abstract, nnx.Param)
     nnx.replace_by_pure_dict(state, values)
     graphdef, _ = nnx.split(abstract)
@@ -376,6 +394,8 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
             store = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(
                 _param_dtype(model, entry))
             entries.append((entry.name(layer), entry.hf_shape, store, fetch))
+    if config.num_experts:
+        entries += moe.save_entries(model, None if dtype is None else jnp.dtype(dtype))
     if jax.process_index() != 0:
         for *_, fetch in entries:  # every process takes part in each gather
             fetch()

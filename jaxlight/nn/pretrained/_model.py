@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxlight._errors import DataError, DataTypeError
 from jaxlight.nn._layers import Dense, Embed, annotated_param
+from jaxlight.nn._moe import MoE
 from jaxlight.nn._scan import LAYERS, remat_policy
 from jaxlight.nn._stacked import Stacked
 from jaxlight.nn.pretrained._config import DecoderConfig
@@ -151,16 +152,24 @@ class DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = Norm(c.hidden_size, **norm) if c.sandwich_norms else None
         self.post_feedforward_layernorm = (Norm(c.hidden_size, **norm) if c.sandwich_norms
                                            else None)
-        self.mlp = GatedMLP(c, rngs=rngs)
+        self.mlp = GatedMLP(c, rngs=rngs) if not c.num_experts else MoE(
+            c.hidden_size, c.expert_size, num_experts=c.num_experts,
+            experts_per_token=c.experts_per_token, router=c.router, renormalize=c.renormalize,
+            capacity_factor=c.capacity_factor, dtype=c.dtype, param_dtype=c.param_dtype,
+            rngs=rngs)
+        self.sparse = bool(c.num_experts)
+
+    def _mlp(self, x):
+        return self.mlp(x)[0] if self.sparse else self.mlp(x)
 
     def __call__(self, x, ctx: Context, window, rope, cache=None):
         h, cache = self.self_attn(self.input_layernorm(x), ctx, window, rope, cache)
         if self.pre_feedforward_layernorm is not None:
             x = x + self.post_attention_layernorm(h)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x)))
         else:
             x = x + h
-            x = x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self._mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "length", "activation_embed")), cache
 
 

@@ -112,8 +112,8 @@ def test_unsupported_models_say_what_is_supported():
     with pytest.raises(ConfigurationError, match="vision tower"):
         from_hf_config({"model_type": "gemma3", "text_config": {}, "architectures":
                         ["Gemma3ForConditionalGeneration"]})
-    with pytest.raises(ConfigurationError, match="mixture-of-experts"):
-        from_hf_config({"model_type": "qwen3_moe"})
+    with pytest.raises(ConfigurationError, match="Llama 4"):
+        from_hf_config({"model_type": "llama4"})
     base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2}
     with pytest.raises(ConfigurationError, match="RoPE type 'yarn'"):

@@ -1,0 +1,189 @@
+"""jaxlight.nn.MoE: routing, the grouped (ragged_dot) experts against a dense reference, the
+capacity path, the auxiliary losses and bias, and the expert-parallel dispatch against one
+device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, Mesh
+
+from jaxlight import strategies
+from jaxlight._errors import ConfigurationError, ShardingError
+from jaxlight.nn import MoE, MoEConfig
+from jaxlight.nn._moe_dispatch import moe_experts
+from jaxlight.nn._moe_routing import balance_bias_update, capacity, route
+from jaxlight.sharding._layout import spmd_context
+from jaxlight.strategies._rules import DEFAULT_RULES, parse_mesh_shape
+
+E, D, F, K = 8, 16, 12, 2
+
+#: Compiled once per shape: eager dispatch of the sort/scatter ops is the slow part on CPU.
+experts = jax.jit(moe_experts, static_argnames=("capacity_rows",))
+
+
+def _dense_reference(x, routing, gate, up, down):
+    """Every expert on every token, then the chosen ones weighted: the definition."""
+    h = jax.nn.silu(jnp.einsum("bld,edf->blef", x, gate)) * jnp.einsum("bld,edf->blef", x, up)
+    every = jnp.einsum("blef,efd->bled", h, down)
+    chosen = jnp.take_along_axis(every, routing.experts[..., None], axis=2)
+    return jnp.sum(chosen * routing.weights[..., None], axis=2)
+
+
+def _arrays(seed=0, b=8, length=6):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(ks[0], (b, length, D))
+    gate, up = (jax.random.normal(k, (E, D, F)) * 0.2 for k in ks[1:3])
+    down = jax.random.normal(ks[3], (E, F, D)) * 0.2
+    logits = jax.random.normal(ks[4], (b, length, E))
+    return x, gate, up, down, logits
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "topk_softmax", "sigmoid"])
+def test_grouped_experts_equal_dense_reference(router):
+    x, gate, up, down, logits = _arrays()
+    r = route(logits, K, router=router)
+    out = experts(x, r.experts, r.weights, r.kept, gate, up, down)
+    np.testing.assert_allclose(out, _dense_reference(x, r, gate, up, down), atol=2e-6)
+
+
+def test_routers():
+    logits = jax.random.normal(jax.random.key(3), (2, 5, E))
+    qwen = route(logits, K, router="softmax_topk", renormalize=True)
+    mixtral = route(logits, K, router="topk_softmax")
+    raw = route(logits, K, router="softmax_topk", renormalize=False)
+    np.testing.assert_array_equal(qwen.experts, mixtral.experts)
+    np.testing.assert_allclose(qwen.weights, mixtral.weights, rtol=1e-6)
+    probs = jax.nn.softmax(logits, -1)
+    np.testing.assert_allclose(raw.weights, jnp.sort(probs, -1)[..., ::-1][..., :K], rtol=1e-6)
+    assert float(raw.weights.sum(-1).max()) < 1.0
+    # the bias chooses, never weighs: a large bias on expert 5 makes every token pick it
+    bias = jnp.zeros(E).at[5].set(10.0)
+    biased = route(logits, K, router="sigmoid", bias=bias)
+    assert bool(jnp.all(jnp.any(biased.experts == 5, axis=-1)))
+    assert float(biased.weights.max()) < 1.0
+
+
+def test_aux_losses_follow_their_formulas():
+    logits = jax.random.normal(jax.random.key(4), (3, 7, E))
+    r = route(logits, K)
+    probs = np.asarray(jax.nn.softmax(logits, -1)).reshape(-1, E)
+    counts = np.zeros(E)
+    for row in np.asarray(r.experts).reshape(-1, K):
+        counts[row] += 1
+    expected = E * np.sum(counts / probs.shape[0] * probs.mean(0))
+    np.testing.assert_allclose(r.stats["aux_loss"], expected, rtol=1e-5)
+    np.testing.assert_allclose(r.stats["load"], counts)
+    lse = np.log(np.exp(np.asarray(logits)).sum(-1))
+    np.testing.assert_allclose(r.stats["z_loss"], np.mean(lse**2), rtol=1e-5)
+
+
+def test_capacity_drops_and_counts():
+    x, gate, up, down, logits = _arrays(b=2, length=16)
+    dropless = route(logits, K)
+    # capacity factor >= E/k: every expert can take a whole example, nothing drops
+    roomy = route(logits, K, capacity_factor=E / K)
+    assert float(roomy.stats["dropped_fraction"]) == 0.0
+    np.testing.assert_array_equal(
+        experts(x, roomy.experts, roomy.weights, roomy.kept, gate, up, down),
+        experts(x, dropless.experts, dropless.weights, dropless.kept, gate, up, down))
+    tight = route(logits, K, capacity_factor=0.5)
+    cap = capacity(16, E, K, 0.5)
+    kept = np.asarray(tight.kept)
+    for b in range(2):
+        per_expert = np.bincount(np.asarray(tight.experts)[b][kept[b]], minlength=E)
+        assert per_expert.max() <= cap
+    assert float(tight.stats["dropped_fraction"]) == pytest.approx(1 - kept.mean())
+    assert float(tight.stats["dropped_fraction"]) > 0
+    out = experts(x, tight.experts, tight.weights, tight.kept, gate, up, down)
+    np.testing.assert_allclose(out, _dense_reference(x, tight, gate, up, down), atol=2e-6)
+
+
+def test_bias_update_moves_toward_even_load():
+    assert balance_bias_update(jnp.zeros(3), jnp.array([1.0, 2.0, 3.0]), 0.5).tolist() == [
+        0.5, 0.0, -0.5]
+    moe = MoE(D, F, num_experts=E, experts_per_token=K, bias_update_rate=0.1,
+              rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 6, D))
+    call = nnx.jit(lambda moe, x: moe(x))
+    _, stats = call(moe, x)
+    load = np.asarray(stats["load"])
+    np.testing.assert_allclose(moe.router_bias[...], 0.1 * np.sign(load.mean() - load))
+    moe.eval()  # no update while deterministic
+    before = np.asarray(moe.router_bias[...])
+    call(moe, x)
+    np.testing.assert_array_equal(moe.router_bias[...], before)
+
+
+def _mesh(shape):
+    names = [a for a in ("data", "fsdp", "expert", "tp") if a in shape]
+    n = int(np.prod([shape[a] for a in names]))
+    grid = np.array(jax.devices()[:n]).reshape([shape[a] for a in names])
+    return Mesh(grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+@pytest.mark.parametrize("shape, capacity_factor", [
+    ({"expert": 4}, None),
+    ({"fsdp": 2, "expert": 2, "tp": 2}, 1.0),
+    pytest.param({"expert": 4}, 1.0, marks=pytest.mark.slow),
+    pytest.param({"fsdp": 2, "expert": 2, "tp": 2}, None, marks=pytest.mark.slow),
+])
+def test_expert_parallel_dispatch_equals_one_device(shape, capacity_factor):
+    x, gate, up, down, logits = _arrays()
+    cap = None if capacity_factor is None else capacity(6, E, K, capacity_factor)
+
+    def loss(x, gate, up, down):
+        r = route(logits, K, capacity_factor=capacity_factor)
+        y = moe_experts(x, r.experts, r.weights, r.kept, gate, up, down, capacity_rows=cap)
+        return jnp.sum(y**2), y
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+    (_, ref), ref_grads = grad(x, gate, up, down)
+    with spmd_context(_mesh(shape), DEFAULT_RULES):
+        (_, out), grads = jax.jit(grad)(x, gate, up, down)
+        text = jax.jit(grad).lower(x, gate, up, down).as_text()
+    assert "all_to_all" in text
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+def test_experts_not_divisible_by_expert_axis():
+    x, gate, up, down, logits = _arrays()
+    r = route(logits, K)
+    gate6, up6 = gate[:6], up[:6]
+    with spmd_context(_mesh({"expert": 4}), DEFAULT_RULES), pytest.raises(
+            ShardingError, match=r"6 experts .* total size 4 .*divides 6 \(\[1, 2, 3, 6\]\)"):
+        moe_experts(x, r.experts % 6, r.weights, r.kept, gate6, up6, down[:6])
+
+
+def test_config_errors_name_the_fix():
+    with pytest.raises(ConfigurationError, match="experts_per_token=9 must be an int from 1 to"):
+        MoEConfig(num_experts=8, experts_per_token=9)
+    with pytest.raises(ConfigurationError, match="router='top2'.*'softmax_topk'"):
+        MoEConfig(router="top2")
+    with pytest.raises(ConfigurationError, match="capacity_factor=0 .*4 = E/k drops nothing"):
+        MoEConfig(num_experts=8, experts_per_token=2, capacity_factor=0)
+
+
+def test_mesh_shape_grammar_takes_expert():
+    assert parse_mesh_shape("data=2,expert=4") == {"data": 2, "expert": 4}
+    assert parse_mesh_shape([[2, 2, 2], ["fsdp", "expert", "tp"]]) == {
+        "fsdp": 2, "expert": 2, "tp": 2}
+    strategy = strategies.Hybrid({"data": 2, "expert": 4})
+    strategy.setup()
+    assert dict(strategy.mesh.shape) == {"data": 2, "expert": 4}
+    assert strategy.data_parallel_size == 8  # tokens split over data and expert
+
+
+def test_shared_expert_adds_a_dense_swiglu():
+    moe = MoE(D, F, num_experts=E, experts_per_token=K, shared_expert_dim=8, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (2, 6, D))
+    y, _ = nnx.jit(lambda moe, x: moe(x))(moe, x)
+    r = route(moe.router(x), K)
+    routed = _dense_reference(x, r, moe.gate[...], moe.up[...], moe.down[...])
+    np.testing.assert_allclose(y, routed + moe.shared(x), atol=2e-5)
+    assert moe.shared.gate_up.kernel.shape == (D, 2, 8)
