@@ -168,6 +168,7 @@ GOLDEN_FIT_HOOKS = [
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
     "on_train_epoch_end",
+    "on_save_checkpoint",  # the default ModelCheckpoint's save, last, as in Lightning 2.6.6
     "on_train_epoch_start",
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",
@@ -176,6 +177,7 @@ GOLDEN_FIT_HOOKS = [
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
     "on_train_epoch_end",
+    "on_save_checkpoint",
     "on_train_end", "on_fit_end", "teardown",
 ]
 
@@ -258,7 +260,8 @@ def test_default_callbacks_write_csv(data, tmp_path):
                  enable_progress_bar=True)
     fit.fit(Classifier(), _loader(data))
     names = [type(cb).__name__ for cb in fit.callbacks]
-    assert names == ["ModelSummary", "TQDMProgressBar", "CSVLogger"]
+    # Lightning's defaults (enable_checkpointing=True adds a ModelCheckpoint, last).
+    assert names == ["ModelSummary", "TQDMProgressBar", "CSVLogger", "ModelCheckpoint"]
     rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     assert set(rows[0].split(",")) == {"step", "loss", "accuracy", "epoch"}
     assert [r.split(",")[0] for r in rows[1:]] == ["2", "4"]
