@@ -149,8 +149,13 @@ class Evaluator:
         metrics = self.evaluate(val_data, "validation_step", "val", limit,
                                 "sanity check before training", "val_data", batch_hooks=False,
                                 advice="num_sanity_val_steps=0 skips this check.")
+        when = " in the sanity check before training"
         if self.session.schedule is not None:  # a monitor validation never produces
-            self.session.schedule.check_monitor(metrics, " in the sanity check before training")
+            self.session.schedule.check_monitor(metrics, when)
+        for cb in self.hooks.callbacks:  # EarlyStopping's, ModelCheckpoint's
+            check = getattr(cb, "check_validation_monitor", None)
+            if check is not None:
+                check(list(metrics), when)
         self.hooks("on_sanity_check_end")
 
     def eval_state(self) -> TrainState:

@@ -254,6 +254,18 @@ class ModelCheckpoint(Callback):
             with contextlib.suppress(Exception):
                 self._writer.wait()
 
+    def check_validation_monitor(self, names: list[str], when: str) -> None:
+        """Refuses a validation-metric monitor (`val_...`) that validation does not produce
+        (`names`); the sanity check calls it, so a misspelt name shows before training (as
+        `EarlyStopping.check_validation_monitor`)."""
+        if self.monitor is None or not self.monitor.startswith("val_") or self.monitor in names:
+            return
+        raise ConfigurationError(
+            f"ModelCheckpoint(monitor={self.monitor!r}) ranks by a validation metric that "
+            f"validation does not produce{when}. Validation metrics: {sorted(names)}."
+            f"{suggest(self.monitor, list(names))} Fix monitor, or log the metric from "
+            "validation_step (a returned 'name' is logged as 'val_name').")
+
     # -- saving ---------------------------------------------------------------------------------
 
     def _missing_monitor(self, fit) -> None:
