@@ -11,29 +11,14 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.checkpoint._paths import complete_steps
+from tests.models import Linear
 
 DATA = {"x": np.random.default_rng(0).normal(size=(32, 4)).astype(np.float32)}
-
-
-class Lin(jl.TrainModule):
-    def configure_model(self, rngs):
-        return nnx.Linear(4, 1, rngs=rngs)
-
-    def configure_optimizers(self):
-        return optax.sgd(0.1)
-
-    def training_step(self, model, batch):
-        return ((model(batch["x"]) - 1.0) ** 2).mean()
-
-    def test_step(self, model, batch):
-        return {"loss": ((model(batch["x"]) - 1.0) ** 2).mean()}
 
 
 def _fit(**kw):
@@ -47,28 +32,28 @@ def _loader():
 
 def test_the_default_fit_saves_every_epoch_and_test_finds_best_and_last():
     fit = _fit()
-    module = Lin()
+    module = Linear()
     fit.fit(module, _loader())
     assert isinstance(fit.callbacks[-1], callbacks.ModelCheckpoint)
     assert complete_steps(os.path.join("root", "checkpoints")) == [6]  # the newest kept
     trained = fit.test(module, _loader())["test_loss"]
     # "best" in the fit that saved it: its ModelCheckpoint's best_model_path (no monitor: the
     # newest save, Lightning's meaning); "last" from any fit with the same root.
-    assert fit.test(Lin(), _loader(), ckpt_path="best")["test_loss"] == trained
-    assert _fit().test(Lin(), _loader(), ckpt_path="last")["test_loss"] == trained
+    assert fit.test(Linear(), _loader(), ckpt_path="best")["test_loss"] == trained
+    assert _fit().test(Linear(), _loader(), ckpt_path="last")["test_loss"] == trained
     # A fresh fit has no best_model_path, and the checkpoint records no monitored value: as
     # Lightning's fresh Trainer, it cannot say which is best.
     with pytest.raises(jl.CheckpointError, match="ckpt_path='best'"):
-        _fit().test(Lin(), _loader(), ckpt_path="best")
+        _fit().test(Linear(), _loader(), ckpt_path="best")
 
 
 def test_enable_checkpointing_false_saves_nothing():
     fit = _fit(enable_checkpointing=False)
-    fit.fit(Lin(), _loader())
+    fit.fit(Linear(), _loader())
     assert not any(isinstance(cb, callbacks.ModelCheckpoint) for cb in fit.callbacks)
     assert not os.path.exists(os.path.join("root", "checkpoints"))
     with pytest.raises(jl.CheckpointError, match="ckpt_path='best'"):
-        fit.test(Lin(), _loader(), ckpt_path="best")
+        fit.test(Linear(), _loader(), ckpt_path="best")
 
 
 def test_enable_checkpointing_false_with_a_model_checkpoint_is_refused():
@@ -84,6 +69,6 @@ def test_a_given_model_checkpoint_replaces_the_default_and_fast_dev_run_saves_no
     fit = _fit(callbacks=[given])
     assert [cb for cb in fit.callbacks if isinstance(cb, callbacks.ModelCheckpoint)] == [given]
     dev = _fit(fast_dev_run=True)
-    dev.fit(Lin(), _loader())
+    dev.fit(Linear(), _loader())
     assert not any(isinstance(cb, callbacks.ModelCheckpoint) for cb in dev.callbacks)
     assert not os.path.exists(os.path.join("root", "checkpoints"))

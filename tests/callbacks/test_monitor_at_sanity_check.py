@@ -9,26 +9,11 @@ names are those of the compiled validation step, the same in the sanity check).
 from __future__ import annotations
 
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks
-
-
-class Lin(jl.TrainModule):
-    def configure_model(self, rngs):
-        return nnx.Linear(4, 1, rngs=rngs)
-
-    def configure_optimizers(self):
-        return optax.sgd(0.1)
-
-    def training_step(self, model, batch):
-        return (model(batch["x"]) ** 2).mean()
-
-    def validation_step(self, model, batch):
-        return {"loss": (model(batch["x"]) ** 2).mean()}
+from tests.models import Linear
 
 
 def _fit(monitor_cb):
@@ -38,7 +23,7 @@ def _fit(monitor_cb):
                      on_train_batch_end=lambda *a: trained.append(1))])
     data = jl.data.DataLoader({"x": np.ones((32, 4), np.float32)}, 16)
     with pytest.raises(jl.ConfigurationError) as info:
-        fit.fit(Lin(), data, data)
+        fit.fit(Linear(), data, data)
     return str(info.value), trained
 
 
@@ -56,5 +41,5 @@ def test_a_correct_monitor_and_a_training_metric_pass_the_sanity_check():
                  enable_model_summary=False, enable_checkpointing=False,
                  callbacks=[callbacks.EarlyStopping("val_loss"), callbacks.EarlyStopping("loss")])
     data = jl.data.DataLoader({"x": np.ones((32, 4), np.float32)}, 16)
-    fit.fit(Lin(), data, data)
+    fit.fit(Linear(), data, data)
     assert fit.global_step == 2

@@ -5,22 +5,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxlight as jl
-
-
-class Linear(jl.TrainModule):
-    def configure_model(self, rngs):
-        return nnx.Linear(4, 1, rngs=rngs)
-
-    def configure_optimizers(self):
-        return optax.sgd(0.1)
-
-    def training_step(self, model, batch):
-        return ((model(batch["x"]) - 1.0) ** 2).mean()
+from tests.models import Linear
 
 
 class ScaledByTheModel:

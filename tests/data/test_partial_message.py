@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import jaxlight as jl
-
-
-class Lin(jl.TrainModule):
-    def configure_model(self, rngs):
-        return nnx.Linear(4, 2, rngs=rngs)
-
-    def configure_optimizers(self):
-        return optax.sgd(0.1)
-
-    def training_step(self, model, batch):
-        return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+from tests.models import Linear
 
 
 def test_the_partial_batch_message_names_its_numbers_and_the_fixes():
@@ -31,7 +19,7 @@ def test_the_partial_batch_message_names_its_numbers_and_the_fixes():
     fit = jl.Fit("dp", max_epochs=1, enable_progress_bar=False, logger=False,
                  enable_model_summary=False)
     with pytest.raises(jl.DataError) as info:
-        fit.fit(Lin(), jl.data.DataLoader(data, batch_size=8))
+        fit.fit(Linear(d_out=2), jl.data.DataLoader(data, batch_size=8))
     text = str(info.value)
     assert "training batch 11 of epoch 0 is a partial batch of 2 examples (full batches have 8)" \
         in text
