@@ -72,3 +72,16 @@ def test_a_given_model_checkpoint_replaces_the_default_and_fast_dev_run_saves_no
     dev.fit(Linear(), _loader())
     assert not any(isinstance(cb, callbacks.ModelCheckpoint) for cb in dev.callbacks)
     assert not os.path.exists(os.path.join("root", "checkpoints"))
+
+
+def test_the_default_checkpoint_deletes_no_earlier_runs_steps():
+    """The default keeps its own newest save; the steps another run left in
+    <default_root_dir>/checkpoints stay (Lightning's default deletes only what it saved)."""
+    first = _fit(callbacks=[callbacks.ModelCheckpoint(save_top_k=-1)])
+    first.fit(Linear(), _loader())
+    assert complete_steps(os.path.join("root", "checkpoints")) == [2, 4, 6]
+    second = jl.Fit("single", max_epochs=5, enable_progress_bar=False, logger=False,
+                    enable_model_summary=False, default_root_dir="root")
+    second.fit(Linear(), _loader(), ckpt_path="last")
+    assert second.global_step == 10
+    assert complete_steps(os.path.join("root", "checkpoints")) == [2, 4, 6, 10]

@@ -104,7 +104,9 @@ def assemble_callbacks(user, config) -> list[Callback]:
         # Lightning's default: a ModelCheckpoint, last in the list (its hooks run after the
         # other callbacks', as Lightning orders checkpoint callbacks last); none under
         # fast_dev_run, where Lightning saves nothing.
-        defaults.append(cbs.ModelCheckpoint())
+        default = cbs.ModelCheckpoint()
+        default.keeps_earlier_steps = True
+        defaults.append(default)
     return shortcuts + user + defaults
 
 
