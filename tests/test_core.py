@@ -24,6 +24,7 @@ def _fit(strategy, **kw):
     kw.setdefault("enable_progress_bar", False)
     kw.setdefault("enable_model_summary", False)
     kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)  # the default's own tests are below
     return jl.Fit(strategy, **kw)
 
 
@@ -185,7 +186,8 @@ GOLDEN_FIT_HOOKS = [
 def test_hook_order_golden(data):
     rec = Recorder()
     small = {k: v[:64] for k, v in data.items()}
-    fit = _fit("single", max_steps=None, max_epochs=2, log_every_n_steps=1, callbacks=[rec])
+    fit = _fit("single", max_steps=None, max_epochs=2, log_every_n_steps=1, callbacks=[rec],
+               enable_checkpointing=True)  # Lightning's default, with its saves' hooks
     fit.fit(Classifier(), _loader(small), _loader(small, shuffle=False))
     assert rec.calls == GOLDEN_FIT_HOOKS
 
