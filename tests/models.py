@@ -47,3 +47,32 @@ def classification_data(n: int = 512, din: int = 16, classes: int = 4, seed: int
     x = rng.normal(size=(n, din)).astype(np.float32)
     y = x[:, :classes].argmax(-1).astype(np.int32)
     return {"x": x, "y": y}
+
+
+class Linear(jl.TrainModule):
+    """The smallest module: `nnx.Linear(d_in, d_out)`, SGD, and in every step the squared
+    error to `batch["y"]` (to 1.0 without it)."""
+
+    def __init__(self, d_in: int = 4, d_out: int = 1, lr: float = 0.1):
+        super().__init__()
+        self.d_in, self.d_out, self.lr = d_in, d_out, lr
+
+    def configure_model(self, rngs):
+        return nnx.Linear(self.d_in, self.d_out, rngs=rngs)
+
+    def configure_optimizers(self):
+        return optax.sgd(self.lr)
+
+    def squared_error(self, model, batch):
+        return ((model(batch["x"]) - batch.get("y", 1.0)) ** 2).mean()
+
+    def training_step(self, model, batch):
+        return self.squared_error(model, batch)
+
+    def validation_step(self, model, batch):
+        return {"loss": self.squared_error(model, batch)}
+
+    test_step = validation_step
+
+    def predict_step(self, model, batch):
+        return model(batch["x"])

@@ -10,7 +10,7 @@ from tests.models import Classifier, classification_data
 
 def _fit(strategy="single", **kw):
     return jl.Fit(strategy, max_steps=3, enable_progress_bar=False, enable_model_summary=False,
-                  logger=False, **kw)
+                  logger=False, enable_checkpointing=False, **kw)
 
 
 def _batches(key, dtype):

@@ -24,6 +24,7 @@ def _fit(strategy, **kw):
     kw.setdefault("enable_progress_bar", False)
     kw.setdefault("enable_model_summary", False)
     kw.setdefault("logger", False)
+    kw.setdefault("enable_checkpointing", False)  # the default's own tests are below
     return jl.Fit(strategy, **kw)
 
 
@@ -168,6 +169,7 @@ GOLDEN_FIT_HOOKS = [
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
     "on_train_epoch_end",
+    "on_save_checkpoint",  # the default ModelCheckpoint's save, last, as in Lightning 2.6.6
     "on_train_epoch_start",
     "on_train_batch_start", "on_train_batch_end",
     "on_train_batch_start", "on_log", "on_train_batch_end",
@@ -176,6 +178,7 @@ GOLDEN_FIT_HOOKS = [
     "on_validation_batch_end", "on_validation_batch_end",
     "on_log", "on_validation_epoch_end", "on_validation_end",
     "on_train_epoch_end",
+    "on_save_checkpoint",
     "on_train_end", "on_fit_end", "teardown",
 ]
 
@@ -183,7 +186,8 @@ GOLDEN_FIT_HOOKS = [
 def test_hook_order_golden(data):
     rec = Recorder()
     small = {k: v[:64] for k, v in data.items()}
-    fit = _fit("single", max_steps=None, max_epochs=2, log_every_n_steps=1, callbacks=[rec])
+    fit = _fit("single", max_steps=None, max_epochs=2, log_every_n_steps=1, callbacks=[rec],
+               enable_checkpointing=True)  # Lightning's default, with its saves' hooks
     fit.fit(Classifier(), _loader(small), _loader(small, shuffle=False))
     assert rec.calls == GOLDEN_FIT_HOOKS
 
@@ -258,7 +262,8 @@ def test_default_callbacks_write_csv(data, tmp_path):
                  enable_progress_bar=True)
     fit.fit(Classifier(), _loader(data))
     names = [type(cb).__name__ for cb in fit.callbacks]
-    assert names == ["ModelSummary", "TQDMProgressBar", "CSVLogger"]
+    # Lightning's defaults (enable_checkpointing=True adds a ModelCheckpoint, last).
+    assert names == ["ModelSummary", "TQDMProgressBar", "CSVLogger", "ModelCheckpoint"]
     rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     assert set(rows[0].split(",")) == {"step", "loss", "accuracy", "epoch"}
     assert [r.split(",")[0] for r in rows[1:]] == ["2", "4"]

@@ -23,7 +23,7 @@ VOCAB, LENGTH, BATCH = 64, 12, 16
 
 def _fit(strategy, **kw):
     return jl.Fit(strategy, max_steps=kw.pop("max_steps", 1), enable_progress_bar=False,
-                  enable_model_summary=False, logger=False, **kw)
+                  enable_model_summary=False, logger=False, enable_checkpointing=False, **kw)
 
 
 class TokenModel(nnx.Module):

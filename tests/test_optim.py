@@ -165,15 +165,17 @@ def test_a_monitor_validation_does_not_produce_is_refused():
         _fit(Scheduled(make), _data(1), max_epochs=1)
 
 
-def test_lr_monitor_logs_the_factor_when_the_base_rate_is_hidden():
+def test_lr_monitor_logs_the_effective_rate_of_a_constant_rate():
+    """optax.adam(0.1) keeps its rate in a closure, which the monitor reads (it logged only the
+    factor, as 'lr_scale', before); Lightning logs the group's rate, 0.1 times the factor."""
     def make():
         return {"optimizer": optax.adam(0.1),
                 "lr_scheduler": {"scheduler": optax.exponential_decay(1.0, 1, 0.5),
                                  "interval": "step"}}
 
-    with pytest.warns(UserWarning, match="lr_scale"):
-        _, logs = _fit(Scheduled(make), _data(3), max_steps=3)
-    np.testing.assert_allclose(list(_lrs(logs, "lr_scale").values()), [1.0, 0.5, 0.25])
+    _, logs = _fit(Scheduled(make), _data(3), max_steps=3)
+    np.testing.assert_allclose(list(_lrs(logs).values()), [0.1, 0.05, 0.025], rtol=1e-6)
+    assert not _lrs(logs, "lr_scale")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ BATCH = 32
 def _fit(**kw):
     kw.setdefault("max_steps", 8)
     return jl.Fit("single", enable_progress_bar=False, enable_model_summary=False,
-                  logger=False, **kw)
+                  logger=False, enable_checkpointing=False, **kw)
 
 
 class Counted:

@@ -52,6 +52,7 @@ class FitConfig:
     log_every_n_steps: int
     enable_progress_bar: bool
     enable_model_summary: bool
+    enable_checkpointing: bool
     logger: bool
     default_root_dir: str
     seed: int
@@ -77,6 +78,7 @@ class FitConfig:
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
+        enable_checkpointing: bool = True,
         logger: bool = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
@@ -85,7 +87,12 @@ class FitConfig:
     ) -> FitConfig:
         """Checks the arguments (raising `ConfigurationError` with what to change) and applies
         `fast_dev_run` (1 or n training and validation batches, no loggers, no summary, no
-        sanity check)."""
+        sanity check; `assemble_callbacks` adds no default checkpoint)."""
+        if not isinstance(enable_checkpointing, bool):
+            raise ConfigurationError(
+                f"enable_checkpointing={enable_checkpointing!r}: give True (the default: a "
+                "ModelCheckpoint saving every epoch into <default_root_dir>/checkpoints unless "
+                "callbacks has one) or False (no checkpoint).")
         if (isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int)
                 or num_sanity_val_steps < -1):
             raise ConfigurationError(
@@ -126,7 +133,8 @@ class FitConfig:
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
             num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
-            enable_model_summary=enable_model_summary, logger=logger,
+            enable_model_summary=enable_model_summary,
+            enable_checkpointing=enable_checkpointing, logger=logger,
             default_root_dir=os.fspath(default_root_dir), seed=seed, fast_dev_run=fast_dev_run,
             prefetch_batches=prefetch_batches,
         )

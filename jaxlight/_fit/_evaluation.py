@@ -57,6 +57,14 @@ def several_loaders(data: Any) -> list | None:
     return list(data) if all(loader(x) for x in data) else None
 
 
+def for_evaluation(data: Any) -> Any:
+    """`data` as evaluation reads it: an `ArrayLoader` left at training's defaults (shuffle,
+    drop the last partial batch) reads every example in order, through a copy that moves no
+    training position; anything else as it is."""
+    view = getattr(data, "for_evaluation", None)
+    return view() if callable(view) else data
+
+
 def takes_dataloader_idx(fn: Any) -> bool:
     try:
         return "dataloader_idx" in inspect.signature(fn).parameters
@@ -142,6 +150,8 @@ class Evaluator:
         n = self.config.num_sanity_val_steps
         if val_data is None or n == 0:
             return
+        if several_loaders(val_data) is None:
+            val_data = for_evaluation(val_data)
         limit = batch_limit(self.config.limit_val_batches, val_data)
         if n > 0:
             limit = n if limit is None else min(n, limit)
@@ -149,8 +159,13 @@ class Evaluator:
         metrics = self.evaluate(val_data, "validation_step", "val", limit,
                                 "sanity check before training", "val_data", batch_hooks=False,
                                 advice="num_sanity_val_steps=0 skips this check.")
+        when = " in the sanity check before training"
         if self.session.schedule is not None:  # a monitor validation never produces
-            self.session.schedule.check_monitor(metrics, " in the sanity check before training")
+            self.session.schedule.check_monitor(metrics, when)
+        for cb in self.hooks.callbacks:  # EarlyStopping's, ModelCheckpoint's
+            check = getattr(cb, "check_validation_monitor", None)
+            if check is not None:
+                check(list(metrics), when)
         self.hooks("on_sanity_check_end")
 
     def eval_state(self) -> TrainState:
@@ -194,6 +209,7 @@ class Evaluator:
                       occasion: str = "", data_name: str = "the data", *,
                       batch_hooks: bool = True, advice: str = "",
                       dataloader_idx: int | None = None) -> dict[str, float]:
+        data = for_evaluation(data)
         limit = batch_limit(limit_arg, data)
         if hasattr(data, "set_epoch"):
             data.set_epoch(0)  # every evaluation reads the data from its start, in one order
@@ -294,6 +310,7 @@ class Evaluator:
         """
         session = self.session
         state = self.eval_state()
+        data = for_evaluation(data)
         check_iterable(data, "predict")
         multi = jax.process_count() > 1
         outputs: list[Any] = []

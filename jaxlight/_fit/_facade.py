@@ -71,6 +71,11 @@ class Fit(FitView):
         log_every_n_steps: how often training metrics reach loggers (the only host reads).
         enable_progress_bar: add a `TQDMProgressBar` unless one is given.
         enable_model_summary: add a `ModelSummary` unless one is given.
+        enable_checkpointing: as in Lightning, add a `ModelCheckpoint()` unless one is given: it
+            saves at the end of every epoch (and, jaxlight's resumable default, when training
+            ends) into `<default_root_dir>/checkpoints`, keeping the newest, so that
+            `test(ckpt_path="best")` and `fit(ckpt_path="last")` find it. False saves nothing
+            (and refuses a `ModelCheckpoint` in `callbacks`, as Lightning does).
         logger: add a `CSVLogger` under `default_root_dir` unless a logger is given; or
             Lightning's form, a logger (or a list of them) to add to the callbacks.
         default_root_dir: where default loggers and checkpoints write.
@@ -110,6 +115,7 @@ class Fit(FitView):
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
+        enable_checkpointing: bool = True,
         logger: bool | Callback | Sequence[Callback] = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
@@ -138,7 +144,8 @@ class Fit(FitView):
             limit_train_batches=limit_train_batches, limit_val_batches=limit_val_batches,
             num_sanity_val_steps=num_sanity_val_steps,
             log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
-            enable_model_summary=enable_model_summary, logger=logger,
+            enable_model_summary=enable_model_summary,
+            enable_checkpointing=enable_checkpointing, logger=logger,
             default_root_dir=default_root_dir, seed=seed, fast_dev_run=fast_dev_run,
             prefetch_batches=prefetch_batches,
         )

@@ -93,6 +93,20 @@ def assemble_callbacks(user, config) -> list[Callback]:
         defaults.append(cbs.TQDMProgressBar())
     if config.logger and not any(isinstance(cb, Logger) for cb in user):
         defaults.append(cbs.CSVLogger())
+    if present("ModelCheckpoint") and not config.enable_checkpointing:
+        given = next(cb for cb in user if isinstance(cb, cbs.ModelCheckpoint))
+        raise ConfigurationError(
+            f"Fit(enable_checkpointing=False) turns checkpointing off, but callbacks has "
+            f"{type(given).__name__}(dirpath={given.dirpath!r}, monitor={given.monitor!r}) "
+            "(Lightning refuses the same pair). Drop enable_checkpointing=False to keep the "
+            "callback, or remove the callback to save nothing.")
+    if config.enable_checkpointing and not config.fast_dev_run and not present("ModelCheckpoint"):
+        # Lightning's default: a ModelCheckpoint, last in the list (its hooks run after the
+        # other callbacks', as Lightning orders checkpoint callbacks last); none under
+        # fast_dev_run, where Lightning saves nothing.
+        default = cbs.ModelCheckpoint()
+        default.keeps_earlier_steps = True
+        defaults.append(default)
     return shortcuts + user + defaults
 
 

@@ -29,11 +29,25 @@ class PartialStep:
         self.abstract = self.shardings = self.compiled = None
 
     def _refuse(self, rows: int, where: str, exc: Exception) -> DataError:
+        need = getattr(exc, "need", None)
+        if need is None:  # not a divisibility refusal: the strategy's own words
+            return DataError(
+                f"{where} is a partial batch of {rows} examples (full batches have "
+                f"{self.full_rows}), which is trained on as in Lightning, but it cannot be "
+                f"split here: {exc} Drop it (jaxlight.data.DataLoader(..., drop_last=True)), "
+                "or train on one device (Fit(devices=1)).")
+        pad = -rows % need
         return DataError(
             f"{where} is a partial batch of {rows} examples (full batches have "
-            f"{self.full_rows}), which is trained on as in Lightning, but it cannot be split "
-            f"here: {exc} Drop it (jaxlight.data.DataLoader(..., drop_last=True)), or choose a "
-            f"batch size whose remainder ({rows}) the strategy divides.")
+            f"{self.full_rows}), the epoch's last. Lightning trains on it, and so does jaxlight, "
+            f"but this fit "
+            f"splits every training batch over {exc.divisor}, and {rows} is not a multiple "
+            f"of {need} (the full batches of {self.full_rows} are fine). Choose one: drop it "
+            f"(jaxlight.data.DataLoader(..., drop_last=True); its {rows} examples then miss "
+            f"this epoch); train on one device (Fit(devices=1)), which splits nothing; pad "
+            f"the data with {pad} more examples (weighted 0 in your loss) so that the last "
+            f"batch has {rows + pad}; or pick a batch size that leaves a last batch divisible "
+            f"by {need} (or none).")
 
     def accepts(self, batch: Any, where: str) -> bool:
         """True for a partial batch (checked, its shardings fixed); False for any other."""

@@ -16,7 +16,8 @@ from jaxlight.data._feed import TrainFeed
 
 def checkpoint_locations(fit) -> list[CheckpointLocation]:
     """Each ModelCheckpoint's directory, or `<default_root_dir>/checkpoints` without one."""
-    found = [CheckpointLocation(os.path.abspath(cb.resolved_dirpath(fit)), cb.monitor, cb.mode)
+    found = [CheckpointLocation(os.path.abspath(cb.resolved_dirpath(fit)), cb.monitor, cb.mode,
+                                best=cb.best_model_path)
              for cb in fit.callbacks if isinstance(cb, ModelCheckpoint)]
     return found or [CheckpointLocation(default_dirpath(fit), default=True)]
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
-from jaxlight.checkpoint._paths import default_dirpath
+from jaxlight.checkpoint._paths import complete_steps, default_dirpath
 from jaxlight.checkpoint._writer import CheckpointWriter, join_best
 
 
@@ -73,6 +73,11 @@ class ModelCheckpoint(Callback):
         >>> from jaxlight import callbacks
         >>> ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=100, monitor="val_loss")
     """
+
+    #: Set on the one `Fit` adds by default (`enable_checkpointing=True`): the steps already in
+    #: its directory when the fit starts (another run's, sharing `<default_root_dir>`) are
+    #: never deleted by its retention, as Lightning's default deletes only what it saved.
+    keeps_earlier_steps = False
 
     def __init__(
         self,
@@ -189,6 +194,8 @@ class ModelCheckpoint(Callback):
             compress=self.compress)
         self._retention = self._writer.retention
         self._dirpath_used = self._writer.dirpath
+        if self.keeps_earlier_steps:
+            self._retention.pinned.update(complete_steps(self._dirpath_used))
 
     def teardown(self, fit, module, stage: str) -> None:
         if stage == "fit" and self._writer is not None:
@@ -253,6 +260,18 @@ class ModelCheckpoint(Callback):
             # Let a save already under way commit; the original exception is the one to report.
             with contextlib.suppress(Exception):
                 self._writer.wait()
+
+    def check_validation_monitor(self, names: list[str], when: str) -> None:
+        """Refuses a validation-metric monitor (`val_...`) that validation does not produce
+        (`names`); the sanity check calls it, so a misspelt name shows before training (as
+        `EarlyStopping.check_validation_monitor`)."""
+        if self.monitor is None or not self.monitor.startswith("val_") or self.monitor in names:
+            return
+        raise ConfigurationError(
+            f"ModelCheckpoint(monitor={self.monitor!r}) ranks by a validation metric that "
+            f"validation does not produce{when}. Validation metrics: {sorted(names)}."
+            f"{suggest(self.monitor, list(names))} Fix monitor, or log the metric from "
+            "validation_step (a returned 'name' is logged as 'val_name').")
 
     # -- saving ---------------------------------------------------------------------------------
 

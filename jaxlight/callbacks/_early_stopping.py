@@ -169,6 +169,19 @@ class EarlyStopping(Callback):
                     f"now {value}).")
         return None
 
+    def check_validation_monitor(self, names: list[str], when: str) -> None:
+        """Refuses a validation-metric monitor (`val_...`) that validation does not produce
+        (`names`). The sanity check calls it, so a misspelt name shows before the first
+        training step (Lightning, which skips its check during the sanity check, reports it
+        after the first epoch's validation)."""
+        if not self.monitor.startswith("val_") or self.monitor in names:
+            return
+        raise ConfigurationError(
+            f"EarlyStopping(monitor={self.monitor!r}) watches a validation metric that "
+            f"validation does not produce{when}. Validation metrics: {sorted(names)}."
+            f"{suggest(self.monitor, list(names))} Fix monitor, or log the metric from "
+            "validation_step (a returned 'name' is logged as 'val_name').")
+
     def _check(self, fit) -> None:
         metrics = fit.callback_metrics
         if self.monitor not in metrics:

@@ -33,8 +33,9 @@ from flax import nnx
 
 from jaxlight._errors import ConfigurationError, MissingMethodError
 from jaxlight.callbacks._base import Callback
-from jaxlight.callbacks._lr_monitor import find_schedules
+from jaxlight.callbacks._lr_monitor import find_schedulers, find_schedules
 from jaxlight.callbacks._swa import constant_rate, optimizer_steps_per_epoch
+from jaxlight.schedules._scheduler import ScheduleState
 
 __all__ = ["BackboneFinetuning", "BaseFinetuning", "ParamGroups"]
 
@@ -77,13 +78,23 @@ def _module_params(model: nnx.Module) -> dict[int, Path]:
             if isinstance(node, nnx.Param)}
 
 
-def _as_list(modules: Any) -> list:
+def _as_list(modules: Any, where: str = "modules") -> list:
+    """The nnx.Modules in `modules` (a module, or nested iterables of them). A parameterless
+    callable among them (an activation such as `nnx.relu` in an `nnx.Sequential`'s layers, the
+    place torch's `nn.ReLU` module holds) has nothing to freeze and is skipped."""
     if isinstance(modules, nnx.Module):
         return [modules]
-    if isinstance(modules, Iterable):
-        return [m for item in modules for m in _as_list(item)]
+    if isinstance(modules, Iterable) and not isinstance(modules, str | bytes):
+        return [m for i, item in enumerate(modules) for m in _as_list(item, f"{where}[{i}]")]
+    if callable(modules) and not isinstance(modules, nnx.Variable):
+        return []
+    shown = repr(modules)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     raise ConfigurationError(
-        f"BaseFinetuning expects nnx.Modules (or iterables of them), got {type(modules).__name__}.")
+        f"BaseFinetuning got {where} = {shown} ({type(modules).__name__}), which is neither an "
+        "nnx.Module, an iterable of them, nor a parameterless function such as nnx.relu. Pass "
+        "the sub-modules that hold the parameters: module.model.backbone, or a slice of an "
+        "nnx.Sequential's layers (module.model.backbone.layers[-2:]).")
 
 
 class BaseFinetuning(Callback):
@@ -116,7 +127,10 @@ class BaseFinetuning(Callback):
         self._frozen: set[Path] = set()
         self._paths: dict[int, Path] = {}
         self._table: tuple[np.ndarray, np.ndarray, int] | None = None
+        #: group[epoch, param]: the parameter group each parameter is in (-1: none).
+        self._groups: np.ndarray | None = None
         self._lr = 0.0
+        self._schedulers: list = []
 
     # -- Lightning's helpers ---------------------------------------------------------------
 
@@ -176,6 +190,25 @@ class BaseFinetuning(Callback):
 
     # -- the table, made at fit start --------------------------------------------------------
 
+    def _epoch_factors(self, epochs: int, spe: int) -> np.ndarray:
+        """The lr_scheduler's factor in each epoch's first step (ones without one): what
+        Lightning's `optimizer.param_groups[0]["lr"]` holds, over the optimizer's rate, when
+        `finetune_function` runs at the epoch's start."""
+        if not self._schedulers:
+            return np.ones(epochs)
+        sched = self._schedulers[0]
+        if sched.plateau is not None:
+            raise ConfigurationError(
+                f"{type(self).__name__} runs finetune_function for every epoch when the fit "
+                "starts, where the rate a plateau scheduler will have is unknown (it depends on "
+                "the validation metric); use an epoch or step schedule (a function of the "
+                "epoch or step), or no lr_scheduler.")
+        # The scheduler's count at each epoch's start (see Scheduler.apply: a step schedule
+        # drops each epoch's batches short of a full `frequency`).
+        per_epoch = 1 if sched.interval == "epoch" else spe // sched.frequency * sched.frequency
+        return np.asarray([float(sched.schedule(e * per_epoch // sched.frequency))
+                           for e in range(epochs)], np.float64)
+
     def on_fit_start(self, fit, module) -> None:
         if fit.max_epochs is None:
             raise ConfigurationError(
@@ -186,14 +219,23 @@ class BaseFinetuning(Callback):
         self._paths = _module_params(model)
         order = param_paths(fit.state.params)
         index = {p: i for i, p in enumerate(order)}
+        factors = self._epoch_factors(fit.max_epochs, spe)
         self._frozen = set()
         self.freeze_before_training(module)
-        optimizer = ParamGroups([p for p in order if p not in self._frozen], self._lr)
+        optimizer = ParamGroups([p for p in order if p not in self._frozen],
+                                self._lr * factors[0])
         active = np.zeros((fit.max_epochs, len(order)), bool)
         lrs = np.zeros((fit.max_epochs, len(order)), np.float32)
+        groups = np.full((fit.max_epochs, len(order)), -1, np.int32)
         for epoch in range(fit.max_epochs):
+            if epoch and factors[epoch - 1]:
+                # Lightning steps an epoch scheduler at the epoch's end, multiplying every
+                # group's rate (torch's StepLR, MultiStepLR, ExponentialLR), before the next
+                # epoch's finetune_function reads and sets them.
+                for group in optimizer.param_groups:
+                    group["lr"] = group["lr"] * factors[epoch] / factors[epoch - 1]
             self.finetune_function(module, epoch, optimizer)
-            for group in optimizer.param_groups:
+            for g, group in enumerate(optimizer.param_groups):
                 for path in group["params"]:
                     if path not in index:
                         raise ConfigurationError(
@@ -201,7 +243,10 @@ class BaseFinetuning(Callback):
                             f"not a trainable parameter of the model.")
                     if path not in self._frozen:
                         active[epoch, index[path]] = True
-                        lrs[epoch, index[path]] = group["lr"]
+                        groups[epoch, index[path]] = g
+                        # The step multiplies by the scheduler's factor itself.
+                        lrs[epoch, index[path]] = (group["lr"] / factors[epoch]
+                                                   if factors[epoch] else 0.0)
         old = self._table
         if old is not None and fit.compile_counts.get("train", 0) and not (
                 old[2] == spe and np.array_equal(old[0], active)
@@ -210,9 +255,28 @@ class BaseFinetuning(Callback):
                 f"{type(self).__name__}: this Fit's step was compiled with another epoch table "
                 "(parameter groups, rates or epoch length); use a new Fit and callback.")
         self._table = (active, lrs, spe)
+        self._groups = groups
+
+    def group_rates(self, opt_state: Any) -> jax.Array:
+        """Each parameter group's rate in the epoch of the step about to update `opt_state`
+        (traceable), without the lr_scheduler's factor; 0 for a group not yet added. Read by
+        `LearningRateMonitor` (`lr-Adam/pg1`, `lr-Adam/pg2`, ... as in Lightning)."""
+        active, lrs, spe = self.table()
+        groups = self._groups
+        table = np.zeros((groups.shape[0], max(1, int(groups.max()) + 1)), np.float32)
+        for epoch, row in enumerate(groups):
+            for param, g in enumerate(row):
+                if g >= 0 and active[epoch, param]:
+                    table[epoch, g] = lrs[epoch, param]
+        count = [s.count for s in jax.tree.leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, FinetuneState))
+            if isinstance(s, FinetuneState)][0]
+        epoch = jnp.minimum(count // spe, table.shape[0] - 1)
+        return jnp.asarray(table)[epoch]
 
     def table(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """(active[epoch, param], lr[epoch, param], optimizer steps per epoch)."""
+        """(active[epoch, param], lr[epoch, param] without the lr_scheduler's factor, optimizer
+        steps per epoch)."""
         if self._table is None:
             raise ConfigurationError(
                 f"{type(self).__name__}'s step needs its table, made when a fit starts "
@@ -227,6 +291,7 @@ class BaseFinetuning(Callback):
                 f"{type(self).__name__} gives each parameter group its own constant rate, but "
                 "the optimizer's rate is a schedule; give it a number.")
         self._lr = constant_rate(tx)
+        self._schedulers = find_schedulers(tx)
         return per_parameter(tx, self)
 
     def __repr__(self) -> str:
@@ -259,11 +324,24 @@ def per_parameter(tx: optax.GradientTransformation, cb: BaseFinetuning
             u, new = optax.masked(tx, m).update(updates, old, params)
             u_i = treedef.flatten_up_to(u)[i]
             out[i] = jnp.where(on[i], u_i * scale[i], jnp.zeros_like(u_i)).astype(u_i.dtype)
-            new_states.append(jax.tree.map(lambda a, b, keep=on[i]: jnp.where(keep, a, b),
-                                           new, old))
+            new_states.append(_keep_where(on[i], new, old))
         return treedef.unflatten(out), FinetuneState(tuple(new_states), state.count + 1)
 
     return optax.GradientTransformation(init, update)
+
+
+def _keep_where(on: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where the parameter is in the optimizer this epoch, else `old`; an lr_scheduler's
+    counters always advance (its schedule is the whole optimizer's, as in torch, not restarted
+    for a parameter that joins later)."""
+
+    def merge(n, o):
+        if isinstance(n, ScheduleState):
+            return n._replace(inner=jax.tree.map(lambda a, b: jnp.where(on, a, b),
+                                                 n.inner, o.inner))
+        return jnp.where(on, n, o)
+
+    return jax.tree.map(merge, new, old, is_leaf=lambda x: isinstance(x, ScheduleState))
 
 
 def multiplicative(epoch: int) -> float:

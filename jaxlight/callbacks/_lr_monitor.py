@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxlight._errors import JaxlightWarning
 from jaxlight.callbacks._base import Callback
 from jaxlight.optim._named import NamedOptimizers, named_optimizers
 from jaxlight.schedules._scheduler import Scheduler, current_factor, states_of
@@ -116,6 +118,42 @@ def find_schedules(tx: Any) -> list[Callable]:
     return found
 
 
+def constant_rates(tx: Any) -> list[float]:
+    """The constant learning rates of `tx`: optax writes `optax.sgd(0.1)` as `scale(-0.1)`, whose
+    update function keeps `step_size` in its closure."""
+    found: list[float] = []
+
+    def on_value(obj: Any) -> None:
+        if inspect.isfunction(obj) and obj.__qualname__.startswith("scale.") \
+                and "step_size" in obj.__code__.co_freevars:
+            cells = dict(zip(obj.__code__.co_freevars, obj.__closure__, strict=True))
+            size = cells["step_size"].cell_contents
+            if isinstance(size, numbers.Real) and size < 0:
+                found.append(-float(size))
+
+    visit_closures(tx, on_value)
+    return found
+
+
+#: optax pieces that name the torch optimizer in a LearningRateMonitor key (`lr-Adam`).
+OPTIMIZER_NAMES = (("scale_by_adam", "Adam"), ("scale_by_rms", "RMSprop"),
+                   ("scale_by_rss", "Adagrad"), ("trace", "SGD"), ("scale_by_learning_rate", "SGD"),
+                   ("scale", "SGD"))
+
+
+def optimizer_name(tx: Any) -> str | None:
+    """torch's class name for an optax optimizer (`optax.adam`: "Adam", `optax.adamw`:
+    "AdamW", a decay after Adam's scaling), or None."""
+    pieces: list[str] = []
+    visit_closures(tx, lambda obj: pieces.append(obj.__qualname__.split(".")[0])
+                   if inspect.isfunction(obj) else None)
+    for piece, name in OPTIMIZER_NAMES:
+        if piece in pieces:
+            decayed = "add_decayed_weights" in pieces[pieces.index(piece):]
+            return "AdamW" if name == "Adam" and decayed else name
+    return None
+
+
 def _injected(opt_state: Any) -> list[dict]:
     """The hyperparameter dicts of every `inject_hyperparams` state in `opt_state`."""
     is_injected = lambda x: isinstance(getattr(x, "hyperparams", None), dict)  # noqa: E731
@@ -134,13 +172,18 @@ class LearningRateMonitor(Callback):
     - optax schedules (`optax.adamw(optax.cosine_decay_schedule(...))`): the schedule at the
       step's optimizer count (the train state's step before the update).
 
-    A constant learning rate passed as a number is neither; wrap the optimizer in
-    `optax.inject_hyperparams` to log it (a warning says so).
+    - a constant rate passed as a number (`optax.adam(1e-3)`): that number, read from the
+      optimizer's closures (optax scales by `-1e-3`). An optimizer that hides its rate
+      otherwise logs nothing, with a warning at `configure_optimizers`; wrap it in
+      `optax.inject_hyperparams`.
+
+    With BaseFinetuning's parameter groups, each group's effective rate, as Lightning names it:
+    `lr-Adam/pg1`, `lr-Adam/pg2`, ... (see `_group_step`).
 
     With `configure_optimizers`' dict (`{"optimizer": tx, "lr_scheduler": {...}}`) the logged
     rate is the effective one: the optimizer's rate times the scheduler's factor (a plateau's
     reductions included), under the scheduler's `name` if it has one. Where the optimizer's
-    own rate is a hidden constant, the factor alone is logged as `lr_scale`.
+    own rate is hidden, the factor alone is logged as `lr_scale`.
 
     With named optimizers (configure_optimizers returning several, see docs/models.md) each is
     logged as `lr-<name>` (its scheduler's `name` if it has one; `lr_scale-<name>` for a
@@ -163,6 +206,12 @@ class LearningRateMonitor(Callback):
         self.schedules: list[Callable] = []
         self.schedulers: list[Scheduler] = []
         self.named: NamedOptimizers | None = None
+        self.optimizer_name: str | None = None
+        #: The optimizer's constant rates (`optax.adam(1e-3)`: [1e-3]), read from its closures.
+        self.constants: list[float] = []
+        self._where: tuple[str, int] | None = None
+        #: A BaseFinetuning of the fit (its parameter groups are logged), found at fit start.
+        self.finetuning: Any = None
         #: Metric names this monitor adds to the step, known once the step is traced.
         self.names: list[str] = []
 
@@ -170,7 +219,28 @@ class LearningRateMonitor(Callback):
         self.schedules = find_schedules(tx)
         self.schedulers = find_schedulers(tx)
         self.named = named_optimizers(tx)
+        self.optimizer_name = optimizer_name(tx)
+        self.constants = constant_rates(tx)
         return tx  # observed only
+
+    def _warn(self, message: str) -> None:
+        """Warns at the module's `configure_optimizers` (where the fix goes), not at the JAX
+        frame tracing the step."""
+        if self._where is None:
+            warnings.warn(message, JaxlightWarning, stacklevel=3)
+        else:
+            warnings.warn_explicit(message, JaxlightWarning, *self._where)
+
+    def setup(self, fit, module, stage: str) -> None:
+        method = getattr(type(module), "configure_optimizers", None)
+        try:
+            self._where = (inspect.getsourcefile(method), inspect.getsourcelines(method)[1])
+        except (TypeError, OSError):  # defined where no source is (a REPL, built by jaxlight)
+            self._where = None
+        # Parameter groups (BaseFinetuning's) are logged per group; found by what they offer,
+        # as the finetuning callbacks import this module.
+        self.finetuning = next((cb for cb in fit.callbacks
+                                if callable(getattr(cb, "group_rates", None))), None)
 
     def transform_step(self, step_fn):
         schedules = self.schedules
@@ -179,10 +249,15 @@ class LearningRateMonitor(Callback):
             return self._named_step(step_fn, self.named)
 
         def step_with_lr(state, batch):
+            if monitor.finetuning is not None:
+                return monitor._group_step(step_fn, state, batch)
             new_state, metrics = step_fn(state, batch)
             values = [fn(state.step) for fn in schedules]
             for hyper in _injected(new_state.opt_state):
                 values += [hyper[k] for k in LR_NAMES if k in hyper]
+            if not values and len(monitor.constants) == 1:
+                # optax keeps a constant rate in a closure (optax.adam(1e-3) scales by -1e-3).
+                values = [jnp.float32(monitor.constants[0])]
             momenta = []
             if monitor.log_momentum:
                 for hyper in _injected(new_state.opt_state):
@@ -196,18 +271,18 @@ class LearningRateMonitor(Callback):
             if factor is not None and values:
                 values = [v * factor for v in values]
             elif factor is not None:
-                warnings.warn(
+                monitor._warn(
                     "LearningRateMonitor: the optimizer's own learning rate is a constant optax "
                     "does not expose, so only the lr_scheduler's factor is logged, as "
                     "'lr_scale'. Wrap the optimizer, e.g. optax.inject_hyperparams(optax.adam)("
-                    "learning_rate=1e-3), to log the effective rate.", stacklevel=2)
+                    "learning_rate=1e-3), to log the effective rate.")
             if not values and factor is None:
-                warnings.warn(
+                monitor._warn(
                     "LearningRateMonitor found no learning-rate schedule and no "
                     "optax.inject_hyperparams state in the optimizer, so it logs nothing. A "
                     "constant learning rate is not visible in an optax transformation: wrap "
                     "the optimizer, e.g. optax.inject_hyperparams(optax.adamw)(learning_rate="
-                    "1e-3), to log it.", stacklevel=2)
+                    "1e-3), to log it.")
             extra = {}
             if factor is not None and not values:
                 extra["lr_scale"] = jnp.asarray(factor, jnp.float32)
@@ -219,6 +294,25 @@ class LearningRateMonitor(Callback):
             return new_state, {**metrics, **extra}
 
         return step_with_lr
+
+    def _group_step(self, step_fn, state, batch):
+        """Parameter groups (BaseFinetuning): each group's effective rate, named as Lightning
+        names them, `lr-Adam/pg1`, `lr-Adam/pg2`, ... (the lr_scheduler's `name` in place of
+        `lr-Adam` if it has one). The names are those of every group the fit will have from its
+        first step; a group not yet added logs 0 (Lightning logs `lr-Adam` until a second
+        group exists)."""
+        new_state, metrics = step_fn(state, batch)
+        rates = self.finetuning.group_rates(state.opt_state)
+        factors = current_factor(new_state.opt_state)
+        if factors:
+            rates = rates * factors[0]
+        prefix = "lr" if self.optimizer_name is None else f"lr-{self.optimizer_name}"
+        if self.schedulers and self.schedulers[0].name:
+            prefix = self.schedulers[0].name
+        n = rates.shape[0]
+        extra = {(f"{prefix}/pg{g + 1}" if n > 1 else prefix): rates[g] for g in range(n)}
+        self.names = list(extra)
+        return new_state, {**metrics, **extra}
 
     def _named_step(self, step_fn, named: NamedOptimizers):
         """Named optimizers: `lr-<name>` (or the scheduler's `name`) per optimizer, each read
@@ -250,11 +344,11 @@ class LearningRateMonitor(Callback):
                 elif factors:
                     extra[f"lr_scale-{name}"] = jnp.asarray(factors[0], jnp.float32)
             if not extra:
-                warnings.warn(
+                monitor._warn(
                     "LearningRateMonitor found no learning-rate schedule and no "
                     "optax.inject_hyperparams state in any named optimizer, so it logs nothing. "
                     "Wrap an optimizer, e.g. optax.inject_hyperparams(optax.adam)(learning_rate="
-                    "1e-3), to log its rate as 'lr-<name>'.", stacklevel=2)
+                    "1e-3), to log its rate as 'lr-<name>'.")
             monitor.names = list(extra)
             return new_state, {**metrics, **extra}
 

@@ -23,7 +23,6 @@ training data's length when the fit starts (as Lightning, SWA needs a sized load
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import warnings
@@ -38,7 +37,7 @@ from flax import nnx
 from jaxlight._errors import ConfigurationError, JaxlightWarning
 from jaxlight.callbacks._accumulation import GradientAccumulationScheduler, batches_per_step
 from jaxlight.callbacks._base import Callback
-from jaxlight.callbacks._lr_monitor import LR_NAMES, find_schedules, visit_closures
+from jaxlight.callbacks._lr_monitor import LR_NAMES, constant_rates, find_schedules
 from jaxlight.callbacks._weight_averaging import AvgFn, swa_average
 from jaxlight.schedules._scheduler import current_factor, one_state_of, states_of
 
@@ -77,26 +76,9 @@ def _injected_rates(opt_state: Any) -> list[jax.Array]:
             if is_injected(leaf) for name in LR_NAMES if name in leaf.hyperparams]
 
 
-def _constant_rates(tx: Any) -> list[float]:
-    """The constant learning rates of `tx`: optax writes `optax.sgd(0.1)` as `scale(-0.1)`, whose
-    update function keeps `step_size` in its closure."""
-    found: list[float] = []
-
-    def on_value(obj: Any) -> None:
-        if inspect.isfunction(obj) and obj.__qualname__.startswith("scale.") \
-                and "step_size" in obj.__code__.co_freevars:
-            cells = dict(zip(obj.__code__.co_freevars, obj.__closure__, strict=True))
-            size = cells["step_size"].cell_contents
-            if isinstance(size, numbers.Real) and size < 0:
-                found.append(-float(size))
-
-    visit_closures(tx, on_value)
-    return found
-
-
 def constant_rate(tx: optax.GradientTransformation) -> float:
     """The optimizer's constant learning rate (`optax.adam(1e-3)`: 1e-3), or an error."""
-    rates = _constant_rates(tx)
+    rates = constant_rates(tx)
     if len(rates) != 1:
         raise ConfigurationError(
             f"the optimizer's learning rate is needed as a number, but this optax "
@@ -115,7 +97,7 @@ def rate_reader(tx: optax.GradientTransformation) -> Callable[[Any, jax.Array], 
     schedules = find_schedules(tx)
     if schedules:
         return lambda state, count: jnp.asarray(schedules[0](count), jnp.float32)
-    constants = _constant_rates(tx)
+    constants = constant_rates(tx)
 
     def rate(state, count):
         injected = _injected_rates(state)

@@ -30,6 +30,9 @@ class CheckpointLocation:
     monitor: str | None = None
     mode: str | None = None
     default: bool = False
+    #: Its ModelCheckpoint's `best_model_path` in this process (without a monitor: its newest
+    #: save, Lightning's "best"), or None.
+    best: str | None = None
 
 
 def _locations(fit) -> list[CheckpointLocation]:
@@ -120,6 +123,12 @@ def resolve_checkpoint(fit, ckpt_path: str | os.PathLike) -> str | None:
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], found[1], loc.dirpath)
         if best is None:
+            # Lightning's "best" of a ModelCheckpoint without a monitor is its newest save
+            # (`best_model_path`), known to the fit that saved it.
+            saved = [loc.best for loc in dirs if loc.monitor is None and loc.best
+                     and is_step_dir(loc.best)]
+            if saved:
+                return saved[0]
             looked = ", ".join(os.path.abspath(loc.dirpath) for loc in dirs)
             raise CheckpointError(
                 f"ckpt_path='best': no checkpoint in {looked} records a finite monitored value. "

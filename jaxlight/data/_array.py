@@ -11,6 +11,7 @@ Any iterable of NumPy pytrees works with `Fit` too; this loader adds exact resum
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -31,9 +32,13 @@ class ArrayLoader:
         arrays: a pytree (usually a dict) of arrays sharing their first dimension (NumPy, or
             torch CPU tensors, shared without copies), or a Hugging Face `datasets.Dataset`.
         batch_size: the global batch size (all processes together).
-        shuffle: draw a new permutation each epoch from `(seed, epoch)`.
+        shuffle: draw a new permutation each epoch from `(seed, epoch)` (default True). Given
+            as validation, test or prediction data, a loader left at the default reads in order
+            (`for_evaluation`).
         seed: the shuffling seed.
-        drop_remainder: drop the last partial batch (training); keep it for evaluation.
+        drop_remainder: drop the last partial batch (default True, for training); evaluation
+            keeps it unless `drop_remainder=True` was given explicitly, so it sees every
+            example, as Lightning's validation loader does.
         process_index, process_count: which share of each batch this process yields; default
             `jax.process_index()` and `jax.process_count()`.
 
@@ -54,9 +59,9 @@ class ArrayLoader:
         arrays: Any,
         batch_size: int,
         *,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int = 0,
-        drop_remainder: bool = True,
+        drop_remainder: bool | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
@@ -96,9 +101,13 @@ class ArrayLoader:
         self.arrays = jax.tree.map(np.asarray, arrays)
         self.num_examples = lengths.pop()
         self.batch_size = int(batch_size)
-        self.shuffle = shuffle
+        # Training's defaults; evaluation changes only what was left at its default.
+        self._defaults = {name for name, value in (("shuffle", shuffle),
+                                                   ("drop_remainder", drop_remainder))
+                          if value is None}
+        self.shuffle = True if shuffle is None else bool(shuffle)
         self.seed = seed
-        self.drop_remainder = drop_remainder
+        self.drop_remainder = True if drop_remainder is None else bool(drop_remainder)
         if process_index is None or process_count is None:
             # A loader is often built before Fit: join a launched multi-process job first (a
             # started JAX backend could not join it any more).
@@ -125,6 +134,18 @@ class ArrayLoader:
     def __len__(self) -> int:
         full, rest = divmod(self.num_examples, self.batch_size)
         return full + (1 if rest and not self.drop_remainder else 0)
+
+    def for_evaluation(self) -> ArrayLoader:
+        """This loader as validation, test and prediction read it: every example (the last
+        partial batch kept) in order, unless `drop_remainder` or `shuffle` was given
+        explicitly; a copy sharing the arrays, so reading it moves no training position."""
+        view = copy.copy(self)
+        if "drop_remainder" in self._defaults:
+            view.drop_remainder = False
+        if "shuffle" in self._defaults:
+            view.shuffle = False
+        view.epoch, view.position, view._resume_at = 0, 0, None
+        return view
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the permutation of `epoch` for the next pass.

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxlight._errors import DataError
+
 __all__ = ["Prefetcher", "prefetch_depth"]
 
 _END = object()
@@ -47,6 +49,26 @@ def prefetch_depth(data: Any, asked: int | None) -> int:
         return asked
     return 0 if isinstance(data, (list, tuple)) or getattr(data, "in_memory", False) \
         else DEFAULT_DEPTH
+
+
+def explain_donated(exc: BaseException, depth: int) -> BaseException:
+    """A read-ahead thread's "Array has been deleted" (the data read a JAX array that a
+    training step had donated since) as an error naming `reads_live_model`; any other
+    exception as it is."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and ("has been deleted" in text
+                                                or "donated" in text)):
+        return exc
+    err = DataError(
+        f"the training data read a JAX array that a training step had already donated "
+        f"(JAX: {text}) while it was read {depth} batch(es) ahead of the loop, in a background "
+        "thread (Fit's prefetch_batches). Data that reads the live model (module.model, e.g. to "
+        "sample from it or to score examples with it) must say so: give the iterable the class "
+        "attribute `reads_live_model = True`, and the loop reads each of its batches right "
+        "after the step before it was dispatched, never ahead (docs/data.md, 'Data that reads "
+        "the model'). Fit(prefetch_batches=0) reads in the loop's thread too.")
+    err.__cause__ = exc
+    return err
 
 
 class _Failure:
@@ -104,7 +126,7 @@ class Prefetcher:
                 if self._stop.is_set() or not self._offer(self._prepare(batch, position)):
                     return
         except BaseException as exc:  # noqa: BLE001 - handed to the loop's thread, re-raised
-            self._offer(_Failure(exc))
+            self._offer(_Failure(explain_donated(exc, self._depth)))
             return
         self._offer(_END)
 

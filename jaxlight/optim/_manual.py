@@ -24,6 +24,8 @@ its non-finite updates, `optax.MultiSteps(tx, k)` accumulates its gradients over
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlight._errors import ConfigurationError, StepOutputError, suggest
+from jaxlight._errors import ConfigurationError, JaxlightWarning, StepOutputError, suggest
 from jaxlight.metrics import _metrics
 from jaxlight.optim._named import NamedOptimizers, named_optimizers
 from jaxlight.state import _frozen
@@ -190,6 +192,40 @@ def _metrics_of(out: Any, where: str) -> dict:
     return {"loss": loss, **metrics}
 
 
+def runs_per_replica(strategy: Any) -> bool:
+    """Whether the strategy's automatic step runs `training_step` on each data-parallel
+    replica's share of the batch while a manual step, compiled as one SPMD program, sees the
+    global batch (FSDP, Hybrid with fsdp; docs/strategies.md, 'The batch a step sees')."""
+    def probe(*args):
+        return args
+
+    return bool(getattr(strategy, "batch_axes", ())) and strategy.gradient_fn(probe) is not probe
+
+
+def warn_batch_statistics(module: Any, model: nnx.Module, strategy: Any) -> None:
+    """Warns (at training_step's source) when a manual step's model normalizes with batch
+    statistics where the automatic step would use each replica's own (see
+    `runs_per_replica`)."""
+    layers = sorted({type(node).__name__ for _, node in nnx.iter_graph(model)
+                     if isinstance(node, nnx.BatchNorm)})
+    if not layers:
+        return
+    message = (
+        f"{type(module).__name__} uses manual optimization under {strategy.name}, whose "
+        f"automatic step runs training_step on each device's share of the batch (its "
+        f"{', '.join(layers)} then normalizes with per-device statistics, as Lightning's FSDP "
+        "and DDP do); a manual step runs on the global batch, so here the statistics are the "
+        "whole batch's (as torch's SyncBatchNorm). For per-device statistics use "
+        "strategies.DDP(); DataParallel uses whole-batch statistics in both modes "
+        "(docs/strategies.md, 'The batch a step sees').")
+    step = type(module).training_step
+    try:
+        warnings.warn_explicit(message, JaxlightWarning, inspect.getsourcefile(step),
+                               inspect.getsourcelines(step)[1])
+    except (TypeError, OSError):  # no source to point at
+        warnings.warn(message, JaxlightWarning, stacklevel=2)
+
+
 def build_manual_step(module, graphdef, tx: optax.GradientTransformation, callbacks, strategy,
                       frozen: Any = None, log_spec: _metrics.LogSpec | None = None) -> Callable:
     """The training step of a manual-optimization module: `train_step(state, batch)` calls
@@ -204,9 +240,12 @@ def build_manual_step(module, graphdef, tx: optax.GradientTransformation, callba
     for cb in callbacks:
         cb.setup_step(strategy)
     where = f"{type(module).__name__}.training_step"
+    per_replica = runs_per_replica(strategy)
 
     def train_step(state, batch):
         model = nnx.merge(graphdef, state.params, state.rest)
+        if per_replica:
+            warn_batch_statistics(module, model, strategy)
         opt = Optimizers(model, state.opt_state, named, module.trainable, strategy, state.step)
         with _metrics.collecting("train", where) as logs:
             out = call_user_step(module.training_step, where, model, batch, opt)

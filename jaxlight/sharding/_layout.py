@@ -185,11 +185,13 @@ def require_divisible(abstract_batch: Any, what: str, need: int, divisor: Callab
         if size % need:
             lower, upper = size - size % need, size - size % need + need
             example = f"{lower} or {upper}" if lower else f"{upper}"
-            raise DataError(
+            error = DataError(
                 f"global {what} size {size} (leaf {jax.tree_util.keystr(path)}) is not "
                 f"divisible by {divisor()}. Use a batch size that is a multiple of {need} "
                 f"(for example {example}){advice}."
             )
+            error.need, error.divisor = need, divisor()  # for a caller's own message
+            raise error
 
 
 # -- activation sharding constraints --------------------------------------------------------

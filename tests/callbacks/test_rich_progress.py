@@ -46,7 +46,8 @@ def test_rich_bar_in_a_log_file_prints_plain_lines(capsys):
 def test_rich_bar_replaces_the_default_bar_and_refresh_rate_zero_shows_nothing(capsys):
     fit = jl.Fit("single", max_steps=4, callbacks=[callbacks.RichProgressBar(refresh_rate=0)],
                  logger=False, enable_model_summary=False)
-    assert [type(cb).__name__ for cb in fit.callbacks] == ["RichProgressBar"]
+    # No TQDMProgressBar; the default ModelCheckpoint (enable_checkpointing=True) comes last.
+    assert [type(cb).__name__ for cb in fit.callbacks] == ["RichProgressBar", "ModelCheckpoint"]
     fit.fit(Classifier(), _data(16))
     assert capsys.readouterr().err == ""
     with pytest.raises(jl.ConfigurationError, match="redraws per second"):

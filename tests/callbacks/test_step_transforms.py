@@ -65,7 +65,8 @@ def _fit(strategy, cbs=(), **kw) -> tuple[jl.Fit, list[dict]]:
     kw.setdefault("log_every_n_steps", 1)
     fit = jl.Fit(strategy, callbacks=[*cbs, callbacks.LambdaCallback(
         on_log=lambda fit, module, metrics, step: logs.append(dict(metrics)))],
-        enable_progress_bar=False, enable_model_summary=False, logger=False, **kw)
+        enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False, **kw)
     return fit, logs
 
 

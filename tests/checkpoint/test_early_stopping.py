@@ -75,8 +75,10 @@ def test_non_finite_value_stops_at_once_on_a_training_metric():
 
 def test_monitor_never_logged_lists_logged_metrics():
     stop = callbacks.EarlyStopping("val_los")
+    # Reported by the sanity check, before training (tests/callbacks/
+    # test_monitor_at_sanity_check.py), with validation's metric names.
     with pytest.raises(jl.ConfigurationError,
-                       match=r"'val_los'.*Logged metrics: \[.*'val_loss'\]\. Did you mean "
+                       match=r"'val_los'.*Validation metrics: \[.*'val_loss'\]\. Did you mean "
                              r"'val_loss'"):
         make_fit("single", 4, [stop], max_epochs=1, limit_train_batches=2).fit(
             Classifier(), loader(), _val())

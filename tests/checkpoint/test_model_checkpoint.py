@@ -249,7 +249,8 @@ def test_checkpoint_of_a_different_model_names_paths_and_shapes(tmp_path):
 def test_monitor_never_logged_lists_the_logged_metrics(tmp_path):
     ckpt = callbacks.ModelCheckpoint("ckpt", every_n_steps=2, monitor="val_acc")
     with pytest.raises(jl.ConfigurationError,
-                       match=r"val_acc.*Logged metrics: \[.*'val_accuracy'.*\]\. Did you mean "
+                       match=r"val_acc.*Validation metrics: \[.*'val_accuracy'.*\]\. "
+                             r"Did you mean "
                              r"'val_accuracy'"):
         make_fit("single", 4, [ckpt], val_check_interval=2).fit(Classifier(), loader(),
                                                                 _val_data())

@@ -25,7 +25,8 @@ def test_last_under_a_relative_default_root_dir_resumes_and_validates(capsys):
     assert complete_steps("runs/x/checkpoints") == [4]
 
     # No ModelCheckpoint (as after a preemption): "last" looks in <default_root_dir>/checkpoints.
-    resumed = make_fit("single", 6, default_root_dir="runs/x")
+    # (enable_checkpointing=False: the default one would save step 6 there.)
+    resumed = make_fit("single", 6, default_root_dir="runs/x", enable_checkpointing=False)
     resumed.fit(Classifier(), loader(), ckpt_path="last")
     assert resumed.global_step == 6
     assert "resumed from " + os.path.abspath("runs/x/checkpoints/4") in capsys.readouterr().out

@@ -43,5 +43,8 @@ def quiet_fit(strategy="single", **kwargs) -> jl.Fit:
     kwargs.setdefault("enable_progress_bar", False)
     kwargs.setdefault("enable_model_summary", False)
     kwargs.setdefault("logger", False)
+    if not any(isinstance(cb, jl.callbacks.ModelCheckpoint)
+               for cb in kwargs.get("callbacks", ())):
+        kwargs.setdefault("enable_checkpointing", False)  # no default saves where none is read
     return jl.Fit(strategy, **kwargs)
 

@@ -27,7 +27,7 @@ DIN, CLASSES, BATCH = 64, 16, 64
 
 def quiet_fit(strategy, **kwargs):
     return jl.Fit(strategy=strategy, enable_progress_bar=False, enable_model_summary=False,
-                  logger=False, **kwargs)
+                  logger=False, enable_checkpointing=False, **kwargs)
 
 
 def batches(n: int = 1, size: int = BATCH):

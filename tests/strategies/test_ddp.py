@@ -15,7 +15,7 @@ from tests.models import Classifier, classification_data
 
 def quiet_fit(strategy, **kw):
     return jl.Fit(strategy=strategy, max_steps=6, log_every_n_steps=1, enable_progress_bar=False,
-                  enable_model_summary=False, logger=False, **kw)
+                  enable_model_summary=False, logger=False, enable_checkpointing=False, **kw)
 
 
 @pytest.fixture(scope="module")
