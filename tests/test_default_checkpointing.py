@@ -85,3 +85,16 @@ def test_the_default_checkpoint_deletes_no_earlier_runs_steps():
     second.fit(Linear(), _loader(), ckpt_path="last")
     assert second.global_step == 10
     assert complete_steps(os.path.join("root", "checkpoints")) == [2, 4, 6, 10]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, saved", [([], True),
+                                         (["--trainer.enable_checkpointing", "false"], False)])
+def test_the_command_line_passes_enable_checkpointing(flag, saved):
+    """`jaxlight fit` saves the default checkpoint unless `--trainer.enable_checkpointing false`
+    (the flag was dropped as a Lightning key without a jaxlight meaning)."""
+    from jaxlight._cli import main
+
+    assert main(["fit", "digits", "--max-steps", "1", "--trainer.default_root_dir", "root",
+                 "--trainer.enable_progress_bar", "false", *flag]) == 0
+    assert os.path.isdir(os.path.join("root", "checkpoints")) is saved

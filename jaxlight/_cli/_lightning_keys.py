@@ -31,12 +31,13 @@ _SHARED = {
     "enable_progress_bar": (None, True), "enable_model_summary": (None, True),
     "accumulate_grad_batches": (1, 1), "gradient_clip_val": (None, None),
     "gradient_clip_algorithm": (None, "norm"), "default_root_dir": (None, "jaxlight_logs"),
+    "enable_checkpointing": (None, True),
 }
 
 #: Lightning 2.6 `Trainer` arguments without a jaxlight meaning, with Lightning's default. At
 #: the default they ask for nothing and are dropped; another value is named in a warning.
 _NO_MEANING = {
-    "accelerator": "auto", "num_nodes": 1, "enable_checkpointing": None, "deterministic": None,
+    "accelerator": "auto", "num_nodes": 1, "deterministic": None,
     "benchmark": None, "inference_mode": True, "use_distributed_sampler": True,
     "profiler": None, "detect_anomaly": False, "barebones": False, "plugins": None,
     "sync_batchnorm": False, "enable_autolog_hparams": True, "model_registry": None,
@@ -93,8 +94,7 @@ def trainer_value(key: str, value: Any, notes: Notes) -> tuple[bool, Any]:
     """(keep, value) for one `trainer.<key>` of a Lightning config or flag."""
     if key in _NO_MEANING or key in _REFUSED:
         default = _NO_MEANING.get(key, _REFUSED.get(key))
-        # enable_checkpointing: False asks for what jaxlight does (no checkpoint callback).
-        if value != default and not (key == "enable_checkpointing" and value is False):
+        if value != default:
             (notes.refused if key in _REFUSED else notes.warned)[key] = value
         return False, None
     if key in _SHARED:

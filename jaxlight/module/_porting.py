@@ -289,8 +289,6 @@ TRAINER_ARGS = {
     "auto_select_gpus": "Fit(devices=N)",
     "num_nodes": "several hosts join one job: jaxlight launch --nnodes N, torchrun or SLURM "
                  "(docs/distributed.md)",
-    "enable_checkpointing": "checkpoints are saved by callbacks.ModelCheckpoint(...) in "
-                            "callbacks=[...]",
     "deterministic": "jaxlight is deterministic for a given Fit(seed=...) on a given device "
                      "layout; on GPUs also set XLA_FLAGS=--xla_gpu_deterministic_ops=true",
     "benchmark": "XLA autotunes its kernels itself; remove it",
