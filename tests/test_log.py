@@ -97,6 +97,38 @@ def test_prog_bar_picks_the_fields(run):
             if shows(fit, k)] == ["loss", "train_loss_step", "val_loss"]
 
 
+def test_logger_false_keeps_values_from_the_loggers(tmp_path):
+    """logger=False (Lightning's meaning): not in the CSV nor fit.logged_metrics, in training
+    (an on_step + on_epoch value too) and evaluation; fit.callback_metrics and the other
+    callbacks (the progress bar reads on_log) still get the values."""
+
+    class Hidden(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("quiet", loss, logger=False, prog_bar=True, on_step=True, on_epoch=True)
+            self.log("shown", loss)
+            return loss
+
+        def validation_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("val_quiet", loss, logger=False, prog_bar=True)
+            return {"loss": loss}
+
+    logs, csv = Logs(), callbacks.CSVLogger(str(tmp_path))
+    fit = jl.Fit("single", max_steps=2, log_every_n_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=csv, callbacks=[logs])
+    data = ArrayLoader(classification_data(64), 32)
+    fit.fit(Hidden(), data, data)
+    fit.validate(data=data)
+    hidden = {"quiet", "quiet_step", "quiet_epoch", "val_quiet"}
+    assert {"shown", "val_loss"} <= set(fit.logged_metrics)
+    assert not hidden & set(fit.logged_metrics)
+    assert not hidden & {k for _, row in csv.rows for k in row}
+    assert hidden <= set(fit.callback_metrics)
+    assert hidden - {"quiet"} <= {k for _, m in logs.rounds for k in m}
+    assert {"quiet_step", "val_quiet"} <= fit.progress_bar_metrics
+
+
 def test_log_errors():
     class Twice(Classifier):
         def training_step(self, model, batch):

@@ -325,7 +325,7 @@ class Fit(FitView):
         metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
                                            f"the data passed to Fit.{stage}")
         self._log.callback_metrics.update(metrics)
-        self.log_metrics(metrics, self._position.global_step)
+        self._log.log(metrics, self._position.global_step, self._session.logger_hidden)
         return metrics
 
     def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run, data,

@@ -176,7 +176,7 @@ class TrainLoop:
             # hold no "epoch", and the bare name of an on_step+on_epoch value.
             self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
             metrics["epoch"] = float(self.position.epoch)
-            self.log.log(metrics, pending.step)
+            self.log.log(metrics, pending.step, self.session.logger_hidden)
             pending.log = False
         return None if final else pending
 
@@ -345,7 +345,7 @@ class TrainLoop:
             epoch_values = epoch_metrics.compute()
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
                 self.log.callback_metrics.update(session.log_spec.with_bare_names(epoch_values))
-                self.log.log(epoch_values, pos.global_step)
+                self.log.log(epoch_values, pos.global_step, session.logger_hidden)
 
             def validation_due() -> bool:
                 # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the

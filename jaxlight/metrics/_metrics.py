@@ -54,6 +54,9 @@ class LogOptions:
     on_step: bool
     on_epoch: bool
     prog_bar: bool
+    #: False: kept from the loggers and `logged_metrics` (`callback_metrics` and the progress
+    #: bar still get it), as Lightning's `self.log(..., logger=False)`.
+    logger: bool = True
 
 
 @dataclasses.dataclass
@@ -77,7 +80,7 @@ class LogCollector:
         self.entries: dict[str, Logged] = {}
 
     def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
-            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
+            on_epoch: bool | None, batch_size: Any, reduce_fx: Any, logger: bool = True) -> None:
         where = f"{self.where}: self.log({name!r}, ...)"
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{self.where}: self.log needs a non-empty str name, got "
@@ -123,8 +126,8 @@ class LogCollector:
             value = as_scalar(value, f"{self.where} logged value {name!r}")
             if batch_size is not None:
                 batch_size = as_scalar(batch_size, f"{self.where} batch_size of {name!r}")
-        self.entries[name] = Logged(value, LogOptions(on_step, on_epoch, bool(prog_bar)),
-                                    batch_size)
+        self.entries[name] = Logged(
+            value, LogOptions(on_step, on_epoch, bool(prog_bar), bool(logger)), batch_size)
 
 
 def as_scalar(value: Any, what: str) -> jax.Array:
@@ -186,6 +189,15 @@ class LogSpec:
         names = set()
         for name, opt in self.options.items():
             if opt.prog_bar:
+                names.update(self._logged_names(name, opt))
+        return names
+
+    @property
+    def hidden(self) -> set[str]:
+        """Names as the loggers would see them of values logged with `logger=False`."""
+        names = set()
+        for name, opt in self.options.items():
+            if not opt.logger:
                 names.update(self._logged_names(name, opt))
         return names
 
