@@ -154,6 +154,12 @@ class MetricLog:
         #: Latest training/validation metrics (what EarlyStopping and checkpoints monitor).
         self.callback_metrics: dict[str, float] = {}
 
+    def record(self, metrics: dict[str, float], hidden=frozenset()) -> None:
+        """Updates `logged_metrics` only: Lightning's follow every step, where its loggers get
+        the log intervals. "epoch" goes to the loggers but not here, as in Lightning."""
+        self.logged_metrics.update((k, v) for k, v in metrics.items()
+                                   if k != "epoch" and k not in hidden)
+
     def log(self, metrics: dict[str, float], step: int, hidden=frozenset()) -> None:
         """Queues `metrics` at `step`; sends the queue unless a round is being sent already.
         Names in `hidden` (`self.log(..., logger=False)`) reach neither the loggers nor
@@ -166,8 +172,7 @@ class MetricLog:
             while self._queue:
                 queued, at, hide = self._queue.pop(0)
                 logged = {k: v for k, v in queued.items() if k not in hide}
-                # "epoch" goes to the loggers but not into logged_metrics, as in Lightning.
-                self.logged_metrics.update((k, v) for k, v in logged.items() if k != "epoch")
+                self.record(logged)
                 if len(logged) == len(queued):
                     self._hooks("on_log", queued, at)
                 else:
