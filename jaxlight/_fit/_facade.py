@@ -46,7 +46,8 @@ class Fit(FitView):
         N for
             the first N of each process, a list of device indices or `jax.Device`s. The
             strategy's mesh spans only these; the rest stay idle.
-        max_steps: optimizer steps to take; None means "until max_epochs".
+        max_steps: optimizer steps to take; None (or -1, Lightning's) means "until
+            max_epochs", and `fit.max_steps` reads -1 then, as Lightning's.
         max_epochs: passes over the training data; None means "until max_steps".
         max_time: shortcut for `callbacks.Timer(duration=max_time, interval="step")`: stop
             after this long ("DD:HH:MM:SS", a `datetime.timedelta` or a dict such as

@@ -348,17 +348,17 @@ def _csv_run(tmp_path):
 
 
 #: What test_csv_logger_differences pins (the rest of the run equals Lightning's).
-CSV_DIFFERENCES = ("log_dir", "trainer_log_dir", "max_steps")
+CSV_DIFFERENCES = ("log_dir", "trainer_log_dir")
 
 
 @claim("CSVLogger(save_dir, name, version): the same save_dir, name, version and columns; the "
        "same train_loss rows under log_every_n_steps=3 over 8 steps (steps 3 and 6, none for "
        "the last); the module's logger and loggers; the Fit's default_root_dir, "
-       "is_global_zero, max_epochs, and max_steps when given")
+       "is_global_zero, max_epochs, and max_steps (-1 when not given)")
 @covers("CSVLogger(save_dir)", "CSVLogger(name)", "CSVLogger.save_dir", "CSVLogger.name",
         "CSVLogger.version", "Fit(logger)", "Fit(log_every_n_steps)", "Fit(default_root_dir)",
-        "Fit.default_root_dir", "Fit.is_global_zero", "Fit.max_epochs", "TrainModule.logger",
-        "TrainModule.loggers")
+        "Fit.default_root_dir", "Fit.is_global_zero", "Fit.max_epochs", "Fit.max_steps",
+        "TrainModule.logger", "TrainModule.loggers")
 def test_csv_logger(tmp_path):
     got, want = _csv_run(tmp_path), case(G, "csv_logger")
     diffs = {k: (got[k], want[k]) for k in sorted(want)
@@ -368,16 +368,14 @@ def test_csv_logger(tmp_path):
 
 @departure("CSVLogger(version='v7') writes to <save_dir>/<name>/version_v7 (Lightning: .../v7, a "
            "str version is the directory's name); Fit.log_dir is the default_root_dir "
-           "(Lightning's trainer.log_dir is the logger's log_dir); "
-           "Fit.max_steps is None when not given (Lightning: -1)",
+           "(Lightning's trainer.log_dir is the logger's log_dir)",
            section="Differences the coverage cases pin")
-@covers("CSVLogger(version)", "CSVLogger.log_dir", "Fit.log_dir", "Fit.max_steps")
+@covers("CSVLogger(version)", "CSVLogger.log_dir", "Fit.log_dir")
 def test_csv_logger_differences(tmp_path):
     got, want = _csv_run(tmp_path), case(G, "csv_logger")
     assert want["log_dir"] == want["trainer_log_dir"] == os.path.join("logs", "exp", "v7")
     assert (got["log_dir"], got["trainer_log_dir"]) == (os.path.join("logs", "exp", "version_v7"),
                                                         ".")
-    assert (want["max_steps"], got["max_steps"]) == (-1, None)
 
 
 @claim("enable_progress_bar, enable_model_summary and callbacks add the callbacks Lightning's "
