@@ -206,7 +206,9 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             logger: False keeps the value from the loggers and `fit.logged_metrics`; it still
                 reaches `fit.callback_metrics` (and the progress bar with `prog_bar`).
             on_step, on_epoch: see above; None picks the step kind's default.
-            reduce_fx: only "mean" (log a clu metric for other aggregations).
+            reduce_fx: how a training epoch's `on_epoch` values combine: "mean" (default),
+                "max" or "min" (or jnp.mean / jnp.max / jnp.min); evaluation takes "mean"
+                only (log a clu metric there for other aggregations).
             sync_dist: accepted and unnecessary: every value is already global (computed over
                 the global batch, or reduced over replicas under DDP).
             batch_size: the weight of this value in means (default: the batch's leading
