@@ -241,15 +241,15 @@ class Session:
         """Names logged with `prog_bar=True` by the traced steps (training and evaluation);
         an evaluation over several loaders shows each name as `<name>/dataloader_idx_N`, as
         its metrics are named (Lightning's progress bar too)."""
-        return self._logged_names("prog_bar")
+        return self._step_names_with("prog_bar")
 
     @property
     def logger_hidden(self) -> set[str]:
         """Names logged with `logger=False` by the traced steps, as `progress_bar_metrics`
         names them: kept from the loggers and `logged_metrics`."""
-        return self._logged_names("hidden")
+        return self._step_names_with("hidden")
 
-    def _logged_names(self, attr: str) -> set[str]:
+    def _step_names_with(self, attr: str) -> set[str]:
         names = set(getattr(self.log_spec, attr))
         for key, spec in self._eval_specs.items():
             method, idx = (key, None) if isinstance(key, str) else key
