@@ -49,6 +49,19 @@ def test_config_is_validated_once_and_frozen():
         FitConfig.create(max_steps=1, prefetch_batches=-1)
 
 
+def test_max_steps_minus_one_is_no_limit():
+    """Lightning's -1: `Fit.max_steps` reads -1 when not given, and max_steps=-1 is no limit
+    (the epoch count decides; the progress bar's total comes from the epochs)."""
+    from jaxlight.callbacks._progress import total_steps
+
+    fit = _fit(max_steps=None, max_epochs=1)
+    assert fit.max_steps == -1 and _fit(max_steps=-1, max_epochs=1).max_steps == -1
+    fit.fit(Classifier(), _data())
+    assert fit.global_step == 8 and total_steps(fit) == 8
+    with pytest.raises(jl.ConfigurationError, match="max_steps must be a positive integer"):
+        FitConfig.create(max_steps=-2)
+
+
 def test_loop_state_keeps_the_first_stop_reason():
     state = LoopState()
     state.request_stop("first")

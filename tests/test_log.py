@@ -97,6 +97,38 @@ def test_prog_bar_picks_the_fields(run):
             if shows(fit, k)] == ["loss", "train_loss_step", "val_loss"]
 
 
+def test_logger_false_keeps_values_from_the_loggers(tmp_path):
+    """logger=False (Lightning's meaning): not in the CSV nor fit.logged_metrics, in training
+    (an on_step + on_epoch value too) and evaluation; fit.callback_metrics and the other
+    callbacks (the progress bar reads on_log) still get the values."""
+
+    class Hidden(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("quiet", loss, logger=False, prog_bar=True, on_step=True, on_epoch=True)
+            self.log("shown", loss)
+            return loss
+
+        def validation_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("val_quiet", loss, logger=False, prog_bar=True)
+            return {"loss": loss}
+
+    logs, csv = Logs(), callbacks.CSVLogger(str(tmp_path))
+    fit = jl.Fit("single", max_steps=2, log_every_n_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=csv, callbacks=[logs])
+    data = ArrayLoader(classification_data(64), 32)
+    fit.fit(Hidden(), data, data)
+    fit.validate(data=data)
+    hidden = {"quiet", "quiet_step", "quiet_epoch", "val_quiet"}
+    assert {"shown", "val_loss"} <= set(fit.logged_metrics)
+    assert not hidden & set(fit.logged_metrics)
+    assert not hidden & {k for _, row in csv.rows for k in row}
+    assert hidden <= set(fit.callback_metrics)
+    assert hidden - {"quiet"} <= {k for _, m in logs.rounds for k in m}
+    assert {"quiet_step", "val_quiet"} <= fit.progress_bar_metrics
+
+
 def test_log_errors():
     class Twice(Classifier):
         def training_step(self, model, batch):
@@ -117,15 +149,48 @@ def test_log_errors():
                      enable_model_summary=False, logger=False)
         with pytest.raises(jl.JaxlightError, match=match):
             fit.fit(cls(), data)
-    with pytest.raises(ConfigurationError, match="reduce_fx='max'"):
-        class Max(Classifier):
-            def training_step(self, model, batch):
-                loss = super().training_step(model, batch)[0]
-                self.log("m", loss, reduce_fx="max")
-                return loss
+    class Sum(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("m", loss, reduce_fx="sum")
+            return loss
 
-        jl.Fit("single", max_steps=1, enable_progress_bar=False, enable_model_summary=False,
-               logger=False).fit(Max(), data)
+    class EvalMax(Classifier):
+        def validation_step(self, model, batch):
+            self.log("val_m", model(batch["x"]).mean(), reduce_fx="max")
+
+    for cls, match in ((Sum, r"reduce_fx='sum' is not supported in training \(use 'mean', "
+                              r"'max' or 'min'\)"),
+                       (EvalMax, "reduce_fx='max' is not supported in an evaluation step")):
+        with pytest.raises(ConfigurationError, match=match):
+            jl.Fit("single", max_epochs=1, enable_progress_bar=False, enable_model_summary=False,
+                   logger=False, num_sanity_val_steps=0).fit(cls(), data, data)
+
+
+def test_reduce_fx_max_min_over_the_epoch():
+    """reduce_fx='max' / 'min' (also jnp.max): the epoch's extreme of the step values, whatever
+    batch_size says; on_step values are the step's own; the step compiles once."""
+
+    class Extremes(Classifier):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)[0]
+            self.log("top", loss, on_step=True, on_epoch=True, reduce_fx="max", batch_size=3)
+            self.log("bottom", loss, on_step=False, on_epoch=True, reduce_fx=jnp.min)
+            return loss
+
+    logs = Logs()
+    fit = jl.Fit("single", max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False, callbacks=[logs])
+    fit.fit(Extremes(), ArrayLoader(classification_data(96), 32))
+    steps = [m["top_step"] for _, m in logs.rounds if "top_step" in m]
+    ends = [m for _, m in logs.rounds if "top_epoch" in m]
+    assert len(steps) == 6 and len(ends) == 2
+    for e, end in enumerate(ends):
+        epoch = steps[3 * e:3 * e + 3]
+        assert end["top_epoch"] == pytest.approx(max(epoch), rel=1e-6)
+        assert end["bottom"] == pytest.approx(min(epoch), rel=1e-6)
+    assert max(steps[3:]) > min(steps[3:])  # the check can tell max, min and mean apart
+    assert fit.compile_counts["train"] == 1
 
 
 def test_on_epoch_logging_adds_no_per_step_host_read(monkeypatch):

@@ -106,6 +106,7 @@ class FitConfig:
             limit_train_batches, limit_val_batches, val_check_interval = n, n, None
             logger, enable_model_summary = False, False
             num_sanity_val_steps = 0  # as Lightning: the run itself validates n batches
+        max_steps = None if max_steps == -1 else max_steps  # Lightning's "no step limit"
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs),
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):

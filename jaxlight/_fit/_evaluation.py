@@ -135,7 +135,7 @@ class Evaluator:
             self.session.state = schedule.after_validation(
                 self.session.state, metrics, pos.batch_idx, pos.epoch, epoch_end)
         self.log.callback_metrics.update(metrics)
-        self.log.log(metrics, self.position.global_step)
+        self.log.log(metrics, self.position.global_step, self.session.logger_hidden)
         call("on_validation_epoch_end")
         call("on_validation_end")
         return metrics

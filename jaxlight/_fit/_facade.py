@@ -47,7 +47,8 @@ class Fit(FitView):
         N for
             the first N of each process, a list of device indices or `jax.Device`s. The
             strategy's mesh spans only these; the rest stay idle.
-        max_steps: optimizer steps to take; None means "until max_epochs".
+        max_steps: optimizer steps to take; None (or -1, Lightning's) means "until
+            max_epochs", and `fit.max_steps` reads -1 then, as Lightning's.
         max_epochs: passes over the training data; None means "until max_steps".
         max_time: shortcut for `callbacks.Timer(duration=max_time, interval="step")`: stop
             after this long ("DD:HH:MM:SS", a `datetime.timedelta` or a dict such as
@@ -335,7 +336,7 @@ class Fit(FitView):
         metrics = self._evaluator.evaluate(data, method, prefix, limit, f"Fit.{stage}",
                                            f"the data passed to Fit.{stage}")
         self._log.callback_metrics.update(metrics)
-        self.log_metrics(metrics, self._position.global_step)
+        self._log.log(metrics, self._position.global_step, self._session.logger_hidden)
         return metrics
 
     def _stage(self, module, stage: str, ckpt_path, start: str, end: str, run, data,

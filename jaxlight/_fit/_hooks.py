@@ -147,6 +147,15 @@ class Hooks:
                     getattr(cb, hook)(self._fit, module, *args)
 
 
+    def on_log_split(self, metrics: dict, logged: dict, step: int) -> None:
+        """`on_log` where some values are not for the loggers: each `Logger` gets `logged`,
+        the other callbacks and the module every value, in `__call__`'s order."""
+        for cb in self.callbacks:
+            cb.on_log(self._fit, self.module, logged if isinstance(cb, Logger) else metrics, step)
+        if self.module is not None:
+            self.module.on_log(metrics, step)
+
+
 class MetricLog:
     """Host metrics on their way to `on_log`: each round reaches every callback in step order."""
 
@@ -159,17 +168,28 @@ class MetricLog:
         #: Latest training/validation metrics (what EarlyStopping and checkpoints monitor).
         self.callback_metrics: dict[str, float] = {}
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """Queues `metrics` at `step`; sends the queue unless a round is being sent already."""
-        self._queue.append((dict(metrics), step))
+    def record(self, metrics: dict[str, float], hidden=frozenset()) -> None:
+        """Updates `logged_metrics` only: Lightning's follow every step, where its loggers get
+        the log intervals. "epoch" goes to the loggers but not here, as in Lightning."""
+        self.logged_metrics.update((k, v) for k, v in metrics.items()
+                                   if k != "epoch" and k not in hidden)
+
+    def log(self, metrics: dict[str, float], step: int, hidden=frozenset()) -> None:
+        """Queues `metrics` at `step`; sends the queue unless a round is being sent already.
+        Names in `hidden` (`self.log(..., logger=False)`) reach neither the loggers nor
+        `logged_metrics`; the other callbacks (the progress bar) get them."""
+        self._queue.append((dict(metrics), step, frozenset(hidden)))
         if self._logging:
             return
         self._logging = True
         try:
             while self._queue:
-                queued, at = self._queue.pop(0)
-                # "epoch" goes to the loggers but not into logged_metrics, as in Lightning.
-                self.logged_metrics.update((k, v) for k, v in queued.items() if k != "epoch")
-                self._hooks("on_log", queued, at)
+                queued, at, hide = self._queue.pop(0)
+                logged = {k: v for k, v in queued.items() if k not in hide}
+                self.record(logged)
+                if len(logged) == len(queued):
+                    self._hooks("on_log", queued, at)
+                else:
+                    self._hooks.on_log_split(queued, logged, at)
         finally:
             self._logging = False

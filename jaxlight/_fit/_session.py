@@ -244,14 +244,23 @@ class Session:
         """Names logged with `prog_bar=True` by the traced steps (training and evaluation);
         an evaluation over several loaders shows each name as `<name>/dataloader_idx_N`, as
         its metrics are named (Lightning's progress bar too)."""
-        names = set(self.log_spec.prog_bar)
+        return self._step_names_with("prog_bar")
+
+    @property
+    def logger_hidden(self) -> set[str]:
+        """Names logged with `logger=False` by the traced steps, as `progress_bar_metrics`
+        names them: kept from the loggers and `logged_metrics`."""
+        return self._step_names_with("hidden")
+
+    def _step_names_with(self, attr: str) -> set[str]:
+        names = set(getattr(self.log_spec, attr))
         for key, spec in self._eval_specs.items():
             method, idx = (key, None) if isinstance(key, str) else key
             n = self.eval_loaders.get(method, 1)
             if n <= 1:
-                names.update(spec.prog_bar)
+                names.update(getattr(spec, attr))
             else:
-                names.update(f"{name}/dataloader_idx_{i}" for name in spec.prog_bar
+                names.update(f"{name}/dataloader_idx_{i}" for name in getattr(spec, attr)
                              for i in (range(n) if idx is None else (idx,)))
         return names
 

@@ -170,7 +170,9 @@ class TrainLoop:
     # -- metrics -------------------------------------------------------------------------------
 
     def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
-        """Waits for a finished-or-nearly step and logs its metrics at log intervals."""
+        """Waits for a finished-or-nearly step and logs its metrics at log intervals (or when a
+        stop was requested), as Lightning; the newest step of a round (`final`) otherwise
+        only updates `callback_metrics` and `logged_metrics`."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
@@ -180,8 +182,11 @@ class TrainLoop:
             # Loggers also get the epoch (as Lightning's do); callback_metrics, as Lightning's,
             # hold no "epoch", and the bare name of an on_step+on_epoch value.
             self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
-            metrics["epoch"] = float(self.position.epoch)
-            self.log.log(metrics, pending.step)
+            if pending.log or self.position.should_stop:
+                metrics["epoch"] = float(self.position.epoch)
+                self.log.log(metrics, pending.step, self.session.logger_hidden)
+            else:
+                self.log.record(metrics, self.session.logger_hidden)
             pending.log = False
         return None if final else pending
 
@@ -353,7 +358,7 @@ class TrainLoop:
             epoch_values = epoch_metrics.compute()
             if epoch_values:  # before the hooks, which may monitor them (as in Lightning)
                 self.log.callback_metrics.update(session.log_spec.with_bare_names(epoch_values))
-                self.log.log(epoch_values, pos.global_step)
+                self.log.log(epoch_values, pos.global_step, session.logger_hidden)
 
             def validation_due() -> bool:
                 # A stop requested mid-epoch (EarlyStopping at a val_check_interval) skips the

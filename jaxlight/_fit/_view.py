@@ -27,7 +27,9 @@ class FitView:
 
     # -- settings (read-only) ------------------------------------------------------------------
 
-    max_steps = property(lambda self: self._config.max_steps)
+    #: Lightning's: -1 when not given (no step limit).
+    max_steps = property(lambda self: -1 if self._config.max_steps is None
+                         else self._config.max_steps)
     max_epochs = property(lambda self: self._config.max_epochs)
     val_check_interval = property(lambda self: self._config.val_check_interval)
     check_val_every_n_epoch = property(lambda self: self._config.check_val_every_n_epoch)

@@ -139,19 +139,25 @@ def _dataset_length(source) -> int | None:
     return None
 
 
-def _batch_holder(module, datamodule, name: str):
-    for holder in (module, getattr(module, "hparams", None), datamodule):
-        if holder is None:
+def _batch_holders(module, datamodule, name: str) -> list:
+    """Lightning's holders of the batch size (`lightning_setattr`): the module if it has the
+    attribute, its hparams if they name it, and the same two of the datamodule; all are set."""
+    holders = []
+    for owner in (module, datamodule):
+        if owner is None:
             continue
-        if isinstance(holder, dict) and isinstance(holder.get(name), int):
-            return holder
-        if not isinstance(holder, dict) and isinstance(getattr(holder, name, None), int):
-            return holder
-    raise ConfigurationError(
-        f"the batch-size finder sets the batch size through an attribute named "
-        f"{name!r} (batch_arg_name), which neither {type(module).__name__}, its hparams nor "
-        "the datamodule has: add one that train_dataloader() reads, or name yours with "
-        "batch_arg_name=.")
+        if hasattr(owner, name):
+            holders.append(owner)
+        hparams = getattr(owner, "hparams", None)
+        if isinstance(hparams, dict) and name in hparams:
+            holders.append(hparams)
+    if not holders:
+        raise ConfigurationError(
+            f"the batch-size finder sets the batch size through an attribute named "
+            f"{name!r} (batch_arg_name), which neither {type(module).__name__}, the datamodule "
+            "nor their hparams have: add one that train_dataloader() reads, or name yours with "
+            "batch_arg_name=.")
+    return holders
 
 
 def run_scale_batch_size(fit, module, train_data, datamodule, *, mode: str, init_val: int,
@@ -159,9 +165,10 @@ def run_scale_batch_size(fit, module, train_data, datamodule, *, mode: str, init
                          memory_limit: int | None = None,
                          fresh: bool = True) -> tuple[int, list[tuple[int, int]]]:
     """The largest batch size whose compiled training step fits in `memory_limit` bytes per
-    device (default: `device_memory_limit()`), searched as Lightning's; sets the module's (or
-    its hparams', or the datamodule's) `batch_arg_name`. Returns it and `(size, bytes)` per
-    trial. Nothing runs: each trial compiles the step for that size and reads its analysis."""
+    device (default: `device_memory_limit()`), searched as Lightning's; sets `batch_arg_name`
+    on each of the module, the datamodule and their hparams that has it (as Lightning).
+    Returns it and `(size, bytes)` per trial. Nothing runs: each trial compiles the step for
+    that size and reads its analysis."""
     if mode not in ("power", "binsearch"):
         raise ConfigurationError(
             f"batch-size finder mode={mode!r}: use 'power' or 'binsearch'.")
@@ -171,7 +178,7 @@ def run_scale_batch_size(fit, module, train_data, datamodule, *, mode: str, init
         raise ConfigurationError(
             f"batch-size finder: init_val ({init_val}) and max_trials ({max_trials}) must be "
             ">= 1.")
-    holder = _batch_holder(module, datamodule, batch_arg_name)
+    holders = _batch_holders(module, datamodule, batch_arg_name)
     batch, source = _first_batch(train_data, datamodule, module, fresh)
     length = _dataset_length(source)
     limit = device_memory_limit() if memory_limit is None else int(memory_limit)
@@ -199,21 +206,20 @@ def run_scale_batch_size(fit, module, train_data, datamodule, *, mode: str, init
                                   int(max_val), length)
     finally:
         module.model = kept
-    if isinstance(holder, dict):
-        holder[batch_arg_name] = found
-    else:
-        setattr(holder, batch_arg_name, found)
-        hparams = getattr(module, "hparams", None)
-        if holder is module and isinstance(hparams, dict) and batch_arg_name in hparams:
-            hparams[batch_arg_name] = found
+    for holder in holders:
+        if isinstance(holder, dict):
+            holder[batch_arg_name] = found
+        else:
+            setattr(holder, batch_arg_name, found)
     return found, trials
 
 
 class BatchSizeFinder(Callback):
     """Lightning's `BatchSizeFinder`: before the fit's loaders are built, finds the largest
     batch size whose compiled training step fits in a device's memory (`Tuner.
-    scale_batch_size`) and sets `batch_arg_name` on the module, its hparams or the
-    datamodule, whose `train_dataloader()` then builds the fit's loader with it.
+    scale_batch_size`) and sets `batch_arg_name` on each of the module, the datamodule and
+    their hparams that has it (as Lightning), so the `train_dataloader()` that builds the
+    fit's loader reads it.
 
     Args:
         mode: "power" or "binsearch".

@@ -52,7 +52,8 @@ class Tuner:
         """The largest batch size (Lightning's search, `mode` "power" or "binsearch") whose
         compiled training step fits in a device's memory, read from the step's memory
         analysis (`memory_limit`: bytes per device, default the device's limit); sets
-        `batch_arg_name` on the module, its hparams or the datamodule, and returns it.
+        `batch_arg_name` on each of the module, the datamodule and their hparams that has it
+        (as Lightning), and returns it.
         `steps_per_trial` is accepted for Lightning's signature: no step runs."""
         if method != "fit":
             raise ConfigurationError(

@@ -82,7 +82,7 @@ class Profiler(Callback):
         if jax.process_count() > 1:
             root = os.path.join(root, f"process_{jax.process_index()}")
         self.trace_dir = ensure_writable(root, "Profiler")
-        max_steps = fit.max_steps
+        max_steps = None if fit.max_steps == -1 else fit.max_steps
         if max_steps is not None and self.start_step > max_steps:
             warnings.warn(
                 f"Profiler(start_step={self.start_step}) is beyond max_steps={max_steps}: no "

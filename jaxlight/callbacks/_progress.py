@@ -16,17 +16,18 @@ from jaxlight.sharding._batch import len_or_none
 def total_steps(fit) -> int | None:
     """The optimizer steps this fit will take: `max_steps`, or `max_epochs` times the batches
     per epoch (after `limit_train_batches`) when the data has a length; None when unknown."""
+    max_steps = None if fit.max_steps == -1 else fit.max_steps
     if fit.max_epochs is None:
-        return fit.max_steps
+        return max_steps
     if (per_epoch := len_or_none(fit.train_data)) is None:
-        return fit.max_steps
+        return max_steps
     limit = fit.limit_train_batches
     if isinstance(limit, float):
         per_epoch = max(1, int(per_epoch * limit))
     elif limit is not None:
         per_epoch = min(per_epoch, int(limit))
     total = fit.max_epochs * per_epoch
-    return total if fit.max_steps is None else min(total, fit.max_steps)
+    return total if max_steps is None else min(total, max_steps)
 
 
 class TQDMProgressBar(Callback):

@@ -43,6 +43,8 @@ from jaxlight.data._datamodule import META_KEY, datamodule_state
 from jaxlight.hparams import _hparams
 from jaxlight.state._state import TrainState
 
+#: Lightning's checkpoint key for the module's hyperparameters (jaxlight's record: "hparams").
+HPARAMS_ALIAS = "hyper_parameters"
 #: Version of the `meta` record; bumped when its meaning changes.
 FORMAT_VERSION = 1
 STATE_ITEM = "state"
@@ -168,6 +170,7 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
     meta = {
         "format": FORMAT_VERSION,
         "step": int(fit.global_step),
+        "global_step": int(fit.global_step),  # Lightning's name, which hooks read
         "epoch": int(fit.current_epoch),
         "batch_idx": int(fit.batch_idx),
         "loader": loader,
@@ -190,9 +193,13 @@ def build_meta(fit, module, key_impls: dict[str, str], monitor: dict | None,
     lossy = _hparams.unrestorable(module.hparams)
     if lossy:  # kept as text only: rebuilding the module from the record needs them given again
         meta["hparams_unrestorable"] = lossy
+    # Lightning's name for the hyperparameters, while the hooks run (one record is stored;
+    # `read_meta` gives it back under both names).
+    meta[HPARAMS_ALIAS] = meta["hparams"]
     for cb in fit.callbacks:
         cb.on_save_checkpoint(fit, module, meta)
     module.on_save_checkpoint(meta)  # after the callbacks, as Lightning
+    meta["hparams"] = meta.pop(HPARAMS_ALIAS)
     return jsonable(meta)
 
 

@@ -10,6 +10,7 @@ from jaxlight._errors import CheckpointError
 from jaxlight.checkpoint import _verify
 from jaxlight.checkpoint._format import (
     DEFAULT_SUBDIR,
+    HPARAMS_ALIAS,
     META_ITEM,
     STATE_ITEM,
     TMP_MARK,
@@ -61,15 +62,23 @@ def is_step_dir(path: str) -> bool:
 
 
 def read_meta(step_dir: str) -> dict:
+    """The checkpoint's record, with Lightning's names a hook reads: "global_step" (also in
+    records written before it was stored) and "hyper_parameters" (the "hparams" record)."""
     orbax = ocp()
     try:
-        return orbax.Checkpointer(orbax.JsonCheckpointHandler()).restore(
+        meta = orbax.Checkpointer(orbax.JsonCheckpointHandler()).restore(
             os.path.join(step_dir, META_ITEM))
     except Exception as exc:  # noqa: BLE001 - re-raised with the path and what to do
         raise _verify.DamagedCheckpoint(
             f"cannot read the checkpoint record {os.path.join(step_dir, META_ITEM)}: {exc}. "
             "Is this a jaxlight checkpoint step directory (<dirpath>/<step>)?"
         ) from exc
+    if isinstance(meta, dict):
+        if "step" in meta:
+            meta.setdefault("global_step", meta["step"])
+        if "hparams" in meta:
+            meta.setdefault(HPARAMS_ALIAS, meta["hparams"])
+    return meta
 
 
 def default_dirpath(fit) -> str:

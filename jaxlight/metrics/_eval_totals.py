@@ -26,6 +26,8 @@ class EvalSpec:
     def __init__(self, prefix: str):
         self.prefix = prefix
         self.prog_bar: set[str] = set()
+        #: Names logged with `logger=False` (kept from the loggers and `logged_metrics`).
+        self.hidden: set[str] = set()
         #: Mergeable metrics whose `compute()` dict is spread into prefixed names (a returned
         #: Collection) rather than `name_key`.
         self.spread: set[str] = set()
@@ -72,6 +74,8 @@ def eval_outputs(out: Any, logs: LogCollector, spec: EvalSpec, rows: int, where:
         put(name, entry.value, entry.batch_size, "returned and logged")
         if entry.options.prog_bar:
             spec.prog_bar.add(name)
+        if not entry.options.logger:
+            spec.hidden.add(name)
     if not means and not merges:
         raise StepOutputError(
             f"{where} reported no metric: return a dict such as {{'loss': ...}} or call "

@@ -40,6 +40,18 @@ _ACTIVE: contextvars.ContextVar[LogCollector | None] = contextvars.ContextVar(
 #: Key suffix under which a training metric's `batch_size` weight travels in the step's metrics.
 WEIGHT = ":weight"
 
+#: `reduce_fx` values a training `on_epoch` value takes, by the name they stand for.
+REDUCTIONS = {"mean": "mean", None: "mean", jnp.mean: "mean", np.mean: "mean",
+              "max": "max", jnp.max: "max", np.max: "max", max: "max",
+              "min": "min", jnp.min: "min", np.min: "min", min: "min"}
+
+
+def _reduction(reduce_fx: Any) -> str | None:
+    try:
+        return REDUCTIONS.get(reduce_fx)
+    except TypeError:  # unhashable
+        return None
+
 
 def is_mergeable(value: Any) -> bool:
     """A clu-style metric: an object (a pytree) with `merge` and `compute`, not an array."""
@@ -55,6 +67,12 @@ class LogOptions:
     on_step: bool
     on_epoch: bool
     prog_bar: bool
+    #: False: kept from the loggers and `logged_metrics` (`callback_metrics` and the progress
+    #: bar still get it), as Lightning's `self.log(..., logger=False)`.
+    logger: bool = True
+    #: How `on_epoch` values of a training epoch combine: "mean" (batch-size weighted),
+    #: "max" or "min" (Lightning's `reduce_fx`).
+    reduce: str = "mean"
 
 
 @dataclasses.dataclass
@@ -78,7 +96,7 @@ class LogCollector:
         self.entries: dict[str, Logged] = {}
 
     def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
-            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
+            on_epoch: bool | None, batch_size: Any, reduce_fx: Any, logger: bool = True) -> None:
         where = f"{self.where}: self.log({name!r}, ...)"
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"{self.where}: self.log needs a non-empty str name, got "
@@ -88,11 +106,14 @@ class LogCollector:
                 f"{where} logs {name!r} a second time in one step; log each name once (use "
                 "distinct names, or combine the values before logging)."
             )
-        if reduce_fx not in ("mean", None) and reduce_fx is not jnp.mean:
+        reduce = _reduction(reduce_fx)
+        if reduce is None or (reduce != "mean" and self.kind != "train"):
             raise ConfigurationError(
-                f"{where}: reduce_fx={reduce_fx!r} is not supported; jaxlight aggregates logged "
-                "scalars as exact (batch-size weighted) means. For another aggregation log a "
-                "clu.metrics.Metric (e.g. a max or a collecting metric) from an evaluation step."
+                f"{where}: reduce_fx={reduce_fx!r} is not supported "
+                + ("in training (use 'mean', 'max' or 'min')" if reduce is None else
+                   "in an evaluation step, which reports exact (batch-size weighted) means")
+                + ". For another aggregation log a clu.metrics.Metric (e.g. a max or a "
+                "collecting metric) from an evaluation step."
             )
         train = self.kind == "train"
         on_step = train if on_step is None else bool(on_step)
@@ -126,8 +147,9 @@ class LogCollector:
             value = as_scalar(value, f"{self.where} logged value {name!r}")
             if batch_size is not None:
                 batch_size = as_scalar(batch_size, f"{self.where} batch_size of {name!r}")
-        self.entries[name] = Logged(value, LogOptions(on_step, on_epoch, bool(prog_bar)),
-                                    batch_size)
+        self.entries[name] = Logged(
+            value, LogOptions(on_step, on_epoch, bool(prog_bar), bool(logger), reduce),
+            batch_size)
 
 
 def _warn_host_constant(where: str, value: Any, train: bool) -> None:
@@ -205,6 +227,15 @@ class LogSpec:
         names = set()
         for name, opt in self.options.items():
             if opt.prog_bar:
+                names.update(self._logged_names(name, opt))
+        return names
+
+    @property
+    def hidden(self) -> set[str]:
+        """Names as the loggers would see them of values logged with `logger=False`."""
+        names = set()
+        for name, opt in self.options.items():
+            if not opt.logger:
                 names.update(self._logged_names(name, opt))
         return names
 
@@ -304,19 +335,28 @@ class EpochAccumulator:
     def __init__(self, spec: LogSpec):
         self.spec = spec
         self.names = list(spec.epoch_names)
+        reduce = {n: spec.options[n].reduce for n in self.names}
+        self._reduce = reduce
         self._acc = None
 
         def pick(metrics, rows):
             # Without batch_size=, a value weighs as many as its batch's examples, as
-            # Lightning's inferred batch size does (a short last batch weighs less).
-            return {n: (metrics[n] * metrics.get(n + WEIGHT, rows),
-                        jnp.asarray(metrics.get(n + WEIGHT, rows), jnp.float32))
+            # Lightning's inferred batch size does (a short last batch weighs less). A max or
+            # min keeps the value itself (Lightning's max / min ignore the weights).
+            out = {}
+            for n in self.names:
+                w = jnp.asarray(metrics.get(n + WEIGHT, rows), jnp.float32)
+                out[n] = (metrics[n] if reduce[n] != "mean" else metrics[n] * w, w)
+            return out
+
+        def combine(acc, new):
+            ops = {"mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+            return {n: (ops[reduce[n]](acc[n][0], new[n][0]), acc[n][1] + new[n][1])
                     for n in self.names}
 
         # `rows` is static: one trace per batch size (the full batches and a last partial one).
         self._start = jax.jit(pick, static_argnums=1)
-        self._add = jax.jit(lambda acc, metrics, rows: jax.tree.map(jnp.add, acc,
-                                                                     pick(metrics, rows)),
+        self._add = jax.jit(lambda acc, metrics, rows: combine(acc, pick(metrics, rows)),
                             donate_argnums=0, static_argnums=2)
 
     def __bool__(self) -> bool:
@@ -331,9 +371,11 @@ class EpochAccumulator:
                      else self._add(self._acc, metrics, rows))
 
     def compute(self) -> dict[str, float]:
-        """The epoch's weighted means, named as logged; resets for the next epoch."""
+        """The epoch's weighted means (or max / min), named as logged; resets for the next
+        epoch."""
         if self._acc is None:
             return {}
         host = jax.device_get(self._acc)
         self._acc = None
-        return {self.spec.epoch_name(n): float(s) / float(w) for n, (s, w) in host.items()}
+        return {self.spec.epoch_name(n): float(s) / float(w) if self._reduce[n] == "mean"
+                else float(s) for n, (s, w) in host.items()}

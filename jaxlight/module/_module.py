@@ -214,9 +214,12 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             name: the metric's name, used as given (no prefix).
             value: a scalar (array or number), or in evaluation a clu-style metric.
             prog_bar: show it on the progress bar (`TQDMProgressBar`).
-            logger: accepted for Lightning compatibility; values always reach the loggers.
+            logger: False keeps the value from the loggers and `fit.logged_metrics`; it still
+                reaches `fit.callback_metrics` (and the progress bar with `prog_bar`).
             on_step, on_epoch: see above; None picks the step kind's default.
-            reduce_fx: only "mean" (log a clu metric for other aggregations).
+            reduce_fx: how a training epoch's `on_epoch` values combine: "mean" (default),
+                "max" or "min" (or jnp.mean / jnp.max / jnp.min); evaluation takes "mean"
+                only (log a clu metric there for other aggregations).
             sync_dist: accepted and unnecessary: every value is already global (computed over
                 the global batch, or reduced over replicas under DDP).
             batch_size: the weight of this value in means (default: the batch's leading
@@ -225,7 +228,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
         Example:
             >>> # inside training_step: self.log("train_acc", acc, prog_bar=True, on_epoch=True)
         """
-        del logger, sync_dist
+        del sync_dist
         if ignored:
             raise ConfigurationError(
                 f"{type(self).__name__}.log got unsupported arguments {sorted(ignored)}; "
@@ -234,7 +237,7 @@ class TrainModule(ModuleHooks, _hparams.HyperparametersMixin):
             )
         _metrics.active(type(self).__name__).add(
             name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch,
-            batch_size=batch_size, reduce_fx=reduce_fx)
+            batch_size=batch_size, reduce_fx=reduce_fx, logger=logger)
 
     def log_dict(self, dictionary: dict[str, Any], prog_bar: bool = False, logger: bool = True,
                  on_step: bool | None = None, on_epoch: bool | None = None,

@@ -78,7 +78,9 @@ def test_scale_batch_size_reads_the_compiled_steps_memory():
         module, datamodule=dm, init_val=4, memory_limit=(at8 + at16) // 2,
         batch_arg_name="batch_size")
     assert found == 8
-    assert module.batch_size == 8 and dm.batch_size == 2  # the module's attribute first
+    # Lightning's lightning_setattr: every holder (module, datamodule, their hparams) is set
+    assert module.batch_size == dm.batch_size == 8
+    assert module.hparams["batch_size"] == dm.hparams["batch_size"] == 8
     with pytest.raises(jl.JaxlightError, match="not built yet"):
         _ = module.model  # nothing ran, no model kept
 

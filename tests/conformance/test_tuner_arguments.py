@@ -112,31 +112,30 @@ def test_tuner_takes_loaders_lightning_refuses():
     assert _refusals() == {**{k: False for k in want}, "lr_find_method_validate": True}
 
 
-@departure("when both the module and its DataModule have the batch_arg_name attribute, "
-           "scale_batch_size and BatchSizeFinder set the module's only, so the DataModule's "
-           "loader keeps its size (measured: BatchSizeFinder found 4, the fit trained 16 steps "
-           "at batch 2); Lightning sets both and trains 8 steps at batch 4",
-           section=SECTION)
+@claim("when both the module and its DataModule have the batch_arg_name attribute, "
+       "scale_batch_size and BatchSizeFinder set both (and the hparams naming it), as "
+       "Lightning's lightning_setattr: the same size (8; 4 in the fit), and the fit trains "
+       "Lightning's 8 steps at batch 4")
 @covers("Tuner.scale_batch_size", "Tuner.scale_batch_size(model)",
         "Tuner.scale_batch_size(datamodule)", "Tuner.scale_batch_size(method)",
         "Tuner.scale_batch_size(batch_arg_name)", "BatchSizeFinder(batch_arg_name)")
-def test_scale_batch_size_sets_the_module_only():
-    want = case(G, "tuner_arguments")
-    assert want["scale_batch_size_datamodule"]["dm_bs"] == \
-        want["scale_batch_size_datamodule"]["module_bs"] == 8
+def test_scale_batch_size_sets_the_module_and_the_datamodule():
+    cases = case(G, "tuner_arguments")
+    want = cases["scale_batch_size_datamodule"]
     dm, module = DM(), Named()
     size = _tuner(max_epochs=1).scale_batch_size(
         module, datamodule=dm, method="fit", mode="power", steps_per_trial=1, init_val=2,
         max_trials=3, batch_arg_name="bs")
-    assert [size, module.bs, dm.bs] == [8, 8, 2]  # the size Lightning finds; dm not set
+    assert [size, module.bs, dm.bs] == [want["size"], want["module_bs"], want["dm_bs"]]
+    assert module.hparams["bs"] == dm.hparams["bs"] == want["size"]
+    want = cases["batch_size_finder_bs"]
     dm, module = DM(), Named()
     finder = callbacks.BatchSizeFinder(mode="power", steps_per_trial=2, init_val=2, max_trials=2,
                                        batch_arg_name="bs")
     fit = make_fit(max_epochs=1, callbacks=[finder])
     fit.fit(module, datamodule=dm)
-    assert want["batch_size_finder_bs"] == {"size": 4, "dm_bs": 4, "module_bs": 4,
-                                            "global_step": 8}
-    assert [finder.optimal_batch_size, module.bs, dm.bs, fit.global_step] == [4, 4, 2, 16]
+    assert [finder.optimal_batch_size, module.bs, dm.bs, fit.global_step] == \
+        [want["size"], want["module_bs"], want["dm_bs"], want["global_step"]]
 
 
 @departure("steps_per_trial runs no step: each size is answered by the compiled step's memory "
