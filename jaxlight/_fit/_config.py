@@ -78,7 +78,7 @@ class FitConfig:
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
-        enable_checkpointing: bool = True,
+        enable_checkpointing: bool | None = None,
         logger: bool = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,
@@ -88,10 +88,12 @@ class FitConfig:
         """Checks the arguments (raising `ConfigurationError` with what to change) and applies
         `fast_dev_run` (1 or n training and validation batches, no loggers, no summary, no
         sanity check; `assemble_callbacks` adds no default checkpoint)."""
+        if enable_checkpointing is None:  # Lightning's default, meaning True
+            enable_checkpointing = True
         if not isinstance(enable_checkpointing, bool):
             raise ConfigurationError(
-                f"enable_checkpointing={enable_checkpointing!r}: give True (the default: a "
-                "ModelCheckpoint saving every epoch into <default_root_dir>/checkpoints unless "
+                f"enable_checkpointing={enable_checkpointing!r}: give True or None (the default: "
+                "a ModelCheckpoint saving every epoch into <default_root_dir>/checkpoints unless "
                 "callbacks has one) or False (no checkpoint).")
         if (isinstance(num_sanity_val_steps, bool) or not isinstance(num_sanity_val_steps, int)
                 or num_sanity_val_steps < -1):

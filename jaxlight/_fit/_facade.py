@@ -116,7 +116,7 @@ class Fit(FitView):
         log_every_n_steps: int = 50,
         enable_progress_bar: bool = True,
         enable_model_summary: bool = True,
-        enable_checkpointing: bool = True,
+        enable_checkpointing: bool | None = None,
         logger: bool | Callback | Sequence[Callback] = True,
         default_root_dir: str | os.PathLike = "jaxlight_logs",
         seed: int = 0,

@@ -3,10 +3,9 @@
 The loop's performance contract (DESIGN.md):
 - the train step is compiled once per fit, ahead of time, with shardings fixed before the call;
 - the state is donated to every step;
-- at most `MAX_IN_FLIGHT` steps are in flight: after dispatching step t the loop waits for the
-  oldest unfinished step so that no more than `MAX_IN_FLIGHT` are queued (unbounded queues
-  deadlock XLA's CPU collectives, and a bounded queue costs nothing on an accelerator as long as
-  one step stays queued);
+- at most `MAX_IN_FLIGHT` steps are queued: after dispatching step t the loop waits for the
+  oldest unfinished one (unbounded queues deadlock XLA's CPU collectives; a bounded queue costs
+  nothing on an accelerator while one step stays queued);
 - metrics reach the host only at log intervals, and then those of an already finished step.
 """
 
@@ -68,9 +67,8 @@ class _Pending:
     __slots__ = ("step", "metrics", "log", "host")
 
     def __init__(self, step: int, metrics: dict, log: bool, host: HostLogs):
-        self.step, self.metrics, self.log = step, metrics, log
-        #: What `self.log` recorded in this batch's hooks (logged with the step's metrics).
-        self.host = host
+        # host: what `self.log` recorded in this batch's hooks (logged with the step's metrics)
+        self.step, self.metrics, self.log, self.host = step, metrics, log, host
 
 
 class StepOutput:
@@ -150,8 +148,7 @@ class TrainLoop:
             "batch, for example ArrayLoader(drop_remainder=True)).")
 
     def _check_group(self, group: list, reference: _batch.BatchSignature, start: int) -> None:
-        """The k loader batches of one accumulated step (stacked into one input): a last
-        partial batch cannot join them."""
+        """The k loader batches of one accumulated step (stacked; no last partial batch)."""
         k = self.batches_per_step
         for index, batch in enumerate(group, start):
             if _batch.matches(batch, reference):
@@ -170,9 +167,8 @@ class TrainLoop:
     # -- metrics -------------------------------------------------------------------------------
 
     def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
-        """Waits for a finished-or-nearly step and logs its metrics at log intervals (or when a
-        stop was requested), as Lightning; the newest step of a round (`final`) otherwise
-        only updates `callback_metrics` and `logged_metrics`."""
+        """Waits for a finished-or-nearly step and logs its metrics at log intervals or at a
+        stop, as Lightning; a round's newest (`final`) else updates only the metric dicts."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
@@ -191,10 +187,9 @@ class TrainLoop:
         return None if final else pending
 
     def _retire_all(self, in_flight: collections.deque) -> None:
-        """Waits for every dispatched step; the newest one's metrics always reach the log."""
-        while in_flight:
-            pending = in_flight.popleft()
-            self._retire(pending, final=not in_flight)
+        """Waits for every dispatched step; the newest one's metrics reach the metric dicts."""
+        while in_flight:  # the arguments run in order: `final` is read after the pop
+            self._retire(in_flight.popleft(), final=not in_flight)
 
     def _step_for(self, k: int, one: Any, name: str) -> tuple:
         """The compiled step for k loader batches per step (`one`: a loader batch): "train"

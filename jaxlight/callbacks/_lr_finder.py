@@ -249,7 +249,8 @@ def run_lr_find(fit, module, train_data, datamodule, *, min_lr: float, max_lr: f
                 max_epochs=fit.max_epochs, limit_train_batches=fit.limit_train_batches,
                 callbacks=[*transforms, _Sweep(rate), recorder], log_every_n_steps=1,
                 enable_progress_bar=False, enable_model_summary=False, logger=False,
-                num_sanity_val_steps=0, seed=fit.session.seed, prefetch_batches=0)
+                enable_checkpointing=False, num_sanity_val_steps=0, seed=fit.session.seed,
+                prefetch_batches=0)
     kept = module.assigned_model
     object.__setattr__(module, "configure_optimizers", lambda: unit)
     try:

@@ -170,4 +170,7 @@ def make_fit(**kw) -> jl.Fit:
     kw.setdefault("enable_model_summary", False)
     kw.setdefault("logger", False)
     kw.setdefault("num_sanity_val_steps", 0)
+    # As trainer(): the default checkpoint only where a case gives a ModelCheckpoint.
+    kw.setdefault("enable_checkpointing", any(
+        isinstance(cb, callbacks.ModelCheckpoint) for cb in kw.get("callbacks", [])))
     return jl.Fit("single", **kw)

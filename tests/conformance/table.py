@@ -36,6 +36,7 @@ GROUPS = {
     "metrics": "`self.log`, `self.log_dict`, `trainer.validate/test` results",
     "early_stopping": "`EarlyStopping`",
     "checkpoint": "`ModelCheckpoint`",
+    "checkpointing_default": "`Trainer(enable_checkpointing)`: the default checkpoint",
     "resume": "`trainer.fit(..., ckpt_path=)`",
     "departures": "[Deliberate departures](#deliberate-departures)",
     "cli": "`LightningCLI` (its `config.yaml`, `--trainer.*`, `--optimizer`, `class_path`)",
