@@ -43,6 +43,17 @@ DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 SPLIT_FILES = {"tests/test_docs.py"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_folder(tmp_path_factory):
+    """Module-scoped fixtures run before a test's folder is entered: their fits write (logs, the
+    default checkpoint) into a folder of this worker's, never the checkout, where two workers'
+    fits took each other's checkpoint-directory lock."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("session"))
+    yield
+    os.chdir(before)
+
+
 @pytest.fixture(autouse=True)
 def _chdir_tmp(tmp_path, monkeypatch):
     """Default log and checkpoint directories land in the test's temporary folder."""

@@ -34,8 +34,9 @@ recipes (jaxlight fit <recipe> --help lists every option and its default):
   sft       fine-tune (LoRA by default) a gpt model to reverse words; exact match before/after
   dpo       DPO of a pretrained Hugging Face model against a frozen copy; held-out reward \
 accuracy before/after
-  grpo      GRPO of a pretrained Hugging Face model on string reversal (verifiable rewards), KL \
-to a frozen reference; held-out greedy reward before/after"""
+  grpo      GRPO of a pretrained Hugging Face model on your prompts and reward functions (TRL's \
+contract) or a built-in verifiable task, KL to a frozen reference; held-out greedy reward \
+before/after"""
 
 
 def is_top_help(argv: list[str]) -> bool:

@@ -31,7 +31,7 @@ _SHARED = {
     "enable_progress_bar": (None, True), "enable_model_summary": (None, True),
     "accumulate_grad_batches": (1, 1), "gradient_clip_val": (None, None),
     "gradient_clip_algorithm": (None, "norm"), "default_root_dir": (None, "jaxlight_logs"),
-    "enable_checkpointing": (None, True),
+    "enable_checkpointing": (None, None),
 }
 
 #: Lightning 2.6 `Trainer` arguments without a jaxlight meaning, with Lightning's default. At

@@ -48,8 +48,7 @@ MAX_IN_FLIGHT = 2
 
 
 def _grouped(pairs: Iterator, k: int) -> Iterator[tuple[list, Any]]:
-    """`(batches, position)`: k loader batches at a time (fewer at the epoch's end), with the
-    position after the group's last one."""
+    """`(batches, position after the last)`: k loader batches at a time (fewer at the end)."""
     group: list = []
     position = None
     for batch, position in pairs:
@@ -167,8 +166,8 @@ class TrainLoop:
     # -- metrics -------------------------------------------------------------------------------
 
     def _retire(self, pending: _Pending, final: bool = False) -> _Pending | None:
-        """Waits for a finished-or-nearly step and logs its metrics at log intervals or at a
-        stop, as Lightning; a round's newest (`final`) else updates only the metric dicts."""
+        """Waits for a step; logs its metrics at log intervals or a stop, as Lightning (else,
+        for a round's newest, `final`, only the metric dicts)."""
         jax.block_until_ready(pending.metrics)
         if pending.log or final:
             host = self.session.log_spec.step_values(jax.device_get(pending.metrics))
@@ -178,11 +177,12 @@ class TrainLoop:
             # Loggers also get the epoch (as Lightning's do); callback_metrics, as Lightning's,
             # hold no "epoch", and the bare name of an on_step+on_epoch value.
             self.log.callback_metrics.update(self.session.log_spec.with_bare_names(metrics))
+            hidden = self.session.logger_hidden | pending.host.hidden
             if pending.log or self.position.should_stop:
                 metrics["epoch"] = float(self.position.epoch)
-                self.log.log(metrics, pending.step, self.session.logger_hidden)
+                self.log.log(metrics, pending.step, hidden)
             else:
-                self.log.record(metrics, self.session.logger_hidden)
+                self.log.record(metrics, hidden)
             pending.log = False
         return None if final else pending
 

@@ -32,10 +32,12 @@ class HostLogs:
     `with logs:` around a hook makes `self.log` there write to `logs` (a plain context manager:
     the loop enters one twice per step, so it costs a context variable's set and reset)."""
 
-    __slots__ = ("values", "_token")
+    __slots__ = ("values", "hidden", "_token")
 
     def __init__(self) -> None:
         self.values: dict[str, Any] = {}
+        #: The names logged with logger=False (callback_metrics only, as Lightning's).
+        self.hidden: set[str] = set()
         self._token = None
 
     def __enter__(self) -> HostLogs:
@@ -46,7 +48,7 @@ class HostLogs:
         _HOST.reset(self._token)
 
     def add(self, name: str, value: Any, *, prog_bar: bool, on_step: bool | None,
-            on_epoch: bool | None, batch_size: Any, reduce_fx: Any) -> None:
+            on_epoch: bool | None, batch_size: Any, reduce_fx: Any, logger: bool = True) -> None:
         # One value per step: nothing to weigh or reduce; it reaches the loggers and
         # callback_metrics (not the progress bar, whose fields the traced steps fix).
         del batch_size, reduce_fx, prog_bar
@@ -64,6 +66,8 @@ class HostLogs:
         if name in self.values:
             raise ConfigurationError(f"{where} logs {name!r} twice for one step; log it once.")
         self.values[name] = value
+        if not logger:
+            self.hidden.add(name)
 
 
 #: Where `self.log` in a training batch hook writes (None outside those hooks).

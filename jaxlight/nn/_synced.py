@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlight._errors import ConfigurationError
+
 
 class Synced(nnx.Variable):
     """A variable that follows another network's parameter: carried and checkpointed by the
@@ -93,13 +95,14 @@ class SyncedCopy(nnx.Module):
                 `optax.incremental_update`): `copy = tau * online + (1 - tau) * copy`.
         """
         if (every is None) == (tau is None):
-            raise TypeError("SyncedCopy.sync takes exactly one of every=N (copy every N-th "
-                            "call) or tau=x (move a fraction x toward the online network).")
+            raise ConfigurationError(
+                f"SyncedCopy.sync got every={every}, tau={tau}: give exactly one, every=N (copy "
+                "every N-th call) or tau=x (move a fraction x toward the online network).")
         new = jax.tree.map(jax.lax.stop_gradient, _params(online))
         state = nnx.state(self.net, Synced)
         old = nnx.to_pure_dict(state)
         if jax.tree.structure(new) != jax.tree.structure(old):
-            raise ValueError(
+            raise ConfigurationError(
                 "SyncedCopy.sync: the online network's parameters do not match the copy's: "
                 f"{jax.tree.structure(new)} vs {jax.tree.structure(old)}. Build the copy from "
                 "a network of the same class and configuration.")
