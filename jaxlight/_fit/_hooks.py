@@ -168,11 +168,18 @@ class MetricLog:
         #: Latest training/validation metrics (what EarlyStopping and checkpoints monitor).
         self.callback_metrics: dict[str, float] = {}
 
-    def record(self, metrics: dict[str, float], hidden=frozenset()) -> None:
+    def record(self, metrics: dict[str, float], hidden=frozenset(), step: int | None = None
+               ) -> None:
         """Updates `logged_metrics` only: Lightning's follow every step, where its loggers get
-        the log intervals. "epoch" goes to the loggers but not here, as in Lightning."""
+        the log intervals. "epoch" goes to the loggers but not here, as in Lightning. With
+        `step` (a step read between log intervals), the callbacks that must see every read
+        (`reads_every_step`, NonFiniteGuard's sticky streak) get it through `on_log`."""
         self.logged_metrics.update((k, v) for k, v in metrics.items()
                                    if k != "epoch" and k not in hidden)
+        if step is not None:
+            for cb in self._hooks.callbacks:
+                if getattr(cb, "reads_every_step", False):
+                    cb.on_log(self._hooks._fit, self._hooks.module, metrics, step)
 
     def log(self, metrics: dict[str, float], step: int, hidden=frozenset()) -> None:
         """Queues `metrics` at `step`; sends the queue unless a round is being sent already.

@@ -182,7 +182,7 @@ class TrainLoop:
                 metrics["epoch"] = float(self.position.epoch)
                 self.log.log(metrics, pending.step, hidden)
             else:
-                self.log.record(metrics, hidden)
+                self.log.record(metrics, hidden, pending.step)
             pending.log = False
         return None if final else pending
 

@@ -219,6 +219,9 @@ class NonFiniteGuard(Callback):
 
         return guarded_step
 
+    #: Also read the newest step's metrics between log intervals (the fit's last step).
+    reads_every_step = True
+
     def on_log(self, fit, module, metrics: dict[str, float], step: int) -> None:
         tripped = int(metrics.get("nonfinite_tripped_step", -1))
         if tripped < 0:
