@@ -82,6 +82,13 @@ def kill_child_at(args: list[str], ckpt: str, step: int) -> list[int]:
     return saved
 
 
+def assert_runs_close(run: dict, ref: dict, tol: float = 1e-5) -> None:
+    """Two `logged_fit` results: every logged loss and every parameter within `tol`."""
+    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=tol)
+    for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
 def logged_fit(strategy, module, loader, steps: int, cbs=(), ckpt_path=None) -> dict:
     """Fits `module` for `steps` steps logging every loss: {fit, module, losses, params}."""
     losses = []

@@ -16,7 +16,7 @@ from jaxlight.step._step import build_optimizer
 from jaxlight.strategies._auto_candidates import enumerate_candidates
 from jaxlight.strategies._pipelined import schedule_stats
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
-from tests.pipeline_runs import kill_at, logged_fit
+from tests.pipeline_runs import assert_runs_close, kill_at, logged_fit
 
 STEPS, BATCH = 10, 24
 
@@ -25,12 +25,6 @@ def _fit(strategy, stages=3, cbs=(), steps=STEPS, ckpt_path=None):
     return logged_fit(strategy, StageMLP(stages), jl.data.ArrayLoader(stage_data(192), BATCH,
                                                                       seed=1),
                       steps, cbs, ckpt_path)
-
-
-def _close(run, ref, tol=1e-5):
-    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=tol)
-    for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +56,8 @@ def test_stages_run_in_order_like_the_plain_layers():
 @pytest.mark.slow
 def test_gpipe_and_hybrid_match_single_device(runs):
     assert len(runs["single"]["losses"]) == STEPS
-    _close(runs["gpipe"], runs["single"])
-    _close(runs["hybrid4"], runs["single4"])
+    assert_runs_close(runs["gpipe"], runs["single"])
+    assert_runs_close(runs["hybrid4"], runs["single4"])
     for name in ("gpipe", "hybrid4"):
         assert runs[name]["fit"].compile_counts["train"] == 1
 
@@ -174,7 +168,7 @@ def test_pipeline_remat_stores_less_and_trains_the_same(runs):
     # GPipe(remat=True) recomputes each device's stages in the backward pass (it was ignored by
     # Stages before: the compiled step kept every stage's activations).
     rematted = _fit(strategies.GPipe(3, 4, remat=True, devices=jax.devices()[:6]))
-    _close(rematted, runs["single"])
+    assert_runs_close(rematted, runs["single"])
     temp = {name: run["fit"].compiled_train_step.memory_analysis().temp_size_in_bytes
             for name, run in (("remat", rematted), ("plain", runs["gpipe"]))}
     assert temp["remat"] < 0.9 * temp["plain"], temp

@@ -14,7 +14,7 @@ import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight.analysis._hlo import collectives
 from tests.nn.stages_mlp import DIMS, StageMLP, stage_data
-from tests.pipeline_runs import kill_at, logged_fit
+from tests.pipeline_runs import assert_runs_close, kill_at, logged_fit
 
 STEPS, BATCH, M = 10, 24, 4
 
@@ -27,12 +27,6 @@ def _fit(strategy, packed=False, cbs=(), steps=STEPS, ckpt_path=None, stages=3):
     return logged_fit(strategy, StageMLP(stages, packed=packed),
                       jl.data.ArrayLoader(stage_data(192), BATCH, seed=1), steps, cbs,
                       ckpt_path)
-
-
-def _close(run, ref, tol=1e-5):
-    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=tol)
-    for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
 def _bytes_by_device(tree, devices) -> list[int]:
@@ -56,13 +50,13 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_mpmd_matches_single_device(runs):
     assert len(runs["mpmd"]["losses"]) == STEPS
-    _close(runs["mpmd"], runs["single"])
+    assert_runs_close(runs["mpmd"], runs["single"])
     assert runs["mpmd"]["fit"].compile_counts["train"] == 1
 
 
 @pytest.mark.slow
 def test_unpacked_stages_match_under_spmd_gpipe_too(runs):
-    _close(_fit(strategies.GPipe(3, M, devices=jax.devices()[:6])), runs["single"])
+    assert_runs_close(_fit(strategies.GPipe(3, M, devices=jax.devices()[:6])), runs["single"])
 
 
 @pytest.mark.slow
@@ -166,7 +160,7 @@ def test_validation_over_any_batch_size_equals_single_device(tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_remat_trains_the_same():
-    _close(_fit(_mpmd(remat=True), steps=3), _fit("single", steps=3))
+    assert_runs_close(_fit(_mpmd(remat=True), steps=3), _fit("single", steps=3))
 
 
 @pytest.mark.slow
@@ -217,7 +211,7 @@ def test_auto_weighs_the_program_per_device_and_can_pick_it(runs):
     assert mpmd.status in ("chosen", "fits") and mpmd.predicted_s > 0
     assert mpmd.flops > 0 and mpmd.collective_bytes > 0
     if choice.chosen == "pipe=3 mpmd":
-        _close(run, runs["single"])
+        assert_runs_close(run, runs["single"])
     assert "pipe=3 mpmd" in choice.table()
 
 

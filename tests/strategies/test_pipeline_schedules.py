@@ -28,7 +28,7 @@ from jaxlight.strategies._mpmd_schedule import (
 )
 from tests.nn.staged_lm import CONFIG, StagedLM, lm_data
 from tests.nn.stages_mlp import StageMLP, stage_data
-from tests.pipeline_runs import kill_at, logged_fit
+from tests.pipeline_runs import assert_runs_close, kill_at, logged_fit
 
 STEPS, BATCH, M = 10, 24, 4
 SCHEDULES = ("1f1b", "zb-h1")
@@ -43,12 +43,6 @@ def _mlp_fit(strategy, steps=STEPS, cbs=(), ckpt_path=None):
     return logged_fit(strategy, StageMLP(packed=False),
                       jl.data.ArrayLoader(stage_data(192), BATCH, seed=1), steps, cbs,
                       ckpt_path)
-
-
-def _close(run, ref, tol=1e-5):
-    np.testing.assert_allclose(run["losses"], ref["losses"], rtol=tol)
-    for a, b in zip(jax.tree.leaves(run["params"]), jax.tree.leaves(ref["params"]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
 
 
 class MpmdLM(StagedLM):
@@ -135,7 +129,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_mlp_matches_single_device(runs, schedule):
-    _close(runs[schedule], runs["single"])
+    assert_runs_close(runs[schedule], runs["single"])
     assert runs[schedule]["fit"].compile_counts["train"] == 1
     # Auto's roofline prices the schedule's own order (the makespan of its dispatch order):
     # with every stage call at its roofline time, no longer than GPipe's for the same work.
@@ -150,7 +144,7 @@ def test_staged_lm_in_four_stages_matches_single_device(schedule):
     data = jl.data.ArrayLoader(lm_data(160, 9), 16, seed=1)
     ref = logged_fit("single", MpmdLM(), data, STEPS)
     run = logged_fit(_mpmd(schedule, p=4), MpmdLM(), data, STEPS)
-    _close(run, ref)
+    assert_runs_close(run, ref)
 
 
 @pytest.mark.slow
@@ -161,7 +155,7 @@ def test_interleaved_1f1b_matches_single_device_in_its_order():
     loader = jl.data.ArrayLoader(stage_data(192), BATCH, seed=1)
     ref = logged_fit("single", StageMLP(4, packed=False), loader, STEPS)
     run = logged_fit(_mpmd("interleaved-1f1b", p=2), StageMLP(4, packed=False), loader, STEPS)
-    _close(run, ref)
+    assert_runs_close(run, ref)
     program = run["fit"].compiled_train_step
     for d, order in enumerate(interleaved_orders(2, M, 2)):
         assert [(s.ops[0].kind, s.ops[0].microbatch, s.stage) for s in program.segments
@@ -173,7 +167,7 @@ def test_interleaved_1f1b_matches_single_device_in_its_order():
     assert model.stage(2).kernel[...].sharding.device_set == {devices[0]}
     assert run["fit"].strategy.describe()["pipeline"]["repeats"] == 2
     data = jl.data.ArrayLoader(lm_data(160, 9), 16, seed=1)
-    _close(logged_fit(_mpmd("interleaved-1f1b", p=2), MpmdLM(), data, STEPS),
+    assert_runs_close(logged_fit(_mpmd("interleaved-1f1b", p=2), MpmdLM(), data, STEPS),
            logged_fit("single", MpmdLM(), data, STEPS))
 
 
