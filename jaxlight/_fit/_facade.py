@@ -29,6 +29,7 @@ from jaxlight._fit._session import Session, abstract_global_batch
 from jaxlight._fit._train_loop import TrainLoop
 from jaxlight._fit._view import FitView
 from jaxlight.callbacks._base import Callback
+from jaxlight.checkpoint._paths import agreed_checkpoint_root
 from jaxlight.checkpoint._restore import load_checkpoint, restore_training
 from jaxlight.data._datamodule import DataModule
 from jaxlight.data._feed import TrainFeed
@@ -166,6 +167,7 @@ class Fit(FitView):
         self._val_data = None
         self._feed: TrainFeed | None = None
         self._datamodule: DataModule | None = None
+        self._checkpoint_root: str | None = None  # process 0's, set per stage (default_dirpath)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Sends host metrics to every callback's `on_log` (loggers write them) at `step`.
@@ -205,6 +207,7 @@ class Fit(FitView):
         self._call.module = module
         module.attach_trainer(self)  # self.trainer, self.global_step, ... in module hooks
         self._session.setup(module, stage)
+        self._checkpoint_root = agreed_checkpoint_root(self.default_root_dir)
 
     def plan(self, module: TrainModule, example_batch: Any, *, verbose: bool = True):
         """Compiles the training step for `example_batch` without running it; reports costs.

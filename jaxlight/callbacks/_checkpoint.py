@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxlight import distributed as _distributed
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
 from jaxlight.checkpoint._paths import complete_steps, default_dirpath
@@ -141,6 +142,7 @@ class ModelCheckpoint(Callback):
         self._ranked: dict[int, float] = {}
         self._saved_in_fit = False
         self._writer = None
+        self._agreed_dirpath: str | None = None
         self._retention = None  # the writer's retention policy (kept after the writer closes)
         self._stage: str | None = None
         self._deferred = False  # a step save waiting for this step's validation
@@ -162,6 +164,10 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint{{dirpath={self.dirpath!r}, monitor={self.monitor!r}}}"
 
     def resolved_dirpath(self, fit) -> str:
+        """The directory saves go to: process 0's, with several processes (agreed in `setup`,
+        as Lightning's ModelCheckpoint broadcasts its dirpath)."""
+        if self._agreed_dirpath is not None:
+            return self._agreed_dirpath
         return os.path.abspath(self.dirpath if self.dirpath is not None else default_dirpath(fit))
 
     # -- state saved in checkpoints -----------------------------------------------------------
@@ -185,10 +191,15 @@ class ModelCheckpoint(Callback):
 
     def setup(self, fit, module, stage: str) -> None:
         self._stage = stage
-        if stage != "fit" or self._writer is not None:
+        if self._writer is not None:
+            return
+        self._agreed_dirpath = None
+        self._agreed_dirpath = _distributed.all_gather_json(
+            "checkpoint_dirpath", self.resolved_dirpath(fit))[0]
+        if stage != "fit":
             return
         self._writer = CheckpointWriter(
-            self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
+            self._agreed_dirpath, monitor=self.monitor, mode=self.mode,
             save_top_k=self.save_top_k, save_last=self.save_last is not False,
             async_save=self.async_save,
             compress=self.compress)

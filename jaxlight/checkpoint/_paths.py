@@ -6,6 +6,7 @@ import dataclasses
 import os
 import warnings
 
+from jaxlight import distributed as _distributed
 from jaxlight._errors import CheckpointError
 from jaxlight.checkpoint import _verify
 from jaxlight.checkpoint._format import (
@@ -81,9 +82,22 @@ def read_meta(step_dir: str) -> dict:
     return meta
 
 
+def agreed_checkpoint_root(default_root_dir: str) -> str:
+    """Process 0's `<default_root_dir>/checkpoints`, absolute, on every process (a collective,
+    called as each stage starts). As Lightning's ModelCheckpoint broadcasts its directory: with
+    a root per process (a relative root, each process started in its own folder), every
+    process saves into process 0's directory."""
+    local = os.path.abspath(os.path.join(default_root_dir, DEFAULT_SUBDIR))
+    return _distributed.all_gather_json("checkpoint_root", local)[0]
+
+
 def default_dirpath(fit) -> str:
     """`<default_root_dir>/checkpoints` as an absolute path (orbax refuses relative ones; a
-    relative root is the folder the run was started from)."""
+    relative root is the folder the run was started from); with several processes, process 0's
+    (agreed when a stage starts), so that every process saves into one directory."""
+    agreed = getattr(fit, "_checkpoint_root", None)
+    if agreed is not None:
+        return agreed
     return os.path.abspath(os.path.join(fit.default_root_dir, DEFAULT_SUBDIR))
 
 

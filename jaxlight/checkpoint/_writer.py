@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from jaxlight import distributed as _distributed
 from jaxlight._errors import CheckpointError, JaxlightWarning
 from jaxlight.checkpoint import _verify
 from jaxlight.checkpoint._format import (
@@ -295,8 +296,12 @@ class CheckpointWriter:
                           if step is not None else 0)
 
     def _check_directory(self) -> None:
-        """A directory removed while the run saves into it is made again, with a warning."""
-        if os.path.isdir(self.dirpath):
+        """A directory removed while the run saves into it is made again, with a warning.
+
+        Every process takes the same branch (re-taking the lock is a collective): the directory
+        counts as removed when any process finds it gone."""
+        if not any(_distributed.all_gather_json("checkpoint_directory_gone",
+                                                not os.path.isdir(self.dirpath))):
             return
         held = self.manager.all_steps()
         warnings.warn(

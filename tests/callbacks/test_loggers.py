@@ -275,3 +275,7 @@ def test_only_process_zero_writes(tmp_path):
         traces = list(profile.glob("plugins/profile/*/*.xplane.pb"))
         assert traces and all(t.stat().st_size > 0 for t in traces), rank
     assert sorted(os.listdir(tmp_path / "cwd1" / "jaxlight_logs")) == ["profile"]
+    # The default checkpoint goes to process 0's <default_root_dir>/checkpoints, as Lightning's
+    # ModelCheckpoint broadcasts its directory: one directory for the job, not one per process.
+    saved = os.listdir(tmp_path / "cwd0" / "jaxlight_logs" / "checkpoints")
+    assert saved == ["6"], saved  # max_steps=6 ends the first epoch at step 6
