@@ -109,6 +109,21 @@ def test_grpo_loss_gradient_and_metrics(i):
             assert abs(float(metrics["kl_k3"]) - logged["kl"]) <= TOL
 
 
+def test_on_policy_the_ratio_weighted_kl_changes_the_gradient_only():
+    """TRL's default KL weighting, on-policy (ratio 1): the same loss, another gradient."""
+    (case,) = [c for c in GRPO["cases"] if not c["config"]["old"] and c["config"]["beta"]]
+    mask = jnp.asarray(GRPO["mask"], jnp.float32)
+
+    def loss(logps):
+        return posttrain.grpo_loss(logps, None, jnp.asarray(GRPO["ref_logps"], jnp.float32),
+                                   jnp.asarray(GRPO["advantages"]), mask, beta=0.04,
+                                   kl_mode="low_var_kl", loss_agg_mode="token-mean")[0]
+
+    value, grad = jax.value_and_grad(loss)(jnp.asarray(GRPO["logps"], jnp.float32))
+    assert abs(float(value) - case["loss"]) <= TOL
+    assert np.abs(np.asarray(grad) * np.asarray(mask) - case["grad_logps"]).max() > 1e-4
+
+
 def test_loss_types_differ_on_this_batch():
     """The fixture tells the aggregations apart (completions of several lengths)."""
     losses = {c["config"]["loss_type"]: c["loss"] for c in GRPO["cases"][1:]}
