@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export WANDB_MODE ?= offline
 
-.PHONY: demo test test-all durations lint bench conformance conformance-fixtures fixtures posttrain-oracle clean
+.PHONY: demo test test-all durations lint bench conformance conformance-fixtures fixtures posttrain-oracle trl-oracle clean
 
 $(CORE_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -88,5 +88,16 @@ $(TUNIX_VENV)/.installed:
 posttrain-oracle: $(TUNIX_VENV)/.installed  ## rerun Tunix's DPO/GRPO losses: tests/posttrain/fixtures
 	XLA_FLAGS= $(TUNIX_VENV)/bin/python tests/posttrain/make_tunix_fixtures.py
 
+# TRL, the oracle of GRPO's advantages and loss as TRL users run them (and of DPO's sigmoid loss):
+# torch (CPU) and trl in a venv of their own; tests/posttrain/test_trl_parity.py reads the fixture.
+TRL_VENV ?= .venv-trl
+$(TRL_VENV)/.installed:
+	$(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0 trl==1.16.0
+	touch $@
+
+trl-oracle: $(TRL_VENV)/.installed  ## rerun TRL's GRPO advantages/loss and DPO loss: tests/posttrain/fixtures
+	$(TRL_VENV)/bin/python tests/posttrain/trl_side.py
+
 clean:
-	rm -rf $(VENV) $(CONF_VENV) $(TUNIX_VENV) jaxlight_logs .pytest_cache
+	rm -rf $(VENV) $(CONF_VENV) $(TUNIX_VENV) $(TRL_VENV) jaxlight_logs .pytest_cache

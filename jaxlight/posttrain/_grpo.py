@@ -78,8 +78,8 @@ def kl_penalty(logps: jax.Array, ref_logps: jax.Array, mode: str = "kl") -> jax.
 def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Array | None,
               advantages: jax.Array, mask: jax.Array, *, epsilon: float = 0.2,
               epsilon_high: float | None = None, beta: float = 0.04, kl_mode: str = "kl",
-              loss_agg_mode: str = "sequence-mean-token-mean", weights: dict | None = None
-              ) -> tuple[jax.Array, dict[str, jax.Array]]:
+              loss_agg_mode: str = "sequence-mean-token-mean", weights: dict | None = None,
+              kl_ratio_weighted: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped GRPO objective (to minimize) for a batch of completions, and its metrics.
 
     Arguments are per completion token ([B, T]; `advantages` [B] or [B, T]): the policy's
@@ -91,14 +91,19 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
         per token: max(-A ρ, -A clip(ρ, 1 - ε, 1 + ε_high))
         loss = agg(per token) + β agg(kl_penalty(logp, ref_logp))
 
-    `agg` is `loss_agg_mode` (see `aggregate`); `weights` are the whole batch's
-    `batch_weights(mask)`, needed where the step sees only a replica's rows (`FSDP()`).
+    `agg` is `loss_agg_mode` (see `aggregate`); `kl_ratio_weighted` multiplies the per-token KL
+    penalty by `ρ` (unclipped), which makes its gradient the unbiased reverse-KL gradient when
+    the completions come from the old policy (DeepSeek-V3.2; TRL's `use_bias_correction_kl`,
+    on by default in TRL 1.16; it changes the gradient even where `ρ` is 1). `weights` are the
+    whole batch's `batch_weights(mask)`, needed where the step sees only a replica's rows
+    (`FSDP()`).
     Defaults are Tunix's `GRPOConfig`'s (`beta=0.04`, `epsilon=0.2`, `kl_loss_mode="kl"`,
     `"sequence-mean-token-mean"`). Metrics: `pg_loss`, `kl` (token mean of `kl_mode`'s
-    penalty, Tunix's figure: with `"kl"` it is an unbiased estimate that is negative on many
-    batches), `kl_k3` (token mean of Schulman's k3, never negative: the figure to log, as TRL
-    does), `kl_loss` (aggregated), `pg_clipfrac` (tokens where the clip is active), `ppo_kl`
-    (token mean of `old_logp - logp`). A negative `beta` or `epsilon` is refused.
+    penalty as the loss weighs it, Tunix's figure: with `"kl"` it is an unbiased estimate that
+    is negative on many batches), `kl_k3` (token mean of Schulman's k3, never negative: the
+    figure to log, as TRL does), `kl_loss` (aggregated), `pg_clipfrac` (tokens where the clip
+    is active), `ppo_kl` (token mean of `old_logp - logp`). A negative `beta` or `epsilon` is
+    refused.
 
     Example:
         >>> import jax.numpy as jnp
@@ -127,8 +132,11 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
                "ppo_kl": ppo_kl}
     if ref_logps is not None:
         kl = kl_penalty(logps, ref_logps, kl_mode)
+        if kl_ratio_weighted:
+            kl = kl * ratio
         metrics["kl"] = masked_mean(kl, mask, weights)
-        k3 = kl if kl_mode == "low_var_kl" else kl_penalty(logps, ref_logps, "low_var_kl")
+        k3 = (kl if kl_mode == "low_var_kl" and not kl_ratio_weighted
+              else kl_penalty(logps, ref_logps, "low_var_kl"))
         metrics["kl_k3"] = masked_mean(k3, mask, weights)
         metrics["kl_loss"] = aggregate(kl, mask, loss_agg_mode, weights)
         if beta:
