@@ -351,6 +351,9 @@ class GenerationFeed:
         if updates < 1:
             raise ConfigurationError(f"--grpo.updates={updates}: each generation batch feeds at "
                                      "least one optimizer step.")
+        if log_samples < 0:
+            raise ConfigurationError(f"--grpo.log_samples={log_samples}: give the number of "
+                                     "completions per generation batch to log, or 0 for none.")
         messages, self.columns = prompt_rows(rows, "the GRPO prompts")
         self.raw_prompts = [r["prompt"] for r in rows]
         prompts = encode_prompts(tokenizer, messages)

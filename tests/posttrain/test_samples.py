@@ -137,3 +137,9 @@ def test_sample_table_without_pandas_goes_to_mlflow_as_json_text(tmp_path, monke
                                       str(tmp_path / "dl"))
     with open(local) as f:
         assert json.load(f) == {"columns": columns, "data": rows}
+
+
+def test_a_negative_log_samples_is_refused(tmp_path):
+    config, _ = _config(tmp_path, log_samples=-1)
+    with pytest.raises(jl.ConfigurationError, match=r"--grpo.log_samples=-1: give the number"):
+        grpo.build(config)
