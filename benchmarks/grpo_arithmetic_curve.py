@@ -21,6 +21,10 @@ The curve is read back from the run's `metrics.csv`: `rewards/exact_answer/mean`
 policy after the step before). The start and end answer reward are the means of the first and
 last quarter of the logged steps; the held-out greedy rewards (the recipe's report, on
 `--data.val_rows` problems it never trains on) are parsed from the command's output.
+
+The settings were chosen on seeds 1 and 2 (answer reward, first -> last quarter: seed 1 with
+these settings 0.15 -> 0.24; seed 2 with 16 prompts and 160 steps 0.16 -> 0.24); the committed
+result is seed 7, the default, which was not run before.
 """
 
 from __future__ import annotations
