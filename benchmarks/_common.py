@@ -42,6 +42,18 @@ def write_result(name: str, report: dict, out: str | None = None) -> str:
     return path
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def lm_module(vocab=512, embed=256, layers=4, heads=8, mlp=1024, lr=1e-3, weight_decay=1e-4):
     """A TrainModule around jaxlight.nn.TransformerLM (untied head, every rule used); AdamW
     (`weight_decay` defaults to optax's)."""

@@ -67,6 +67,7 @@ BENCHMARKS = {
     "pretrained_sample": ["sample"],
     "pretrained_lora_step": ["lora-step"],
     "grpo_curve": [],
+    "grpo_arithmetic_curve": [],
     "grpo_vs_tunix": [],
 }
 
@@ -652,6 +653,17 @@ def summarize_grpo_curve(r):
     yield ("DPO held-out reward accuracy, before -> after",
            f"{d['reward_accuracy_before']:.2f} -> {d['reward_accuracy_after']:.2f}", "rises",
            d["reward_accuracy_after"] > d["reward_accuracy_before"])
+
+
+def summarize_grpo_arithmetic_curve(r):
+    yield (f"GRPO from the CLI on a JSONL of arithmetic, exact-answer reward of the sampled "
+           f"batches, first / last quarter (fresh seed {r['seed']}, two reward functions)",
+           f"{r['answer_reward_start']:.3f} -> {r['answer_reward_end']:.3f}", "rises", r["raised"])
+    greedy = r["grpo"]["held_out_greedy"]
+    before = greedy["before training"]["val_reward_exact_answer"]
+    after = greedy["after training"]["val_reward_exact_answer"]
+    yield (f"same, held-out greedy exact answers ({r['data']['problems']} problems, 64 held out)",
+           f"{before:.3f} -> {after:.3f}", "rises", after > before)
 
 
 def summarize_grpo_vs_tunix(r):

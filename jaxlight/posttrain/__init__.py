@@ -5,9 +5,11 @@ against `tunix.rl.algo_core` and `tunix.sft.dpo` by `tests/posttrain/`), for use
 `TrainModule.training_step`; `PolicyAndReference` with `trainable = POLICY` puts a frozen
 reference in the same compiled step, outside the optimizer state and the checkpoints.
 `rollout` samples GRPO's generation batches; reward functions have TRL's contract (`score`,
-`combine`) and prompts come from local files (`read_rows`).
+`combine`) and prompts come from local files (`read_rows`); `sample_table` / `log_samples` send
+sampled completions to the loggers that take text tables.
 
-May import `nn.pretrained` and the root modules (layer 19 of docs/architecture.md).
+May import `nn.pretrained`, `callbacks` (the loggers) and the root modules (layer 19 of
+docs/architecture.md).
 """
 
 from jaxlight.posttrain._data import read_rows
@@ -37,6 +39,7 @@ from jaxlight.posttrain._rewards import (
     score,
 )
 from jaxlight.posttrain._rollout import completion_log_probs, rollout
+from jaxlight.posttrain._samples import log_samples, sample_table
 
 __all__ = [
     "ADVANTAGES",
@@ -55,11 +58,13 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "kl_penalty",
+    "log_samples",
     "masked_mean",
     "read_rows",
     "reward_metrics",
     "reward_name",
     "rollout",
+    "sample_table",
     "score",
     "sequence_log_probs",
     "token_log_probs",

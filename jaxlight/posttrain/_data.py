@@ -16,6 +16,9 @@ from typing import Any
 
 from jaxlight._errors import ConfigurationError, DataError
 
+#: How to install the optional readers of Parquet files and `save_to_disk` directories.
+INSTALL = "pip install 'jaxlight[posttrain]'"
+
 
 def read_rows(path: str, locate: bool = False) -> list[dict[str, Any]] | tuple[list, list]:
     """Every row of a local dataset as a dict of its columns (with `locate`, also where each
@@ -32,29 +35,10 @@ def read_rows(path: str, locate: bool = False) -> list[dict[str, Any]] | tuple[l
         raise DataError(f"no dataset at {path!r}: give a .jsonl, .json or .parquet file, or a "
                         "directory written by datasets' save_to_disk.")
     if os.path.isdir(path):
-        try:
-            import datasets  # noqa: PLC0415 - optional
-        except ImportError:
-            raise ConfigurationError(
-                f"{path} is a directory: reading a Hugging Face dataset saved with save_to_disk "
-                "needs the `datasets` package (pip install datasets), or export it to JSONL "
-                "(dataset.to_json('train.jsonl')).") from None
-        data = datasets.load_from_disk(path)
-        if isinstance(data, datasets.DatasetDict):
-            if "train" not in data:
-                raise DataError(f"{path} holds splits {sorted(data)} and no 'train': save the "
-                                "split to train on alone.")
-            data = data["train"]
-        rows = [dict(r) for r in data]
+        rows = _saved_dataset(path)
         return (rows, [f"{path} row {i}" for i in range(len(rows))]) if locate else rows
     if path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq  # noqa: PLC0415 - optional
-        except ImportError:
-            raise ConfigurationError(
-                f"reading {path} needs `pyarrow` (pip install pyarrow), or convert it to "
-                "JSONL.") from None
-        rows = pq.read_table(path).to_pylist()
+        rows = _parquet(path)
         return (rows, [f"{path} row {i}" for i in range(len(rows))]) if locate else rows
     with open(path) as f:
         if path.endswith(".json"):
@@ -77,6 +61,44 @@ def read_rows(path: str, locate: bool = False) -> list[dict[str, Any]] | tuple[l
             rows.append(record)
             places.append(f"{path}:{number}")
     return (rows, places) if locate else rows
+
+
+def _saved_dataset(path: str) -> list[dict[str, Any]]:
+    """The rows of a directory written by `Dataset.save_to_disk` (its "train" split when it
+    holds a `DatasetDict`)."""
+    try:
+        import datasets  # noqa: PLC0415 - optional
+    except ImportError:
+        raise ConfigurationError(
+            f"{path} is a directory: reading a Hugging Face dataset saved with save_to_disk "
+            f"needs the `datasets` package: {INSTALL} (or pip install datasets), or export it "
+            "to JSONL (dataset.to_json('train.jsonl')).") from None
+    try:
+        data = datasets.load_from_disk(path)
+    except FileNotFoundError as error:
+        raise DataError(f"{path} is a directory but not one written by datasets' save_to_disk "
+                        f"({error}): give that directory, or a .jsonl, .json or .parquet "
+                        "file.") from None
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise DataError(f"{path} holds splits {sorted(data)} and no 'train': save the "
+                            "split to train on alone.")
+        data = data["train"]
+    return [dict(r) for r in data]
+
+
+def _parquet(path: str) -> list[dict[str, Any]]:
+    try:
+        import pyarrow  # noqa: PLC0415 - optional
+        import pyarrow.parquet as pq  # noqa: PLC0415 - optional
+    except ImportError:
+        raise ConfigurationError(
+            f"reading {path} needs `pyarrow`: {INSTALL} (or pip install pyarrow), or convert "
+            "it to JSONL.") from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except pyarrow.ArrowException as error:
+        raise DataError(f"{path}: not a readable Parquet file ({error}).") from None
 
 
 def as_messages(prompt: Any, where: str) -> list[dict[str, str]]:

@@ -77,7 +77,9 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
     "token_weight", "row_weight" [B], "clipped" [B] (1: the completion hit max_new_tokens
     without a stop token)}`: everything `grpo_loss` needs from the whole batch (see
     `batch_weights`), for every update this generation batch feeds; and the lengths and
-    clipped flags of every process's completions (`all_lengths`, `all_clipped`).
+    clipped flags of every process's completions (`all_lengths`, `all_clipped`) and their
+    rewards (`all_rewards`, `all_rewards_by_fn`); this process's rows' prompts and completions
+    as the reward functions got them (lists `prompt_texts`, `completion_texts`).
 
     With several processes each returns the rows of its share of the prompts (the prompts
     must split evenly): all rows are sampled by one program over every device, each process
@@ -150,9 +152,24 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
         advantages = scorable_advantages(total, unscorable, group_size, estimator)
     else:
         advantages = np.asarray(group_advantages(jnp.asarray(total), group_size, estimator))
+    all_total, all_by_fn = _every_process(total, by_fn)
     batch.update(rewards=total, rewards_by_fn=by_fn, all_lengths=lengths, all_clipped=clipped,
-                 advantages=advantages)
+                 advantages=advantages, all_rewards=all_total, all_rewards_by_fn=all_by_fn,
+                 prompt_texts=local_texts, completion_texts=answers)
     return batch
+
+
+def _every_process(total: np.ndarray, by_fn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every process's rewards and rewards per function, in row order (with several processes
+    one exchange through the coordinator's store: rows x (functions + 1) numbers, no device
+    program), so that the logged reward statistics are the whole batch's."""
+    if jax.process_count() == 1:
+        return total, by_fn
+    # JSON carries NaN (a function's None) as the token NaN, which json.loads reads back.
+    shares = distributed.all_gather_json("grpo_rewards", [total.tolist(), by_fn.tolist()])
+    return (np.concatenate([np.asarray(t, np.float32) for t, _ in shares]),
+            np.concatenate([np.asarray(f, np.float32).reshape(-1, by_fn.shape[1])
+                            for _, f in shares]))
 
 
 def scorable_advantages(rewards: np.ndarray, unscorable: np.ndarray, group_size: int,

@@ -145,6 +145,9 @@ class GRPOConfig:
                                    "completions, completion_ids, **columns); empty: the task's")
     reward_weights: str = option("", "one weight per reward function, comma separated "
                                      "(empty: all 1)")
+    log_samples: int = option(8, "completions of each generation batch logged as a text table "
+                                 "(prompt, completion, rewards, advantage) to W&B and MLflow "
+                                 "loggers at the logging step after it (0: none)")
 
 
 @dataclasses.dataclass
@@ -226,6 +229,9 @@ class PolicyOptimizer(TrainModule):
         self.lr, self.dtype = lr, dtype
         self.decoder_config = from_hf_config(read_config(pretrained), param_dtype=jnp.dtype(dtype))
         self.trainable = nnx.LoRAParam if lora_rank > 0 else posttrain.POLICY
+        #: Sample tables of generation batches not logged yet, by the step they first feed
+        #: (`GenerationFeed(log_samples=)` adds them; `on_log` hands them to the loggers).
+        self.pending_samples: list[tuple[int, int, dict]] = []
 
     @property
     def hparams(self) -> dict[str, Any]:
@@ -275,6 +281,20 @@ class PolicyOptimizer(TrainModule):
         out.update({k[len(STATS):]: v.mean() for k, v in batch.items() if k.startswith(STATS)})
         return loss, out
 
+    def on_log(self, metrics: dict[str, float], step: int) -> None:
+        """Hands the sample tables of the generation batches that fed steps up to `step` to the
+        loggers that take text tables (W&B, MLflow), at `step` (after the loggers got its
+        metrics)."""
+        due = [p for p in self.pending_samples if p[0] <= step]
+        if not due:
+            return
+        self.pending_samples = [p for p in self.pending_samples if p[0] > step]
+        columns, rows = None, []
+        for _, generation, table in due:
+            columns, part = posttrain.sample_table(step, generation=generation, **table)
+            rows += part
+        posttrain.log_samples(self.loggers, columns, rows, step)
+
 
 # -- the data: generation batches from the live policy -----------------------------------------
 
@@ -318,16 +338,22 @@ class GenerationFeed:
             `Config`.
         prompt_len: prompts are left-padded to this many tokens (0: the longest's).
         seed: fixes each generation's prompts and sampling seed.
+        log_samples: the first this many completions of each generation batch (this process's
+            rows) go to the W&B and MLflow loggers as a text table (`posttrain.log_samples`)
+            at the first logging step at or after the batch's first step; 0: none.
     """
 
     def __init__(self, module: PolicyOptimizer, rows: Sequence[dict], tokenizer: Tokenizer,
                  reward_funcs: Sequence[Callable], *, prompts_per_step: int, group_size: int,
                  max_new_tokens: int, temperature: float, updates: int, prompt_len: int = 0,
                  seed: int = 0, advantage: str = "grpo",
-                 reward_weights: Sequence[float] | None = None):
+                 reward_weights: Sequence[float] | None = None, log_samples: int = 0):
         if updates < 1:
             raise ConfigurationError(f"--grpo.updates={updates}: each generation batch feeds at "
                                      "least one optimizer step.")
+        if log_samples < 0:
+            raise ConfigurationError(f"--grpo.log_samples={log_samples}: give the number of "
+                                     "completions per generation batch to log, or 0 for none.")
         messages, self.columns = prompt_rows(rows, "the GRPO prompts")
         self.raw_prompts = [r["prompt"] for r in rows]
         prompts = encode_prompts(tokenizer, messages)
@@ -354,11 +380,12 @@ class GenerationFeed:
         self.prompts_per_step, self.group_size = prompts_per_step, group_size
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.updates, self.prompt_len, self.seed = updates, prompt_len, seed
-        self.advantage = advantage
+        self.advantage, self.log_samples = advantage, log_samples
         self.generation = 0  # generation batches made
         self.taken = 0  # updates the current one has fed
         self.batch: dict[str, np.ndarray] | None = None
-        #: Per generation batch made in this process: (index, mean reward, seconds sampling).
+        #: Per generation batch made in this process: (index, mean reward of every process's
+        #: rows, seconds sampling).
         self.history: list[tuple[int, float, float]] = []
 
     #: The training loop reads each batch right after dispatching the step before it, never
@@ -408,19 +435,28 @@ class GenerationFeed:
             columns={k: [v[i] for i in picked] for k, v in self.columns.items()},
             reward_weights=self.reward_weights,
             reward_prompts=[self.raw_prompts[i] for i in picked], estimator=self.advantage)
-        self.history.append((self.generation, float(batch["rewards"].mean()),
+        self.history.append((self.generation, float(batch["all_rewards"].mean()),
                              time.perf_counter() - start))
+        if self.log_samples > 0 and hasattr(self.module, "pending_samples"):
+            n = self.log_samples
+            first_step = self.generation * self.updates + 1
+            self.module.pending_samples.append((first_step, self.generation, {
+                "prompts": batch["prompt_texts"][:n], "completions": batch["completion_texts"][:n],
+                "by_fn": batch["rewards_by_fn"][:n], "names": self.reward_names,
+                "rewards": batch["rewards"][:n], "advantages": batch["advantages"][:n],
+                "limit": n}))
         return {**{k: batch[k] for k in _BATCH_KEYS}, **self._stats(batch)}
 
     def _stats(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The generation batch's figures to log, each repeated once per row."""
-        lengths, rows = batch["all_lengths"], len(batch["rewards"])  # every process's rows
-        # The reward figures are this process's rows' (all of them with one process).
-        figures = {"reward_std": float(batch["rewards"].std(ddof=1)) if rows > 1 else 0.0,
+        # Every figure is the whole generation batch's, every process's rows included.
+        lengths, rows = batch["all_lengths"], len(batch["rewards"])
+        rewards = batch["all_rewards"]
+        figures = {"reward_std": float(rewards.std(ddof=1)) if len(rewards) > 1 else 0.0,
                    "completions/mean_length": float(lengths.mean()),
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float(batch["all_clipped"].mean()),
-                   **posttrain.reward_metrics(batch["rewards_by_fn"], self.reward_names)}
+                   **posttrain.reward_metrics(batch["all_rewards_by_fn"], self.reward_names)}
         return {STATS + k: np.full(rows, v, np.float32) for k, v in figures.items()}
 
     def __iter__(self):
@@ -518,7 +554,8 @@ def build(config: Config | None = None, max_steps: int | None = None
         module, rows, tokenizer, reward_funcs, reward_weights=reward_weights,
         prompts_per_step=d.prompts_per_step, group_size=g.group_size,
         max_new_tokens=g.max_new_tokens, temperature=g.temperature, updates=g.updates,
-        prompt_len=d.prompt_len, seed=d.seed, advantage=g.advantage)
+        prompt_len=d.prompt_len, seed=d.seed, advantage=g.advantage,
+        log_samples=g.log_samples)
     return module, RecipeData(train=feed, extras={"tokenizer": tokenizer, "val_rows": val_rows})
 
 

@@ -3,8 +3,15 @@
     python _grpo_processes.py OUT   # in each of 2 processes x 4 devices: OUT/rank{r}.npz
 
 `run(out, name)` is the whole job: a 4-step FSDP fit on the tiny Qwen 3 fixture (2 prompts x 4
-completions per generation batch, 2 updates each), recording each step's loss, the last
-generation batch this process holds and the trained policy.
+completions per generation batch, 2 updates each), recording each step's loss and logged reward
+statistics, the last generation batch this process holds and the trained policy.
+
+The reward functions (`PATH.py:fn`, this file's) give random-weight completions rewards that
+differ between rows and a function that applies to some rows only, so that the statistics of one
+process's rows differ from the whole batch's; their weights are 0, so that the training is the
+reversal task's on random weights (every reward 0, advantages 0: the updates follow the KL
+term). With non-zero advantages at this learning rate Adam amplifies the all-reduce's rounding
+in near-zero gradients past the parameters' 1e-5 (3.5e-5 measured).
 """
 
 from __future__ import annotations
@@ -16,6 +23,22 @@ import numpy as np
 
 import jaxlight as jl
 from jaxlight import distributed
+
+#: The logged figures compared with one process's.
+STATS = ("reward", "reward_std", "rewards/first_token/mean", "rewards/first_token/std",
+         "rewards/odd_start/mean", "rewards/odd_start/std")
+
+
+def first_token(prompts, completions, completion_ids, **_):
+    """The first completion token id modulo 7, over 7."""
+    return [(ids[0] % 7) / 7 for ids in completion_ids]
+
+
+def odd_start(prompts, completions, completion_ids, **_):
+    """The last token id modulo 5, over 5, for completions whose first token id is odd; None
+    for the others."""
+    return [(ids[-1] % 5) / 5 if ids[0] % 2 else None for ids in completion_ids]
+
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nn",
                        "pretrained", "fixtures", "qwen3")
@@ -32,12 +55,15 @@ def run(path: str) -> None:
     config.data.prompts_per_step, config.grpo.group_size = 2, 4
     config.grpo.max_new_tokens, config.grpo.updates = 4, 2
     config.optim.lr = 1e-2
+    here = os.path.abspath(__file__)
+    config.grpo.reward_funcs = f"{here}:first_token,{here}:odd_start"
+    config.grpo.reward_weights = "0,0"
     module, data = grpo.build(config)
     losses = {}
 
     class Losses(jl.callbacks.Callback):
         def on_log(self, fit, module, metrics, step):
-            losses[step] = metrics["loss"]
+            losses[step] = [metrics["loss"]] + [metrics[k] for k in STATS]
 
     fit = jl.Fit("fsdp", max_steps=4, log_every_n_steps=1, enable_progress_bar=False,
                  enable_model_summary=False, logger=False, callbacks=[Losses()])
@@ -47,7 +73,8 @@ def run(path: str) -> None:
     flat = {"param" + jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
     batch = {"batch_" + k: v for k, v in data.train.batch.items()}
-    np.savez(path, losses=np.array([losses[s] for s in sorted(losses)]),
+    logged = np.array([losses[s] for s in sorted(losses)])
+    np.savez(path, losses=logged[:, 0], stats=logged[:, 1:],
              steps=np.array(sorted(losses)), **batch, **flat)
 
 

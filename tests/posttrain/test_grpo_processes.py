@@ -1,6 +1,6 @@
 """GRPO across processes: in 2 processes x 4 devices each process samples and scores only its
-own prompts' rows, and the fit equals the one of 1 process x 8 devices (the losses of every
-step, the rows each process holds, the trained policy)."""
+own prompts' rows, and the fit equals the one of 1 process x 8 devices (the losses and the
+logged reward statistics of every step, the rows each process holds, the trained policy)."""
 
 import os
 
@@ -25,6 +25,10 @@ def test_two_processes_sample_their_own_rows_and_equal_one_process(tmp_path):
     for r, g in enumerate(got):
         np.testing.assert_array_equal(g["steps"], want["steps"])
         np.testing.assert_allclose(g["losses"], want["losses"], atol=1e-6, rtol=0)
+        # The logged reward statistics are the whole batch's (each process scored half).
+        assert np.isfinite(want["stats"]).all() and want["stats"][:, 2].std() > 0
+        np.testing.assert_allclose(g["stats"], want["stats"], atol=1e-6, rtol=0,
+                                   err_msg=str(script.STATS))
         # This process's half of the generation batch: its prompt's group, scored here.
         half = slice(r * rows // 2, (r + 1) * rows // 2)
         assert len(g["batch_rewards"]) == rows // 2

@@ -164,3 +164,80 @@ def test_dpo_pairs_through_the_same_reader(tmp_path):
     write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "chosen": "y"}])
     with pytest.raises(jl.DataError, match=r"bad.jsonl:1: .* \['rejected'\] missing"):
         dpo.read_pairs(str(tmp_path / "bad.jsonl"))
+
+
+ROWS = [{"prompt": "1+1?", "answer": "2", "id": 0},
+        {"prompt": [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "2+2?"}], "answer": "4", "id": 1}]
+PAIRS = [{"prompt": "Reverse ab", "chosen": "ba", "rejected": "ab", "source": "mine"},
+         {"prompt": [{"role": "user", "content": "Reverse cd"}], "chosen": "dc",
+          "rejected": "cd", "source": "theirs"}]
+
+
+def _write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def _save_to_disk(path, rows, split=None):
+    import datasets
+    data = datasets.Dataset.from_list(rows)
+    (datasets.DatasetDict({split: data}) if split else data).save_to_disk(str(path))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "save_to_disk_train_split"])
+def test_grpo_prompts_and_dpo_pairs_from_parquet_and_a_saved_dataset(tmp_path, kind):
+    pytest.importorskip("pyarrow")
+    if kind.startswith("save_to_disk"):
+        pytest.importorskip("datasets")
+    for name, rows in (("prompts", ROWS),
+                       ("pairs", PAIRS)):
+        # One storage type per column, as Arrow needs: the prompts of a file are all text or
+        # all messages.
+        for form, subset in (("text", rows[:1]), ("messages", rows[1:])):
+            path = tmp_path / f"{name}-{form}-{kind}"
+            if kind == "parquet":
+                path = tmp_path / f"{name}-{form}.parquet"
+                _write_parquet(path, subset)
+            else:
+                _save_to_disk(path, subset, "train" if kind.endswith("split") else None)
+            got, places = read_rows(str(path), locate=True)
+            assert got == subset and places == [f"{path} row 0"]
+            if name == "prompts":
+                messages, columns = prompt_rows(got)
+                assert columns == {"answer": [subset[0]["answer"]], "id": [subset[0]["id"]]}
+                assert messages[0][-1]["role"] == "user"
+            else:  # DPO reads its pairs through the same reader
+                pairs = dpo.read_pairs(str(path))
+                assert pairs[0]["chosen"] == subset[0]["chosen"]
+                assert pairs[0]["source"] == subset[0]["source"]
+
+
+def test_unreadable_parquet_and_saved_dataset_directories_are_named(tmp_path):
+    pytest.importorskip("datasets")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(jl.DataError, match=r"bad.parquet: not a readable Parquet file"):
+        read_rows(str(tmp_path / "bad.parquet"))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(jl.DataError, match=r"plain is a directory but not one written by "
+                                           r"datasets' save_to_disk"):
+        read_rows(str(tmp_path / "plain"))
+    _save_to_disk(tmp_path / "splits", ROWS[:1], "test")
+    with pytest.raises(jl.DataError, match=r"holds splits \['test'\] and no 'train'"):
+        read_rows(str(tmp_path / "splits"))
+
+
+def test_without_pyarrow_or_datasets_the_message_names_the_extra(tmp_path, monkeypatch):
+    import sys
+    (tmp_path / "x.parquet").write_bytes(b"")
+    (tmp_path / "saved").mkdir()
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(jl.ConfigurationError, match=r"x.parquet needs `pyarrow`: pip install "
+                                                    r"'jaxlight\[posttrain\]'"):
+        read_rows(str(tmp_path / "x.parquet"))
+    with pytest.raises(jl.ConfigurationError, match=r"needs the `datasets` package: pip install "
+                                                    r"'jaxlight\[posttrain\]'"):
+        dpo.read_pairs(str(tmp_path / "saved"))
