@@ -41,7 +41,7 @@ from jaxlight.nn._transformer import TransformerConfig, TransformerLM, pre_norm_
 from jaxlight.sharding._layout import constrain
 
 #: The per-layer statistics `MoE` returns (scalars, and `load` per expert).
-STAT_NAMES = ("aux_loss", "z_loss", "dropped_fraction", "load")
+STAT_NAMES = ("aux_loss", "z_loss", "dropped_fraction", "load", "importance")
 
 
 class ExpertBias(nnx.Variable):
@@ -104,8 +104,10 @@ class MoE(nnx.Module):
         self.router_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32))
                             if self.bias_update_rate > 0 else None)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """`(y, stats)` for `x` `(batch, length, features)`; `stats` per `STAT_NAMES`."""
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None
+                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`(y, stats)` for `x` `(batch, length, features)`; `stats` per `STAT_NAMES`, over the
+        tokens where `mask` `(batch, length)` is nonzero (default: all)."""
         if x.ndim != 3:
             raise DataError(f"MoE takes activations (batch, length, features), got {x.shape}.")
         logits = self.router(x.astype(jnp.float32))
@@ -113,7 +115,7 @@ class MoE(nnx.Module):
             self.router_bias[...])
         routing = route(logits, self.k, router=self.router_name, renormalize=self.renormalize,
                         capacity_factor=self.capacity_factor, bias=bias,
-                        token_axes=manual_token_axes())
+                        token_axes=manual_token_axes(), mask=mask)
         if self.router_bias is not None and not self.deterministic:
             self.router_bias[...] = balance_bias_update(
                 self.router_bias[...], jax.lax.stop_gradient(routing.stats["load"]),
@@ -222,7 +224,8 @@ class MoETransformerLM(TransformerLM):
         x, positions = self._inputs(tokens, positions)
         zero = jnp.zeros((), jnp.float32)
         totals = {"aux_loss": zero, "z_loss": zero, "dropped_fraction": zero,
-                  "load": jnp.zeros((c.num_experts,), jnp.float32)}
+                  "load": jnp.zeros((c.num_experts,), jnp.float32),
+                  "importance": jnp.zeros((c.num_experts,), jnp.float32)}
         x, totals = self.blocks((x, totals), positions)
         logits = self._logits(x)
         if not return_aux:

@@ -138,13 +138,16 @@ def manual_token_axes() -> tuple[str, ...]:
 
 def route(logits: jax.Array, k: int, *, router: str = "softmax_topk", renormalize: bool = True,
           capacity_factor: float | None = None, bias: jax.Array | None = None,
-          token_axes: tuple[str, ...] = ()) -> Routing:
+          token_axes: tuple[str, ...] = (), mask: jax.Array | None = None) -> Routing:
     """Routes tokens from router logits `(batch, length, E)` (any float dtype; computed in
     float32).
 
     `stats` holds `aux_loss` (load balancing), `z_loss`, `dropped_fraction` (of the T·k
-    choices) and `load` (tokens per expert, `(E,)` float32, dropped choices included: what the
-    router asked for).
+    choices), `load` (tokens per expert, `(E,)` float32, dropped choices included: what the
+    router asked for) and `importance` (the mean router probability of each expert, `(E,)`).
+    With a `mask` `(batch, length)` (0 for padding) the load, importance and so the balance
+    loss count only the real tokens, as transformers' `load_balancing_loss_func` does with an
+    attention mask; routing itself is unchanged.
 
     Inside a `shard_map` manual over `token_axes` (a shard of the batch per device), `load` is
     summed over them, so the bias update sees the global load, and `aux_loss` uses the global
@@ -161,12 +164,19 @@ def route(logits: jax.Array, k: int, *, router: str = "softmax_topk", renormaliz
     b, length, num_experts = logits.shape
     experts, weights, probs = _choose(logits, k, router, renormalize, bias)
     onehot = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # (b, l, k, E)
-    load = jnp.sum(onehot, axis=(0, 1, 2))
-    tokens = b * length
+    if mask is None:
+        load = jnp.sum(onehot, axis=(0, 1, 2))
+        tokens = b * length
+        importance = jnp.mean(probs, axis=(0, 1))
+    else:
+        w = mask.astype(jnp.float32)
+        load = jnp.einsum("blke,bl->e", onehot, w)
+        tokens = jnp.sum(w)
+        importance = jnp.einsum("ble,bl->e", probs, w) / jnp.maximum(tokens, 1.0)
     if token_axes:
         load = jax.lax.psum(load, token_axes)
         tokens = jax.lax.psum(tokens, token_axes)
-    aux = num_experts * jnp.sum(load / tokens * jnp.mean(probs, axis=(0, 1)))
+    aux = num_experts * jnp.sum(load / jnp.maximum(tokens, 1) * importance)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     if capacity_factor is None:
         kept = jnp.ones(experts.shape, bool)
@@ -175,7 +185,8 @@ def route(logits: jax.Array, k: int, *, router: str = "softmax_topk", renormaliz
                               capacity(length, num_experts, k, capacity_factor))
         weights = jnp.where(kept, weights, 0.0)
     dropped = 1.0 - jnp.mean(kept.astype(jnp.float32))
-    stats = {"aux_loss": aux, "z_loss": z, "dropped_fraction": dropped, "load": load}
+    stats = {"aux_loss": aux, "z_loss": z, "dropped_fraction": dropped, "load": load,
+             "importance": importance}
     return Routing(experts.astype(jnp.int32), weights, kept, stats)
 
 

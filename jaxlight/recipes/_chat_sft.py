@@ -100,8 +100,10 @@ class ChatFineTuner(TrainModule):
             nnx.replace_by_pure_dict(state, self.base_params)
             nnx.update(model, state)
         if self.lora_rank > 0:
-            add_lora(model.layers, self.lora_rank, self.lora_alpha, rngs=rngs,
-                     names=self.lora_targets)
+            for stack in (model.layers, model.dense_layers):  # dense_layers: MoE models' dense MLPs
+                if stack is not None:
+                    add_lora(stack, self.lora_rank, self.lora_alpha, rngs=rngs,
+                             names=self.lora_targets)
         return model
 
     def configure_optimizers(self) -> optax.GradientTransformation:
@@ -110,20 +112,28 @@ class ChatFineTuner(TrainModule):
 
     def _scores(self, model, batch):
         tokens = batch["tokens"].astype(jnp.int32)
-        logits = model(tokens[:, :-1])
+        aux = None
+        if self.decoder_config.num_experts:  # an MoE model: its router's balance loss too
+            logits, aux = model(tokens[:, :-1], return_aux=True)
+        else:
+            logits = model(tokens[:, :-1])
         targets, mask = tokens[:, 1:], batch["mask"]
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         count = jnp.maximum(mask.sum(), 1.0)
         loss = (losses * mask).sum() / count
         token_acc = ((logits.argmax(-1) == targets) * mask).sum() / count
-        return loss, token_acc
+        return loss, token_acc, aux
 
     def training_step(self, model, batch):
-        loss, token_acc = self._scores(model, batch)
-        return loss, {"token_accuracy": token_acc}
+        loss, token_acc, aux = self._scores(model, batch)
+        if aux is None:
+            return loss, {"token_accuracy": token_acc}
+        # As transformers: router_aux_loss_coef x the balance loss where the config's
+        # output_router_logits asks for it (aux["loss"] is 0 otherwise); logged either way.
+        return loss + aux["loss"], {"token_accuracy": token_acc, "aux_loss": aux["aux_loss"]}
 
     def validation_step(self, model, batch):
-        loss, token_acc = self._scores(model, batch)
+        loss, token_acc, _ = self._scores(model, batch)
         tokens = batch["mask"].sum()  # token means, weighted by each batch's assistant tokens
         self.log("val_loss", loss, batch_size=tokens)
         self.log("val_token_accuracy", token_acc, batch_size=tokens)

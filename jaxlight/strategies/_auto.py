@@ -8,7 +8,8 @@ abstractly, no parameter materialized) and the first batch's shapes, Auto:
    for `jaxlight.nn.Stacked` models and stage counts that divide their layers, and
    `data × context` (context parallelism) when the batch holds long token sequences
    (`_auto_candidates.long_sequence`: 2048 tokens or more, or 64 or more per sequence of the
-   batch);
+   batch), and `data × fsdp × expert` for a model with mixture-of-experts layers (expert
+   degrees that divide its experts per layer);
 2. screens each without compiling: its shardings (refused where a dimension does not divide,
    e.g. 4 heads over tp=8), its batch split, and its exact argument bytes per device
    (parameters, optimizer state and batch shards), skipping layouts whose arguments alone
@@ -173,11 +174,11 @@ class Auto(Strategy):
     @staticmethod
     def _norm_layout(text: str) -> str:
         axes = sorted(a.strip() for a in str(text).replace("×", "+").split("+") if a.strip())
-        bad = [a for a in axes if a not in ("data", "fsdp", "tp", "pipe", "context")]
+        bad = [a for a in axes if a not in ("data", "fsdp", "tp", "pipe", "context", "expert")]
         if bad or not axes:
             raise ConfigurationError(
                 f"Auto: layouts entry {text!r} is not a '+'-joined set of mesh axes data, fsdp, "
-                "tp, pipe, context (for example 'fsdp+tp').")
+                "tp, pipe, context, expert (for example 'fsdp+tp').")
         return "+".join(axes)
 
     # -- the Strategy interface: the chosen strategy's -------------------------------------------

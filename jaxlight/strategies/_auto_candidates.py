@@ -1,6 +1,6 @@
 """Auto's candidate layouts: every `data × fsdp × tp × pipe` factorization of the devices the
-model allows (and `data × context` for long sequences), and the screen that refuses or sizes
-each one without compiling."""
+model allows (and `data × context` for long sequences, `data × fsdp × expert` for a model with
+mixture-of-experts layers), and the screen that refuses or sizes each one without compiling."""
 
 from __future__ import annotations
 
@@ -105,6 +105,22 @@ def context_candidates(user_rules, num_devices: int, batch: int) -> list[Candida
     return out
 
 
+def expert_candidates(user_rules, num_devices: int, experts: int) -> list[Candidate]:
+    """`data × fsdp × expert` layouts (expert ≥ 2, dividing the `experts` per layer): the
+    experts split over `expert`, tokens sent to them by all-to-all (`jaxlight.nn.MoE`)."""
+    out = []
+    for expert in divisors(num_devices)[1:]:
+        if experts % expert:
+            continue
+        for data in divisors(num_devices // expert):
+            fsdp = num_devices // (expert * data)
+            mesh = {a: s for a, s in (("data", data), ("fsdp", fsdp), ("expert", expert))
+                    if s > 1}
+            text = ",".join(f"{a}={s}" for a, s in mesh.items())
+            out.append(Candidate(text, Hybrid(mesh, rules=user_rules or None)))
+    return out
+
+
 def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abstract_state,
                          logical_axes, num_devices: int, abstract_batch=None
                          ) -> list[Candidate]:
@@ -112,7 +128,8 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
 
     `user_rules` are Auto's own rules (before the defaults); `layouts`, when given, keeps only
     these sorted '+'-joined mesh-axes sets (`"fsdp+tp"`). With long token sequences in
-    `abstract_batch` (`long_sequence`), `data × context` layouts join them.
+    `abstract_batch` (`long_sequence`), `data × context` layouts join them; with MoE layers
+    (parameters on the `expert` logical axis), `data × fsdp × expert` layouts.
     """
     rules = user_rules + DEFAULT_RULES
     # Logical names from annotations and from path rules (rules=strategies.rules.NNX).
@@ -148,6 +165,9 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
     batch, length = long_sequence(abstract_batch)
     if length:
         out.extend(context_candidates(user_rules, n, batch))
+    experts = expert_count(abstract_state.params, logical_axes.params)
+    if experts:
+        out.extend(expert_candidates(user_rules, n, experts))
     if layouts is not None:
         out = [c for c in out if "+".join(sorted(axes_key(c.layout))) in layouts]
     # Least sharded first: data parallelism communicates least when it fits; then more
@@ -155,7 +175,8 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
     def rank(c: Candidate):
         mesh = {a: (n if s == -1 else s) for a, s in c.strategy.mesh_shape.items()}
         return (n // mesh.get("data", 1), mesh.get("tp", 1), mesh.get("pipe", 1),
-                mesh.get("context", 1), "reshard" in c.layout, "repeats" in c.layout)
+                mesh.get("context", 1), mesh.get("expert", 1), "reshard" in c.layout,
+                "repeats" in c.layout)
     return sorted(out, key=rank)
 
 
@@ -218,9 +239,19 @@ def _has_stages(params) -> bool:
 
 def stacked_layers(params, logical) -> int:
     """The layer count of the model's `Stacked` blocks (their `layers` axis), 0 if none."""
+    return axis_size(params, logical, "layers")
+
+
+def expert_count(params, logical) -> int:
+    """Experts per layer of the model's MoE layers (their `expert` axis), 0 if none."""
+    return axis_size(params, logical, "expert")
+
+
+def axis_size(params, logical, name: str) -> int:
+    """The gcd of the sizes of the dimensions named `name` (a logical axis), 0 if none."""
     sizes = set()
     flat_axes = jax.tree.leaves(logical, is_leaf=lambda x: x is None or isinstance(x, tuple))
     for leaf, names in zip(jax.tree.leaves(params), flat_axes, strict=True):
-        if isinstance(names, tuple) and "layers" in names:
-            sizes.add(leaf.shape[names.index("layers")])
+        if isinstance(names, tuple) and name in names:
+            sizes.add(leaf.shape[names.index(name)])
     return math.gcd(*sizes) if sizes else 0

@@ -19,6 +19,7 @@ from jaxlight import callbacks  # noqa: E402
 from tests.checkpoint._common import SlowBatches, loader, make_fit  # noqa: E402
 from tests.models import Classifier  # noqa: E402
 from tests.optim.modules import PartitionedClassifier  # noqa: E402
+from tests.strategies import moe_resume  # noqa: E402
 
 
 def on_step(fit, module, outputs, batch, batch_idx):
@@ -59,6 +60,8 @@ fit = make_fit(cfg["strategy"], cfg["max_steps"], cbs, log_every_n_steps=1,
 data = SlowBatches(cfg["delay"]) if "delay" in cfg else loader()
 try:
     module = PartitionedClassifier() if cfg.get("module") == "partitioned" else Classifier()
+    if cfg.get("module") == "moe":  # tests/strategies/test_moe_equivalence.py
+        module, data = moe_resume.module(), moe_resume.batches()
     fit.fit(module, data, ckpt_path=cfg.get("ckpt_path"))
 except jl.CheckpointError as exc:
     print(f"CHECKPOINT_ERROR {exc}", flush=True)

@@ -25,6 +25,7 @@ def make_strategy(name: str):
         "fsdp": lambda: strategies.FSDP(min_shard_size=1),
         "ddp": strategies.DDP,
         "hybrid": lambda: strategies.Hybrid({"data": 4, "tp": 2}, min_shard_size=1),
+        "data2_expert4": lambda: strategies.Hybrid({"data": 2, "expert": 4}),
     }[name]()
 
 

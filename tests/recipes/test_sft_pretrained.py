@@ -113,3 +113,32 @@ def test_export_merges_lora_and_transformers_reads_the_same_logits(tuned, tmp_pa
     assert float(np.abs(theirs - ours).max() / np.abs(theirs).max()) <= 1e-4
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["model_type"] == "qwen3"
+
+
+@pytest.mark.slow
+def test_cli_fits_a_mixture_of_experts_model_under_an_expert_layout():
+    """`jaxlight fit sft --model.pretrained` on a Qwen 3 MoE directory (dense and MoE layers):
+    LoRA on the attention of both stacks, the router's balance loss weighted by
+    `router_aux_loss_coef` (the fixture sets `output_router_logits`), the checkpoint written."""
+    from jaxlight._cli import run
+
+    mixed = os.path.join(os.path.dirname(QWEN3), "qwen3_moe_mixed")
+    steps = 4
+    out = run("fit", "sft", [
+        "--model.pretrained", mixed, "--max-steps", str(steps), "--task.train_examples", "64",
+        "--task.val_examples", "16", "--data.batch_size", "16", "--data.max_length", "40",
+        "--optim.lr", "1e-2", "--optim.warmup_steps", "1", "--strategy", "hybrid",
+        "--mesh-shape", '[[2,4],["data","expert"]]', "--checkpoint-every-n-steps", str(steps),
+        "--logger", "none", "--enable-progress-bar", "false", "--enable-model-summary",
+        "false"])
+    assert out.metrics["val_loss"] < out.metrics["before_val_loss"]
+    aux = float(out.fit.callback_metrics["aux_loss"])
+    assert np.isfinite(aux) and aux > 0
+    lora = leaves(nnx.to_pure_dict(nnx.state(out.module.model, nnx.LoRAParam)))
+    assert {k.split("]")[0] for k in lora} == {"['dense_layers'", "['layers'"}
+    assert len(lora) == 8  # A and B of q_proj and v_proj in each stack
+    gate = out.module.model.layers.layers.mlp.gate[...]
+    assert gate.addressable_shards[0].data.shape[1] == 8 // 4  # experts split 4 ways
+    state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(
+        "jaxlight_logs", "checkpoints", str(steps), "state")))
+    assert leaves(state["params"]).keys() == lora.keys()

@@ -108,3 +108,83 @@ def test_moe_with_gradient_accumulation_under_expert_axis():
 
     np.testing.assert_allclose(run(strategies.Hybrid({"data": 2, "expert": 4})),
                                run(strategies.SingleDevice()), rtol=RTOL)
+
+
+@pytest.mark.slow
+def test_moe_resume_after_sigkill_is_bitwise_exact(tmp_path):
+    """Real processes, real orbax checkpoints, under data 2 x expert 4: killed after step 3's
+    save committed, resumed and killed in the middle of saving step 6, resumed again to the
+    end: every weight, the routing bias and the optimizer state equal an uninterrupted run's
+    bit for bit."""
+    import os
+    import signal
+
+    from jaxlight.checkpoint._restore import complete_steps
+    from tests.checkpoint._common import make_fit
+    from tests.checkpoint._proc import Child, kill_leftovers
+    from tests.strategies import moe_resume
+
+    ckpt = str(tmp_path / "ckpt")
+    run = {"strategy": moe_resume.STRATEGY, "module": "moe", "dir": ckpt,
+           "max_steps": moe_resume.STEPS}
+    try:
+        first = Child({**run, "pause_at": 3}, str(tmp_path))
+        first.wait_for("PAUSED", timeout=600)
+        os.kill(first.proc.pid, signal.SIGKILL)
+        assert first.finish() == -signal.SIGKILL
+        assert complete_steps(ckpt) in ([3], [2, 3])
+        second = Child({**run, "selfkill_at": 6, "ckpt_path": "last"}, str(tmp_path))
+        assert second.finish(timeout=600) == -signal.SIGKILL, second.stderr()[-3000:]
+        steps = [line for line in second.lines if line.startswith("STEP")]
+        assert steps == ["STEP 4", "STEP 5"], second.lines  # resumed after step 3
+        assert os.path.isdir(os.path.join(ckpt, "6.orbax-checkpoint-tmp"))
+    finally:
+        kill_leftovers()
+
+    resumed = moe_resume.module()
+    fit = make_fit(moe_resume.STRATEGY, moe_resume.STEPS,
+                   [callbacks.ModelCheckpoint(ckpt, every_n_steps=1)])
+    fit.fit(resumed, moe_resume.batches(), ckpt_path="last")
+    assert fit.global_step == moe_resume.STEPS and complete_steps(ckpt) == [moe_resume.STEPS]
+    reference = moe_resume.module()
+    again = make_fit(moe_resume.STRATEGY, moe_resume.STEPS)
+    again.fit(reference, moe_resume.batches())
+    got, want = (jax.device_get((nnx.to_pure_dict(nnx.state(m.model)), f.state.opt_state))
+                 for m, f in ((resumed, fit), (reference, again)))
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.abs(np.asarray(resumed.model.blocks.layers.moe.router_bias[...])).max() > 0
+
+
+def test_auto_proposes_expert_layouts_for_a_moe_model():
+    from jaxlight._fit import abstract_global_batch
+    from jaxlight.state._state import model_spec
+    from jaxlight.step._step import build_optimizer
+    from jaxlight.strategies._auto_candidates import enumerate_candidates
+    from tests.strategies.lm import TinyLM
+
+    def layouts(module):
+        spec = model_spec(module, build_optimizer(module, [])[0], 0)
+        batch = abstract_global_batch(token_batches(1, batch=16)[0])
+        return [c.layout for c in enumerate_candidates(
+            (), None, spec.abstract_state, spec.logical_axes, 8, batch)]
+
+    moe = layouts(TinyMoELM())  # 8 experts
+    assert {"expert=8", "data=2,expert=4", "data=4,expert=2", "fsdp=2,expert=4",
+            "data=2,fsdp=2,expert=2", "fsdp=4,expert=2"} <= set(moe)
+    assert "data=8" in moe and moe.index("data=8") < moe.index("data=2,expert=4")
+    six = [lay for lay in layouts(TinyMoELM(experts=6)) if "expert" in lay]
+    assert six and all("expert=2" in lay for lay in six)  # 4 and 8 do not divide 6 experts
+    assert not [lay for lay in layouts(TinyLM()) if "expert" in lay]  # a dense model: none
+
+
+@pytest.mark.slow
+def test_auto_compiles_an_expert_layout():
+    auto = strategies.Auto(layouts=["data+expert"], shortcut=0)
+    fit = jl.Fit(strategy=auto, max_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False)
+    fit.plan(TinyMoELM(), token_batches(1, batch=16)[0], verbose=False)
+    assert dict(fit.strategy.mesh.shape).get("expert", 1) > 1, auto.choice
+    chosen = {c.layout: c for c in auto.choice.candidates}[auto.choice.chosen]
+    assert chosen.bytes_per_device and chosen.collective_bytes > 0  # the tokens' all-to-alls

@@ -108,14 +108,19 @@ class DecoderConfig:
         final_logit_softcap: `tanh(logits / c) * c`, or None.
         token_ids: bos/eos/pad token ids from the config (eos may be a list).
         hf_config: the config.json as read (written back by `save_pretrained`).
-        num_experts: experts per MoE layer (0: a dense model; every layer is an MoE layer
-            otherwise, `jaxlight.nn.MoE`).
+        num_experts: experts per MoE layer (0: a dense model; otherwise the layers not in
+            `dense_layers` are MoE layers, `jaxlight.nn.MoE`).
         experts_per_token: k.
         expert_size: each expert's hidden width (`moe_intermediate_size`, Mixtral's
             `intermediate_size`).
         router: "softmax_topk" (Qwen 3 MoE) or "topk_softmax" (Mixtral).
         renormalize: divide the k routing weights by their sum (`norm_topk_prob`).
         capacity_factor: None (dropless) or capacity dropping (see `jaxlight.nn.MoE`).
+        dense_layers: in an MoE model, the layers whose MLP is dense (`intermediate_size`),
+            as Qwen 3 MoE's `mlp_only_layers` and `decoder_sparse_step` make them.
+        aux_loss_weight: the weight of the load-balancing loss added to the LM loss
+            (`router_aux_loss_coef` where `output_router_logits` is set, as transformers adds
+            it; else 0).
         remat: what each layer recomputes in the backward pass (`jaxlight.nn.Stacked`).
         kv_repeat: each key/value head's output is repeated this many times for the query
             heads (its weights stay one unsharded copy): set by `from_pretrained` when the
@@ -155,6 +160,8 @@ class DecoderConfig:
     router: str = "softmax_topk"
     renormalize: bool = True
     capacity_factor: float | None = None
+    dense_layers: tuple[int, ...] = ()
+    aux_loss_weight: float = 0.0
     remat: Any = False
     kv_repeat: int = 1
     dtype: Any = None
@@ -170,6 +177,17 @@ class DecoderConfig:
             if len(getattr(self, name)) != self.num_layers:
                 raise ConfigurationError(f"DecoderConfig.{name} needs one entry per layer "
                                          f"({self.num_layers}), got {getattr(self, name)}.")
+
+    @property
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """Per layer: True where its MLP is an MoE layer."""
+        dense = set(self.dense_layers)
+        return tuple(bool(self.num_experts) and i not in dense for i in range(self.num_layers))
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The MoE layers' indices."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k)
 
     @property
     def family(self) -> str:
@@ -306,23 +324,27 @@ def from_hf_config(hf: dict, **overrides) -> DecoderConfig:
 
 
 def _moe_fields(hf: dict, model_type: str, layers: int, who: str) -> dict[str, Any]:
-    """The experts' fields of a Qwen 3 MoE or Mixtral config (every layer sparse)."""
+    """The experts' fields of a Qwen 3 MoE or Mixtral config, with the layers that are dense
+    MLPs (`mlp_only_layers`, and those `decoder_sparse_step` skips), as transformers builds
+    them: layer i is sparse when it is not in `mlp_only_layers` and `(i + 1) % step == 0`."""
     router, renormalize = MOE_FAMILIES[model_type]
-    dense = sorted(set(hf.get("mlp_only_layers") or []))
     step = int(hf.get("decoder_sparse_step", 1) or 1)
-    if step != 1:
-        dense = sorted(set(dense) | {i for i in range(layers) if (i + 1) % step})
-    if dense:
+    only = hf.get("mlp_only_layers") or []
+    bad = [i for i in only if not isinstance(i, int) or not 0 <= i < layers]
+    if step < 1 or bad:
         raise ConfigurationError(
-            f"{who}: layers {dense} are dense MLP layers (mlp_only_layers="
-            f"{hf.get('mlp_only_layers')}, decoder_sparse_step={step}) among mixture-of-experts "
-            "layers; jaxlight scans one layer body, so it loads models whose every layer is an "
-            "MoE layer (mlp_only_layers=[] and decoder_sparse_step=1, as Qwen3-30B-A3B and "
-            "Mixtral ship).")
+            f"{who}: decoder_sparse_step={step} and mlp_only_layers={only} do not name layers "
+            f"of a {layers}-layer model ({bad or 'the step must be >= 1'}); use a step >= 1 "
+            f"and layer indices from 0 to {layers - 1}.")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not experts:
         raise ConfigurationError(f"{who} lacks 'num_experts' (or 'num_local_experts').")
     size = hf.get("moe_intermediate_size") if model_type == "qwen3_moe" else None
+    if len(dense) == layers:  # no sparse layer at all: a dense model in qwen3_moe's names
+        return {}
     return dict(num_experts=int(experts), experts_per_token=int(hf["num_experts_per_tok"]),
                 expert_size=int(size or hf["intermediate_size"]), router=router,
-                renormalize=bool(hf.get("norm_topk_prob", renormalize)))
+                renormalize=bool(hf.get("norm_topk_prob", renormalize)), dense_layers=dense,
+                aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
+                if hf.get("output_router_logits") else 0.0)

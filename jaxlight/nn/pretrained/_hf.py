@@ -37,6 +37,7 @@ from jaxlight.nn.pretrained._placement import (
     resolve_strategy,
     traced_model,
 )
+from jaxlight.nn.pretrained._safetensors import checkpoint_tensors
 
 #: Files of a model directory that are the tokenizer and chat template (copied by
 #: `save_pretrained(..., tokenizer_from=...)`).
@@ -57,6 +58,7 @@ class Entry:
         stacked: the parameter has a leading layer axis (one tensor per layer).
         groups: per Hugging Face dimension, the view dimensions it splits into.
         perm: ours = view.transpose(perm).
+        layer_ids: the checkpoint's layer of each stacked index (default: the same index).
     """
 
     path: tuple[str, ...]
@@ -64,6 +66,7 @@ class Entry:
     stacked: bool
     groups: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
+    layer_ids: tuple[int, ...] = ()
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -74,20 +77,43 @@ class Entry:
         return tuple(d for g in self.groups for d in g)
 
     def name(self, layer: int | None) -> str:
-        return self.hf.format(i=layer)
+        return self.hf.format(i=self.layer_ids[layer] if self.layer_ids and layer is not None
+                              else layer)
+
+    def stack(self, c: DecoderConfig) -> range | list[None]:
+        """The stacked indices (`[None]` for an unstacked parameter)."""
+        return range(len(self.layer_ids) or c.num_layers) if self.stacked else [None]
 
 
 def tensor_table(c: DecoderConfig, layout: moe.ExpertLayout | None = None) -> list[Entry]:
     """Every parameter of a `DecoderLM` of config `c` and where it is in Hugging Face's layout
-    (an MoE model's experts are `_moe_hf`'s; `layout` says where its router is)."""
+    (an MoE model's experts are `_moe_hf`'s; `layout` says where its router is; dense layers
+    among MoE layers are a second stack, `dense_layers`)."""
+    e = c.hidden_size
+    out = [Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False,
+                 ((c.vocab_size,), (e,)), (0, 1))]
+    kinds = c.layer_kinds
+    if any(kinds) and not all(kinds):
+        out += _layer_entries(c, ("layers", "layers"), c.sparse_layers, True, layout)
+        out += _layer_entries(c, ("dense_layers", "layers"), c.dense_layers, False, layout)
+    else:
+        out += _layer_entries(c, ("layers", "layers"), (), bool(c.num_experts), layout)
+    out.append(Entry(("norm", "weight"), "model.norm.weight", False, ((e,),), (0,)))
+    if not c.tie_embeddings:
+        out.append(Entry(("lm_head", "kernel"), "lm_head.weight", False, ((c.vocab_size,), (e,)),
+                         (1, 0)))
+    return out
+
+
+def _layer_entries(c: DecoderConfig, layer: tuple[str, ...], ids: tuple[int, ...],
+                   sparse: bool, layout: moe.ExpertLayout | None) -> list[Entry]:
+    """The entries of one stack of layers (`ids`: the checkpoint's layer of each)."""
     e, h, k, d, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-    out: list[Entry] = [Entry(("embed_tokens", "embedding"), "model.embed_tokens.weight", False,
-                              ((c.vocab_size,), (e,)), (0, 1))]
-    layer = ("layers", "layers")
+    out: list[Entry] = []
 
     def norm(path, name):
         out.append(Entry(layer + path + ("weight",), f"model.layers.{{i}}.{name}.weight", True,
-                         (dims[path[-1]],), (0,)))
+                         (dims[path[-1]],), (0,), ids))
 
     dims = {"input_layernorm": (e,), "post_attention_layernorm": (e,),
             "pre_feedforward_layernorm": (e,), "post_feedforward_layernorm": (e,),
@@ -106,54 +132,26 @@ def tensor_table(c: DecoderConfig, layout: moe.ExpertLayout | None = None) -> li
         no, ni = len(n_out), len(n_in)
         perm = tuple(range(no, no + ni)) + tuple(range(no))
         out.append(Entry(layer + path + ("kernel",), f"model.layers.{{i}}.{name}.weight", True,
-                         (n_out, n_in), perm))
+                         (n_out, n_in), perm, ids))
         if bias:
             out.append(Entry(layer + path + ("bias",), f"model.layers.{{i}}.{name}.bias", True,
-                             (n_out,), tuple(range(no))))
+                             (n_out,), tuple(range(no)), ids))
 
     dense(("self_attn", "q_proj"), "self_attn.q_proj", (e,), (h, d), c.qkv_bias)
     dense(("self_attn", "k_proj"), "self_attn.k_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "v_proj"), "self_attn.v_proj", (e,), (k, d), c.qkv_bias)
     dense(("self_attn", "o_proj"), "self_attn.o_proj", (h, d), (e,), c.o_bias)
-    if c.num_experts:
+    if sparse:
         dense(("mlp", "router"), moe.router_name(c.model_type, layout), (e,), (c.num_experts,),
               False)
     else:
         dense(("mlp", "gate_proj"), "mlp.gate_proj", (e,), (f,), c.mlp_bias)
         dense(("mlp", "up_proj"), "mlp.up_proj", (e,), (f,), c.mlp_bias)
         dense(("mlp", "down_proj"), "mlp.down_proj", (f,), (e,), c.mlp_bias)
-    out.append(Entry(("norm", "weight"), "model.norm.weight", False, ((e,),), (0,)))
-    if not c.tie_embeddings:
-        out.append(Entry(("lm_head", "kernel"), "lm_head.weight", False, ((c.vocab_size,), (e,)),
-                         (1, 0)))
     return out
 
 
 # -- the files -----------------------------------------------------------------------------------
-
-
-def checkpoint_tensors(path: str) -> dict[str, st.TensorInfo]:
-    """name -> `TensorInfo` over every safetensors file of a model directory (sharded or not)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        present = sorted(os.listdir(path))
-        hint = (" It holds PyTorch .bin weights: convert them once with transformers "
-                "(model.save_pretrained(dir, safe_serialization=True))."
-                if any(n.endswith(".bin") for n in present) else "")
-        raise CheckpointError(f"{path}: no *.safetensors weights (files: {present[:12]}).{hint}")
-    tensors: dict[str, st.TensorInfo] = {}
-    for name in files:
-        file = os.path.join(path, name)
-        if not os.path.exists(file):
-            raise CheckpointError(f"{index} names {name}, which is missing from {path}.")
-        found, _ = st.read_header(file)
-        tensors.update(found)
-    return tensors
 
 
 def _read(entry: Entry, tensors: dict[str, st.TensorInfo], layers: range | None,
@@ -190,7 +188,7 @@ def _read(entry: Entry, tensors: dict[str, st.TensorInfo], layers: range | None,
 
 
 def _check(entry: Entry, tensors: dict[str, st.TensorInfo], c: DecoderConfig) -> None:
-    for layer in (range(c.num_layers) if entry.stacked else [None]):
+    for layer in entry.stack(c):
         name = entry.name(layer)
         info = tensors.get(name)
         if info is None:
@@ -208,7 +206,7 @@ def _check(entry: Entry, tensors: dict[str, st.TensorInfo], c: DecoderConfig) ->
 
 def _unused(table: list[Entry], tensors: dict[str, st.TensorInfo], c: DecoderConfig,
             experts: set[str] = frozenset()) -> None:
-    known = {e.name(i) for e in table for i in (range(c.num_layers) if e.stacked else [None])}
+    known = {e.name(i) for e in table for i in e.stack(c)}
     known |= experts
     if c.tie_embeddings:
         known.add("lm_head.weight")  # some checkpoints store the tied head anyway
@@ -357,10 +355,8 @@ def _param(model: nnx.Module, entry: Entry) -> Callable[[int | None], np.ndarray
             a, b = lora.lora_a[...], lora.lora_b[...]
             if layer is not None:
                 a, b = a[layer], b[layer]
-            n_in = a.ndim - 1
             update = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
             w = (w.astype(jnp.float32) + update * lora.scale).astype(w.dtype)
-            del n_in
         return np.asarray(distributed.gather(w))
 
     return get
@@ -386,7 +382,7 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
     entries = []
     for entry in tensor_table(config):
         get = _param(model, entry)
-        for layer in (range(config.num_layers) if entry.stacked else [None]):
+        for layer in entry.stack(config):
             def fetch(entry=entry, get=get, layer=layer):
                 ours = get(layer)
                 inverse = np.argsort(entry.perm)

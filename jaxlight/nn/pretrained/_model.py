@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlight._errors import DataError, DataTypeError
+from jaxlight._errors import ConfigurationError, DataError, DataTypeError
 from jaxlight.nn._layers import Dense, Embed, annotated_param
 from jaxlight.nn._moe import MoE
 from jaxlight.nn._scan import LAYERS, remat_policy
 from jaxlight.nn._stacked import Stacked
 from jaxlight.nn.pretrained._config import DecoderConfig
+from jaxlight.nn.pretrained._moe_layers import balance_loss, run_mixed
 from jaxlight.sharding._layout import constrain
 
 _HEADS = ("batch", "length", "activation_heads", "activation_kv")
@@ -144,7 +145,8 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual layer; with `sandwich_norms` (Gemma 3) the branch outputs are normed
     again before each residual add."""
 
-    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, c: DecoderConfig, *, rngs: nnx.Rngs, sparse: bool | None = None):
+        sparse = bool(c.num_experts) if sparse is None else sparse
         norm = dict(eps=c.norm_eps, offset=c.norm_offset, param_dtype=c.param_dtype)
         self.input_layernorm = Norm(c.hidden_size, **norm)
         self.self_attn = Attention(c, rngs=rngs)
@@ -152,25 +154,37 @@ class DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = Norm(c.hidden_size, **norm) if c.sandwich_norms else None
         self.post_feedforward_layernorm = (Norm(c.hidden_size, **norm) if c.sandwich_norms
                                            else None)
-        self.mlp = GatedMLP(c, rngs=rngs) if not c.num_experts else MoE(
+        self.mlp = GatedMLP(c, rngs=rngs) if not sparse else MoE(
             c.hidden_size, c.expert_size, num_experts=c.num_experts,
             experts_per_token=c.experts_per_token, router=c.router, renormalize=c.renormalize,
             capacity_factor=c.capacity_factor, dtype=c.dtype, param_dtype=c.param_dtype,
             rngs=rngs)
-        self.sparse = bool(c.num_experts)
+        self.sparse, self.num_experts = sparse, c.num_experts
 
-    def _mlp(self, x):
-        return self.mlp(x)[0] if self.sparse else self.mlp(x)
+    def _mlp(self, x, mask):
+        if not self.sparse:
+            return self.mlp(x), None
+        return self.mlp(x, mask)
 
-    def __call__(self, x, ctx: Context, window, rope, cache=None):
+    def __call__(self, x, ctx: Context, window, rope, cache=None, stats: bool = False):
+        """`(x, cache)`; with `stats`, `(x, cache, (load, importance))`: the MoE router's
+        tokens and mean probability per expert over the real tokens (zeros in a dense layer)."""
         h, cache = self.self_attn(self.input_layernorm(x), ctx, window, rope, cache)
+        mask = ctx.key_valid if stats else None  # the forward pass: keys are the queries
         if self.pre_feedforward_layernorm is not None:
             x = x + self.post_attention_layernorm(h)
-            x = x + self.post_feedforward_layernorm(self._mlp(self.pre_feedforward_layernorm(x)))
+            y, routed = self._mlp(self.pre_feedforward_layernorm(x), mask)
+            x = x + self.post_feedforward_layernorm(y)
         else:
             x = x + h
-            x = x + self._mlp(self.post_attention_layernorm(x))
-        return constrain(x, ("batch", "length", "activation_embed")), cache
+            y, routed = self._mlp(self.post_attention_layernorm(x), mask)
+            x = x + y
+        x = constrain(x, ("batch", "length", "activation_embed"))
+        if not stats:
+            return x, cache
+        zero = jnp.zeros((self.num_experts,), jnp.float32)
+        return x, cache, ((zero, zero) if routed is None
+                          else (routed["load"], routed["importance"]))
 
 
 class DecoderLM(nnx.Module):
@@ -197,8 +211,14 @@ class DecoderLM(nnx.Module):
         c = self.config = config
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, param_dtype=c.param_dtype,
                                   rngs=rngs)
-        self.layers = Stacked(lambda r: DecoderLayer(c, rngs=r), c.num_layers, rngs=rngs,
-                              remat=c.remat)
+        kinds = c.layer_kinds
+        # An MoE model with dense MLP layers keeps one stack per kind (`_moe_layers`).
+        mixed = any(kinds) and not all(kinds)
+        self.layers = Stacked(lambda r: DecoderLayer(c, rngs=r),
+                              sum(kinds) if mixed else c.num_layers, rngs=rngs, remat=c.remat)
+        self.dense_layers = Stacked(
+            lambda r: DecoderLayer(c, rngs=r, sparse=False), len(kinds) - sum(kinds),
+            rngs=rngs, remat=c.remat) if mixed else None
         self.norm = Norm(c.hidden_size, eps=c.norm_eps, offset=c.norm_offset,
                          param_dtype=c.param_dtype)
         self.lm_head = None if c.tie_embeddings else Dense(
@@ -241,8 +261,12 @@ class DecoderLM(nnx.Module):
     # -- the forward pass ----------------------------------------------------------------------
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
-        """Logits for `tokens` `(batch, length)`.
+                 attention_mask: jax.Array | None = None, *, return_aux: bool = False) -> Any:
+        """Logits for `tokens` `(batch, length)`; with `return_aux` (an MoE model),
+        `(logits, aux)`: `aux["aux_loss"]` is transformers' load-balancing loss over the MoE
+        layers and the real tokens, `aux["loss"]` that times `config.aux_loss_weight` (config.json's
+        `router_aux_loss_coef` where `output_router_logits` asks for it, else 0), to add to the
+        LM loss, and `aux["load"]` the tokens each expert got, summed over layers.
 
         Args:
             tokens: integer token ids.
@@ -265,19 +289,43 @@ class DecoderLM(nnx.Module):
         windows, ropes = self._layer_inputs()
         rematerialize, policy = remat_policy(self.config.remat)
 
+        c = self.config
+        if return_aux and not c.num_experts:
+            raise ConfigurationError(
+                f"DecoderLM(..., return_aux=True): this {c.model_type} model has no mixture-of-"
+                "experts layers, so no router loss; call it without return_aux.")
+
         def body(layer, x, window, rope):
+            if return_aux:
+                x, _, routed = layer(x, ctx, window, rope, stats=True)
+                return x, routed
             return layer(x, ctx, window, rope)[0]
 
         if rematerialize:
             body = nnx.remat(body, policy=policy)
 
-        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=nnx.Carry,
-                  transform_metadata={nnx.PARTITION_NAME: LAYERS})
+        @nnx.scan(in_axes=(0, nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0) if return_aux
+                  else nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS})
         def run(layer, x, window, rope):
             return body(layer, x, window, rope)
 
-        x = run(self.layers.layers, x, windows, ropes)
-        return self._head(x)
+        routed = None
+        if self.dense_layers is not None:
+            zeros = jnp.zeros((c.num_layers, c.num_experts), jnp.float32)
+            x, routed = run_mixed(
+                self._stacks(), c.layer_kinds, x, (windows, ropes),
+                (zeros, zeros) if return_aux else (),
+                body if return_aux else lambda *args: (body(*args), ()))
+        elif return_aux:
+            x, routed = run(self.layers.layers, x, windows, ropes)
+        else:
+            x = run(self.layers.layers, x, windows, ropes)
+        if not return_aux:
+            return self._head(x)
+        return self._head(x), balance_loss(c, *routed, valid)
+
+    def _stacks(self) -> dict[bool, nnx.Module]:
+        return {True: self.layers.layers, False: self.dense_layers.layers}
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> tuple[jax.Array, jax.Array]:
         """Zeroed key and value caches `(layers, batch, length, kv_heads * kv_repeat,
@@ -317,7 +365,13 @@ class DecoderLM(nnx.Module):
             x, (k, v) = layer(x, ctx, window, rope, (k, v))
             return x, k, v
 
-        x, k, v = run(self.layers.layers, x, windows, ropes, cache[0], cache[1])
+        if self.dense_layers is not None:
+            x, (k, v) = run_mixed(self._stacks(), self.config.layer_kinds, x,
+                                  (windows, ropes, *cache), cache,
+                                  lambda layer, x, window, rope, k, v: layer(
+                                      x, ctx, window, rope, (k, v)))
+        else:
+            x, k, v = run(self.layers.layers, x, windows, ropes, cache[0], cache[1])
         return self._head(x), (k, v)
 
 

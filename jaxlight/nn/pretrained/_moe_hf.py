@@ -54,36 +54,37 @@ class ExpertLayout:
 
     def tensor_names(self, c: DecoderConfig) -> set[str]:
         if self.fused:
-            return {self.fused_name(i, w) for i in range(c.num_layers)
+            return {self.fused_name(i, w) for i in c.sparse_layers
                     for w in ("gate_up_proj", "down_proj")}
-        return {self.expert(i, j, w) for i in range(c.num_layers)
+        return {self.expert(i, j, w) for i in c.sparse_layers
                 for j in range(c.num_experts) for w in range(3)}
 
 
 def detect_layout(tensors: dict[str, st.TensorInfo], c: DecoderConfig) -> ExpertLayout:
     """The layout of the checkpoint's experts, its shapes checked against config.json."""
     found = None
+    first = c.sparse_layers[0]
     for prefix in ("mlp", "block_sparse_moe"):
-        if f"model.layers.0.{prefix}.experts.gate_up_proj" in tensors:
+        if f"model.layers.{first}.{prefix}.experts.gate_up_proj" in tensors:
             found = ExpertLayout(prefix, True, _NAMES[0])
             break
         for names in _NAMES:
-            if f"model.layers.0.{prefix}.experts.0.{names[0]}.weight" in tensors:
+            if f"model.layers.{first}.{prefix}.experts.0.{names[0]}.weight" in tensors:
                 found = ExpertLayout(prefix, False, names)
                 break
         if found:
             break
     if found is None:
-        near = sorted(n for n in tensors if n.startswith("model.layers.0.") and "self_attn"
-                      not in n)[:6]
+        near = sorted(n for n in tensors if n.startswith(f"model.layers.{first}.") and
+                      "self_attn" not in n)[:6]
         raise CheckpointError(
             f"{c.model_type}: config.json says {c.num_experts} experts per layer, but the "
             "checkpoint has no expert tensors in either of transformers' layouts "
-            "(model.layers.0.mlp.experts.0.gate_proj.weight, ...block_sparse_moe.experts.0.w1."
-            f"weight, or ...mlp.experts.gate_up_proj); layer 0 holds {near}.")
+            f"(model.layers.{first}.mlp.experts.0.gate_proj.weight, ...block_sparse_moe.experts."
+            f"0.w1.weight, or ...mlp.experts.gate_up_proj); layer {first} holds {near}.")
     e, d, f = c.num_experts, c.hidden_size, c.expert_size
     expected = {}
-    for i in range(c.num_layers):
+    for i in c.sparse_layers:
         expected[found.router(i)] = (e, d)
         if found.fused:
             expected[found.fused_name(i, "gate_up_proj")] = (e, 2 * f, d)
@@ -136,14 +137,15 @@ def place_experts(values: dict, shardings: dict, tensors, layout: ExpertLayout,
     """Fills `values["layers"]["layers"]["mlp"]` (`gate`, `up`, `down`) in their shardings,
     each device's block read from the files."""
     node, spots = values["layers"]["layers"]["mlp"], shardings["layers"]["layers"]["mlp"]
+    ids = c.sparse_layers  # the checkpoint's layer of each stacked index
     for which, name in enumerate(("gate", "up", "down")):
         shape = tuple(node[name].shape)
 
         def read(index, which=which, shape=shape):
             (l0, l1), experts, rows, cols = _bounds(index, shape)
-            return np.stack([_read_block(tensors, layout, c, which, layer, experts, rows,
+            return np.stack([_read_block(tensors, layout, c, which, ids[s], experts, rows,
                                          cols).astype(dtype, copy=False)
-                             for layer in range(l0, l1)])
+                             for s in range(l0, l1)])
 
         node[name] = jax.make_array_from_callback(shape, spots[name], read)
 
@@ -168,10 +170,10 @@ def save_entries(model: Any, dtype: Any) -> list[tuple[str, tuple, np.dtype, Any
             return np.ascontiguousarray(cache[layer][expert].T)
 
         shape = tuple(param.shape[-1:] + param.shape[-2:-1])
-        for i in range(c.num_layers):
+        for s, i in enumerate(c.sparse_layers):
             for j in range(c.num_experts):
                 out.append((layout.expert(i, j, which), shape, store,
-                            lambda i=i, j=j, fetch=fetch: fetch(i, j)))
+                            lambda s=s, j=j, fetch=fetch: fetch(s, j)))
     return out
 
 

@@ -80,7 +80,7 @@ def traced_model(config: DecoderConfig, table: Sequence, read: Callable) -> Deco
         node = values
         for key in entry.path[:-1]:
             node = node[key]
-        layers = range(config.num_layers) if entry.stacked else None
+        layers = entry.stack(config) if entry.stacked else None
         whole = tuple(slice(None) for _ in stored_shape(entry))
         node[entry.path[-1]] = jnp.asarray(read(entry, layers, whole))
     state = nnx.state(model, nnx.Param)

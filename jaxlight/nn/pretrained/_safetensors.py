@@ -158,3 +158,27 @@ def write_lazy(path: str, entries: list[tuple[str, tuple[int, ...], Any, Any]],
                                       f"writing, got {array.shape}.")
             f.write(array.tobytes())
     os.replace(tmp, path)
+
+
+def checkpoint_tensors(path: str) -> dict[str, TensorInfo]:
+    """name -> `TensorInfo` over every safetensors file of a model directory (sharded or not)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        present = sorted(os.listdir(path))
+        hint = (" It holds PyTorch .bin weights: convert them once with transformers "
+                "(model.save_pretrained(dir, safe_serialization=True))."
+                if any(n.endswith(".bin") for n in present) else "")
+        raise CheckpointError(f"{path}: no *.safetensors weights (files: {present[:12]}).{hint}")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"{index} names {name}, which is missing from {path}.")
+        found, _ = read_header(file)
+        tensors.update(found)
+    return tensors

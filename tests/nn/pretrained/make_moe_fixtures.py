@@ -9,8 +9,13 @@ Each family gets a random tiny model (2 layers, 8 experts, top-2; routers widene
 token's k-th and (k+1)-th expert are near a tie), saved by transformers in float32 (its
 per-expert layout: `mlp.experts.{j}.gate_proj` for Qwen 3 MoE, `block_sparse_moe.experts.{j}.w1`
 for Mixtral), plus `qwen3_moe_fused`: the same Qwen 3 MoE weights written in transformers'
-fused 3-D layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`). `reference.npz` holds
-a fixed batch of tokens, transformers' float32 logits and an 8-token greedy generation.
+fused 3-D layout (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`), and
+`qwen3_moe_mixed`: six layers of which only 1 and 3 are MoE layers (`decoder_sparse_step=2`
+makes 0, 2, 4 dense, `mlp_only_layers=[5]` makes 5 dense too), 512 tokens, the dense fixtures'
+tokenizer (copied from fixtures/qwen3, so the sft recipe runs on it) and
+`output_router_logits=True`. `reference.npz` holds a fixed batch of tokens, transformers'
+float32 logits, an 8-token greedy generation and the load-balancing loss (`aux_loss`, and
+`aux_loss_masked` with `aux_mask`: the second row's first four tokens are padding).
 """
 
 from __future__ import annotations
@@ -42,6 +47,10 @@ FAMILIES = {
                 dict(intermediate_size=16, num_local_experts=8,
                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 }
+MIXED = ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         dict(FAMILIES["qwen3_moe"][2], vocab_size=512, num_hidden_layers=6,
+              decoder_sparse_step=2, mlp_only_layers=[5], output_router_logits=True,
+              router_aux_loss_coef=0.01))
 
 
 def widen(model: torch.nn.Module, seed: int) -> None:
@@ -60,18 +69,25 @@ def widen(model: torch.nn.Module, seed: int) -> None:
 def reference(model, path: str) -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, size=(2, 12)).astype(np.int64)
+    mask = np.ones_like(tokens)
+    mask[1, :4] = 0
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens)).logits.numpy()
+        aux = model(torch.from_numpy(tokens), output_router_logits=True).aux_loss
+        aux_masked = model(torch.from_numpy(tokens), attention_mask=torch.from_numpy(mask),
+                           output_router_logits=True).aux_loss
         generated = model.generate(torch.from_numpy(tokens[:, :6]), max_new_tokens=8,
                                    min_new_tokens=8, do_sample=False, pad_token_id=0)
     np.savez_compressed(os.path.join(path, "reference.npz"), tokens=tokens.astype(np.int32),
                         logits=logits.astype(np.float32),
-                        generated=generated[:, 6:].numpy().astype(np.int32))
+                        generated=generated[:, 6:].numpy().astype(np.int32),
+                        aux_loss=np.float32(aux), aux_loss_masked=np.float32(aux_masked),
+                        aux_mask=mask.astype(np.int32))
 
 
 def build(name: str, cls: str, model_cls: str, extra: dict) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = getattr(transformers, cls)(**COMMON, **extra)
+    config = getattr(transformers, cls)(**{**COMMON, **extra})
     model = getattr(transformers, model_cls)(config).eval()
     widen(model, seed=sum(map(ord, name)))
     path = os.path.join(OUT, name)
@@ -103,6 +119,10 @@ def main() -> None:
     print("transformers", transformers.__version__, "torch", torch.__version__)
     models = {name: build(name, *spec) for name, spec in FAMILIES.items()}
     fused_copy(models["qwen3_moe"], "qwen3_moe", "qwen3_moe_fused")
+    build("qwen3_moe_mixed", *MIXED)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # make_fixtures.py's tokenizer
+        shutil.copyfile(os.path.join(OUT, "qwen3", name),
+                        os.path.join(OUT, "qwen3_moe_mixed", name))
 
 
 if __name__ == "__main__":
