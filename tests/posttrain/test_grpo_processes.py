@@ -52,7 +52,9 @@ def test_two_processes_sample_their_own_rows_and_equal_one_process(tmp_path):
                                    atol=1e-6, rtol=0)
         # The trained policy: the losses and gradients are summed over the processes by gloo in
         # another order than within one process (the first step's loss, from bitwise-equal
-        # inputs, differs by 6e-9), and Adam (lr 1e-2) divides each gradient by its own
+        # inputs, differs by 6e-9; a psum of 8 devices' float32 vectors is devices 0..7 in
+        # order within one process, while gloo's order is neither that nor two halves of 4:
+        # 48% of 1000 sums differ), and Adam (lr 1e-2) divides each gradient by its own
         # running scale: the parameters end ~1e-6 apart (1.4e-6 measured), the multi-process
         # tests' tolerance, 1e-5.
         diffs = {k: float(np.abs(g[k] - want[k]).max()) for k in want.files
