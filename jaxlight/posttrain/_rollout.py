@@ -83,8 +83,9 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
 
     With several processes each returns the rows of its share of the prompts (the prompts
     must split evenly): all rows are sampled by one program over every device, each process
-    decodes and scores only its own, whose groups are whole, and the batch-wide normalizers
-    are those of all rows, so the loop's global batch is the one-process batch.
+    decodes and scores only its own, whose groups are whole, and the advantages (from every
+    process's rewards) and the batch-wide normalizers are those of all rows, so the loop's
+    global batch is the one-process batch, bit for bit.
     """
     if temperature <= 0:
         raise ConfigurationError(
@@ -138,23 +139,23 @@ def rollout(model: nnx.Module, prompts: Sequence[Sequence[int]], *, group_size: 
     by_fn = score(reward_funcs, local_texts, answers, [list(c) for c in completions[local]],
                   row_columns)
     batch = {"tokens": tokens, "attention_mask": attention, "mask": mask}
-    graphdef, state = nnx.split(model)
-    old = _old_log_probs(graphdef, state, _device_batch(batch, strategy),
-                         temperature=float(temperature))
-    old = np.asarray(distributed.gather(old), np.float32) * mask
+    old = _sampler_log_probs(model, batch, strategy, float(temperature)) * mask
     total = combine(by_fn, weights, [str(t) for t in local_texts])
-    unscorable = np.isnan(by_fn).all(axis=1)
     weights_all = {k: np.asarray(v) for k, v in batch_weights(mask).items()}
     lengths = mask.sum(axis=1)
     batch = {k: v[local] for k, v in {**batch, **weights_all, "old_logps": old,
                                       "clipped": clipped}.items()}
-    if unscorable.any():  # TRL's: out of their group's baseline, advantage 0
-        advantages = scorable_advantages(total, unscorable, group_size, estimator)
-    else:
-        advantages = np.asarray(group_advantages(jnp.asarray(total), group_size, estimator))
+    # The advantages of every row, from every process's rewards, by the same program on the
+    # same shapes in every process: this process's rows then carry the one-process figures to
+    # the bit (normalizing its own groups alone, XLA compiles another shape: 1 ulp apart).
     all_total, all_by_fn = _every_process(total, by_fn)
+    unscorable = np.isnan(all_by_fn).all(axis=1)
+    if unscorable.any():  # TRL's: out of their group's baseline, advantage 0
+        advantages = scorable_advantages(all_total, unscorable, group_size, estimator)
+    else:
+        advantages = np.asarray(group_advantages(jnp.asarray(all_total), group_size, estimator))
     batch.update(rewards=total, rewards_by_fn=by_fn, all_lengths=lengths, all_clipped=clipped,
-                 advantages=advantages, all_rewards=all_total, all_rewards_by_fn=all_by_fn,
+                 advantages=advantages[local], all_rewards=all_total, all_rewards_by_fn=all_by_fn,
                  prompt_texts=local_texts, completion_texts=answers)
     return batch
 
@@ -209,12 +210,26 @@ def _share(prompts: int, group_size: int) -> slice:
     return slice(index * rows, (index + 1) * rows)
 
 
-def _device_batch(batch: dict[str, np.ndarray], strategy: Any) -> dict[str, jax.Array]:
-    """The batch for the log-probability program: with several processes, a global array laid
-    out over the strategy's batch axes (every process holds the same values)."""
-    if jax.process_count() == 1 or strategy is None:
-        return {k: jnp.asarray(v) for k, v in batch.items()}
-    axes = strategy.compute_batch_axes
-    lead = (axes[0] if len(axes) == 1 else axes) if axes else None
-    sharding = NamedSharding(strategy.require_mesh("rollout"), PartitionSpec(lead, None))
-    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+def _sampler_log_probs(model: nnx.Module, batch: dict[str, np.ndarray], strategy: Any,
+                       temperature: float) -> np.ndarray:
+    """`completion_log_probs` of every row of `batch` (NumPy, the same in every process).
+
+    Under a mesh strategy the rows are split over its batch axes as the training step lays them
+    out, with one process or several: the program (and so every rounding) is then the same
+    for any number of processes on the same devices. Rows that do not split evenly are
+    replicated."""
+    graphdef, state = nnx.split(model)
+    axes = getattr(strategy, "compute_batch_axes", None) if strategy is not None else None
+    if axes is None:
+        out = _old_log_probs(graphdef, state, {k: jnp.asarray(v) for k, v in batch.items()},
+                             temperature=temperature)
+        return np.asarray(distributed.gather(out), np.float32)
+    mesh = strategy.require_mesh("rollout")
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    rows = len(batch["tokens"])
+    lead = (axes[0] if len(axes) == 1 else axes) if axes and rows % size == 0 else None
+    sharding = NamedSharding(mesh, PartitionSpec(lead, None))
+    placed = {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    with strategy.trace_context():
+        out = _old_log_probs(graphdef, state, placed, temperature=temperature)
+    return np.asarray(distributed.gather(out), np.float32)

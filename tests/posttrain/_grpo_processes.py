@@ -3,15 +3,15 @@
     python _grpo_processes.py OUT   # in each of 2 processes x 4 devices: OUT/rank{r}.npz
 
 `run(out, name)` is the whole job: a 4-step FSDP fit on the tiny Qwen 3 fixture (2 prompts x 4
-completions per generation batch, 2 updates each), recording each step's loss and logged reward
-statistics, the last generation batch this process holds and the trained policy.
+completions per generation batch, 2 updates each), recording each step's loss, `ppo_kl` and logged
+reward statistics, the first and last generation batches this process holds and the
+trained policy.
 
 The reward functions (`PATH.py:fn`, this file's) give random-weight completions rewards that
 differ between rows and a function that applies to some rows only, so that the statistics of one
-process's rows differ from the whole batch's; their weights are 0, so that the training is the
-reversal task's on random weights (every reward 0, advantages 0: the updates follow the KL
-term). With non-zero advantages at this learning rate Adam amplifies the all-reduce's rounding
-in near-zero gradients past the parameters' 1e-5 (3.5e-5 measured).
+process's rows differ from the whole batch's. Both weigh 1: the advantages are non-zero (up to
+1.35 in absolute value), so the updates follow the policy gradient, not only the KL term. The
+first generation batch (`first_*`) and the last one (`batch_*`) are both recorded.
 """
 
 from __future__ import annotations
@@ -57,13 +57,21 @@ def run(path: str) -> None:
     config.optim.lr = 1e-2
     here = os.path.abspath(__file__)
     config.grpo.reward_funcs = f"{here}:first_token,{here}:odd_start"
-    config.grpo.reward_weights = "0,0"
+    config.grpo.reward_weights = "1,1"
     module, data = grpo.build(config)
-    losses = {}
+    losses, first = {}, {}
+    generate = data.train._generate
+
+    def record_first():
+        batch = generate()
+        first.setdefault("batch", batch)
+        return batch
+
+    data.train._generate = record_first
 
     class Losses(jl.callbacks.Callback):
         def on_log(self, fit, module, metrics, step):
-            losses[step] = [metrics["loss"]] + [metrics[k] for k in STATS]
+            losses[step] = [metrics["loss"], metrics["ppo_kl"]] + [metrics[k] for k in STATS]
 
     fit = jl.Fit("fsdp", max_steps=4, log_every_n_steps=1, enable_progress_bar=False,
                  enable_model_summary=False, logger=False, callbacks=[Losses()])
@@ -73,8 +81,9 @@ def run(path: str) -> None:
     flat = {"param" + jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
     batch = {"batch_" + k: v for k, v in data.train.batch.items()}
+    batch.update({"first_" + k: v for k, v in first["batch"].items()})
     logged = np.array([losses[s] for s in sorted(losses)])
-    np.savez(path, losses=logged[:, 0], stats=logged[:, 1:],
+    np.savez(path, losses=logged[:, 0], ppo_kl=logged[:, 1], stats=logged[:, 2:],
              steps=np.array(sorted(losses)), **batch, **flat)
 
 
