@@ -56,8 +56,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxlight import posttrain
-from jaxlight._errors import ConfigurationError, DataError, MissingAttributeError
+from jaxlight import distributed, posttrain
+from jaxlight._errors import CheckpointError, ConfigurationError, DataError, MissingAttributeError
 from jaxlight.module._module import TrainModule
 from jaxlight.nn.pretrained import (
     DecoderLM,
@@ -323,7 +323,8 @@ class GenerationFeed:
     it was dispatched (`reads_live_model`: the loop reads no batch ahead), so the sampler sees
     that step's parameters. Generation `g` samples the prompts and the seed that
     `seed` and `g` fix. `state_dict`/`load_state_dict` make it a resumable loader: the
-    generation index, the updates taken on the current batch and that batch.
+    generation index, the updates taken on the current batch and that batch (with several
+    processes, every process's rows: each resumes with its own).
 
     Args:
         module: the `PolicyOptimizer` being fit.
@@ -384,6 +385,7 @@ class GenerationFeed:
         self.generation = 0  # generation batches made
         self.taken = 0  # updates the current one has fed
         self.batch: dict[str, np.ndarray] | None = None
+        self._saved: Any = None  # the batch's checkpoint record (`_batch_record`)
         #: Per generation batch made in this process: (index, mean reward of every process's
         #: rows, seconds sampling).
         self.history: list[tuple[int, float, float]] = []
@@ -465,17 +467,46 @@ class GenerationFeed:
                 self.batch = self._generate()
                 self.generation += 1
                 self.taken = 0
+                self._saved = self._batch_record()
             self.taken += 1  # before the yield: the loop reads state_dict() right after it
             yield self.batch
 
+    def _batch_record(self) -> Any:
+        """The current generation batch as a checkpoint keeps it (None: it feeds one update,
+        no checkpoint resumes inside it): with several processes, every process's rows (each
+        holds its own prompts' rows; the checkpoint's record is process 0's), gathered once
+        per generation batch."""
+        if self.updates < 2:
+            return None
+        record = _encode_batch(self.batch)
+        if distributed.process_count() == 1:
+            return record
+        return distributed.all_gather_json("grpo_generation_batch", record)
+
     def state_dict(self) -> dict:
         keep = self.batch is not None and self.taken < self.updates
-        return {"generation": self.generation, "taken": self.taken,
-                "batch": _encode_batch(self.batch) if keep else None}
+        record = self._saved if keep else None
+        if isinstance(record, list):  # several processes: each one's rows, in process order
+            return {"generation": self.generation, "taken": self.taken, "batch": None,
+                    "batches": record}
+        return {"generation": self.generation, "taken": self.taken, "batch": record}
 
     def load_state_dict(self, state: dict) -> None:
         self.generation, self.taken = int(state["generation"]), int(state["taken"])
-        self.batch = None if state.get("batch") is None else _decode_batch(state["batch"])
+        record, batches = state.get("batch"), state.get("batches")
+        count = distributed.process_count()
+        held = len(batches) if batches is not None else 1 if record is not None else None
+        if held is not None and held != count:
+            raise CheckpointError(
+                f"the checkpoint stopped inside GRPO generation batch {self.generation - 1} "
+                f"({self.taken} of its {self.updates} updates taken), whose rows {held} "
+                f"process(es) held, but this run has {count}: each process trains on its own "
+                f"prompts' rows, so resume with {held} process(es), or from a checkpoint at a "
+                "generation batch's last update (step a multiple of --grpo.updates).")
+        if batches is not None:
+            record = batches[distributed.process_index()]
+        self.batch = None if record is None else _decode_batch(record)
+        self._saved = batches if batches is not None else record
         if self.batch is None:
             self.taken = self.updates
 

@@ -44,7 +44,9 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "pretrained", "fixtures", "qwen3")
 
 
-def run(path: str) -> None:
+def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
+    """The fit, with extra `callbacks` and `ckpt_path` for the SIGKILL resume
+    (tests/posttrain/_grpo_processes_resume.py)."""
     import jax
     from flax import nnx
 
@@ -74,14 +76,15 @@ def run(path: str) -> None:
             losses[step] = [metrics["loss"], metrics["ppo_kl"]] + [metrics[k] for k in STATS]
 
     fit = jl.Fit("fsdp", max_steps=4, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, callbacks=[Losses()])
-    fit.fit(module, data.train)
+                 enable_model_summary=False, logger=False, callbacks=[Losses(), *callbacks])
+    fit.fit(module, data.train, ckpt_path=ckpt_path)
     params = distributed.gather(nnx.to_pure_dict(nnx.state(module.policy(module.model),
                                                            nnx.Param)))
     flat = {"param" + jax.tree_util.keystr(k): np.asarray(v)
             for k, v in jax.tree_util.tree_leaves_with_path(params)}
     batch = {"batch_" + k: v for k, v in data.train.batch.items()}
-    batch.update({"first_" + k: v for k, v in first["batch"].items()})
+    # (none when a resumed fit continued the checkpoint's generation batch to the end)
+    batch.update({"first_" + k: v for k, v in first.get("batch", {}).items()})
     logged = np.array([losses[s] for s in sorted(losses)])
     np.savez(path, losses=logged[:, 0], ppo_kl=logged[:, 1], stats=logged[:, 2:],
              steps=np.array(sorted(losses)), **batch, **flat)
