@@ -124,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fit-first", action="store_true",
+                    help="run Fit before the hand-written loop in each round")
     ap.add_argument("--budget", type=float, default=225.0,
                     help="seconds for the whole run; each part gets its share")
     ap.add_argument("--precision", default="bf16-mixed")
@@ -392,8 +394,11 @@ def main(argv=None):
     for r in range(args.rounds):
         row = {}
         rounds.append(row)
-        for label, fn in (("hand", hand_round), ("fit", fit_round)):
+        parts = (("hand", hand_round), ("fit", fit_round))
+        for label, fn in (parts[::-1] if args.fit_first else parts):
             part_deadline = time.perf_counter() + share(parts_left)
+            row[f"{label}_bytes_in_use_before"] = (device.memory_stats() or {}).get(
+                "bytes_in_use")
             log(f"round {r + 1} {label}: up to {args.steps} steps, "
                 f"{part_deadline - time.perf_counter():.0f} s")
             try:
