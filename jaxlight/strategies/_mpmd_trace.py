@@ -15,7 +15,7 @@ segments (steps 1 to 3 of `_mpmd_runtime.py`, which compiles and runs them).
 4. **Join** each run of other equations to a stage call of its device where the schedule
    allows (`merge_glue`): a microbatch's loss, its slice of the labels and the gradient sums
    run inside the stage call's executable, not as dispatches of their own between stage
-   calls (1F1B, p = 3, m = 6: 39 dispatches per step, 62 before).
+   calls (1F1B, p = 3, m = 6: 38 dispatches per step, 62 before).
 """
 
 from __future__ import annotations
@@ -316,12 +316,15 @@ def merge_glue(segments: list[Segment]) -> list[Segment]:
     its device, so that a stage call and the equations around it are one dispatch (see the
     module docstring, step 4). A run joins
 
-    - the segment after it on its device when no other device reads its results: that
-      segment starts when it would have (every input of the run is ready before it), and only
-      this device waits for the run's results;
-    - else the stage call before it on its device when it reads only what that device holds
-      by then (that call's outputs and inputs, the device's earlier values, the step's
-      inputs): its results come no later than before.
+    - the backward call before it on its device when it adds that call's gradients and reads
+      only what the device holds by then (that call's outputs and inputs, the device's
+      earlier values, the step's inputs): the microbatch's gradients never outlive the call,
+      and the run's results come no later than before;
+    - else the segment after it on its device when no other device reads its results (a
+      microbatch's loss, with the last stage's backward call): that segment starts when it
+      would have (every input of the run is ready before it), and only this device waits for
+      the run's results;
+    - else the stage call before it, on the same condition as the first.
 
     Either way no stage call starts later in the schedule's timeline (`MpmdProgram.simulate`
     with free equations), so each device still runs the schedule's order."""
