@@ -1,12 +1,16 @@
 """Pipeline schedules of GPipe(mpmd=True): GPipe, 1F1B and ZB-H1 side by side.
 
 `GPipe(stages, microbatches, schedule=..., mpmd=True)` on simulated CPU devices
-(`jaxlight.strategies._mpmd_schedule`). Four measurements:
+(`jaxlight.strategies._mpmd_schedule`). Five measurements:
 
 1. equivalence: 10 AdamW steps of the seeds' 784→512→256→10 MLP in 3 stages and of a
    StagedTransformerLM in 4 stages (embedding, 2 blocks, head; `Stages(packed=False)`)
    against SingleDevice running the same model, for every schedule; interleaved 1F1B (2
    stages per device) on the MLP with a log-softmax fourth stage and the LM, on 2 devices.
+   equivalence_cause: why the MLP sits at ~1e-5 of one device (`equivalence_cause`): the
+   largest parameter difference per step, the element it is at, and that element's
+   first-step gradient exactly and in float32, beside one device summing the batch in 4
+   microbatches (`callbacks.Microbatches(4)`).
 2. memory: per pipeline device, the runtime's own accounting of live buffers
    (`MpmdProgram.device_bytes`) at m = p, 2p, 4p, 8p microbatches of a fixed size:
    `activations` (the peak of the forward stage calls' outputs, copies included: what is kept
@@ -26,7 +30,9 @@
    functions for each stage's forward, input gradient and weight gradient of the seeds' MLP,
    dispatched in the textbook order, AdamW per device), alternated in rounds; the median step
    time of each, the process's CPU time per step, and Fit / hand-written of both (on a loaded
-   host the CPU-time ratio is the steadier one).
+   host the CPU-time ratio is the steadier one); and per step, counted rather than timed
+   (`per_step_work`): executables dispatched, copies, Python calls on the host, FLOPs and
+   bytes accessed per device, for each.
 
     python benchmarks/pipeline_schedules.py            # results/pipeline_schedules.json
     python benchmarks/pipeline_schedules.py --sections schedule --keep   # one section again
@@ -53,11 +59,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from pipeline_stages import DIMS, SeedMLP, fit_seed_mlp  # noqa: E402
+from pipeline_stages import DIMS, SeedMLP, batches, fit_seed_mlp  # noqa: E402
 
 import jaxlight as jl  # noqa: E402
 from jaxlight import callbacks, nn, strategies  # noqa: E402
+from jaxlight.analysis._flops import compiled_flops  # noqa: E402
 from jaxlight.strategies._mpmd_schedule import bubble, makespan, timeline  # noqa: E402
+from jaxlight.strategies._roofline import bytes_accessed  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 LM = dict(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, mlp_dim=64,
@@ -138,6 +146,82 @@ def equivalence(args) -> dict:
                                "staged_lm_4_stages_on_2": lm,
                                "ok": all(r["max_loss_rel_diff_vs_single"] <= 1e-5
                                          and r["params_close_1e-5"] for r in (mlp, lm))}
+    return out
+
+
+def _pure(module) -> dict:
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
+
+
+def _mlp_loss(params, x, y):
+    """The seeds' MLP (`SeedMLP(3)`) on the pure dict of its `Stages`' parameters."""
+    stages = params["stage_modules"]
+    for s in range(2):
+        layer = stages[s]["layers"][0]
+        x = jax.nn.relu(x @ layer["kernel"] + layer["bias"])
+    logits = x @ stages[2]["kernel"] + stages[2]["bias"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def equivalence_cause(args) -> dict:
+    """Where the MLP's schedules differ from one device, and why: per step the largest
+    parameter difference of each schedule (m = 4) and of one device summing the batch in 4
+    microbatches (`callbacks.Microbatches(4)`: the same model, optimizer and data, nothing
+    pipelined), the parameter element it is at, and that element's first-step gradient
+    exactly (float64) and in float32 (the whole batch; its 4 contiguous microbatches
+    summed), with AdamW's first update lr·g/(|g| + ε) for each."""
+    start: dict = {}
+
+    def run(strategy, cbs=()):
+        steps = []
+        grab = callbacks.LambdaCallback(
+            on_train_start=lambda fit, module: start.setdefault("params", _pure(module)),
+            on_train_batch_end=lambda fit, module, *a: steps.append(_pure(module)))
+        fit = jl.Fit(strategy=strategy, max_steps=args.steps, callbacks=[grab, *cbs],
+                     enable_progress_bar=False, enable_model_summary=False, logger=False)
+        fit.fit(SeedMLP(3, False, False), batches(args.steps, args.batch))
+        return steps
+
+    ref = run(strategies.SingleDevice())
+    runs = {"single_device_microbatches_4": run(strategies.SingleDevice(),
+                                                [callbacks.Microbatches(4)]),
+            **{s: run(_strategy(s, 3, 4)) for s in SCHEDULES}}
+    out, where = {}, None
+    for name, steps in runs.items():
+        per_step = [max(float(np.max(np.abs(a - b))) for a, b in zip(
+            jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+            for got, want in zip(steps, ref, strict=True)]
+        diffs = [(np.abs(a - b), jax.tree_util.keystr(path)) for (path, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(steps[-1]), jax.tree.leaves(ref[-1]),
+            strict=True)]
+        worst, leaf = max(diffs, key=lambda d: float(np.max(d[0])))
+        index = tuple(int(i) for i in np.unravel_index(np.argmax(worst), worst.shape))
+        where = where or (leaf, index)
+        out[name] = {"max_param_abs_diff_per_step": per_step, "largest_at": [leaf, index],
+                     "elements_over_1e-6": int(sum(np.sum(d > 1e-6) for d, _ in diffs)),
+                     "elements_over_1e-7": int(sum(np.sum(d > 1e-7) for d, _ in diffs))}
+    batch, m = batches(args.steps, args.batch)[0], 4
+
+    def element(params, x, y, dtype):
+        grads = jax.grad(_mlp_loss)(jax.tree.map(lambda v: v.astype(dtype), params),
+                                    x.astype(dtype), y)
+        found = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(
+            grads)}
+        return float(found[where[0]][where[1]])
+
+    rows = len(batch["y"]) // m
+    with jax.enable_x64(True):
+        exact = element(start["params"], batch["x"], batch["y"], np.float64)
+    whole = element(start["params"], batch["x"], batch["y"], np.float32)
+    parts = np.float32(0)
+    for i in range(m):
+        parts += np.float32(element(start["params"], batch["x"][i * rows:(i + 1) * rows],
+                                    batch["y"][i * rows:(i + 1) * rows], np.float32))
+    lr, eps = 1e-3, 1e-8  # SeedMLP's adamw(1e-3), optax's default eps
+    grads = {"float64_exact": exact, "float32_whole_batch": whole,
+             "float32_microbatches_summed": float(parts / m)}
+    out["element"] = {"leaf": where[0], "index": where[1], "first_step_gradient": grads,
+                      "adam_first_update": {k: lr * g / (abs(g) + eps) for k, g in grads.items()}}
     return out
 
 
@@ -240,40 +324,53 @@ def schedule_rows(args) -> dict:
 # -- the hand-written loop ---------------------------------------------------------------------
 
 
-def hand_written(schedule, p, m, lr):
+def hand_written(schedule, p, m, lr, record=None):
     """`(init(params), step(state, batch) -> (state, loss))`: the seeds' MLP by hand, each
-    stage's arrays on its device, passes dispatched in the schedule's textbook order."""
+    stage's arrays on its device, passes dispatched in the schedule's textbook order.
+    `record`: a list receiving `(function, args)` for every executable call and
+    `(jax.device_put, args)` for every copy (counting only: the timed loop runs without)."""
     devices = jax.devices()[:p]
     last = p - 1
     tx = optax.adamw(lr)
 
-    @jax.jit
+    def jit(fn=None, **kwargs):
+        if fn is None:
+            return functools.partial(jit, **kwargs)
+        compiled = jax.jit(fn, **kwargs)
+        if record is None:
+            return compiled
+        return lambda *a: record.append((compiled, a)) or compiled(*a)
+
+    put = jax.device_put if record is None else (
+        lambda *a: record.append((jax.device_put, a)) or jax.device_put(*a))
+
+    @jit
     def forward(w, b, x):
         z = x @ w + b
         return z, jax.nn.relu(z)
 
-    @jax.jit
+    @jit
     def loss_grad(z, y):
         loss, g = jax.value_and_grad(
             lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(z)
         return loss, g / m
 
     def input_grad(s):
-        @jax.jit
+        @jit
         def run(w, z, ct):
             pre = ct if s == last else ct * (z > 0)
             return pre, (None if s == 0 else pre @ w.T)  # (the batch needs no gradient)
         return run
 
-    @jax.jit
+    @jit
     def first_weight_grad(x, pre):
         return x.T @ pre, pre.sum(0)
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    @jit(donate_argnums=(2, 3))
     def weight_grad(x, pre, gw, gb):
         return gw + x.T @ pre, gb + pre.sum(0)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @jit(donate_argnums=(0, 1))
     def update(params, opt, grads):
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt
@@ -290,13 +387,13 @@ def hand_written(schedule, p, m, lr):
     def step(state, batch):
         params, opt = state
         n = batch["x"].shape[0] // m
-        xs = [jax.device_put(batch["x"][i * n:(i + 1) * n], devices[0]) for i in range(m)]
-        ys = [jax.device_put(batch["y"][i * n:(i + 1) * n], devices[last]) for i in range(m)]
+        xs = [put(batch["x"][i * n:(i + 1) * n], devices[0]) for i in range(m)]
+        ys = [put(batch["y"][i * n:(i + 1) * n], devices[last]) for i in range(m)]
         acts, ins, zs, cts, pres, losses = {}, {}, {}, {}, {}, []
         grads = [None] * p
         for s, kind, i in order:
             if kind == "F":
-                x = xs[i] if s == 0 else jax.device_put(acts.pop((s - 1, i)), devices[s])
+                x = xs[i] if s == 0 else put(acts.pop((s - 1, i)), devices[s])
                 z, a = forward(params[s]["w"], params[s]["b"], x)
                 zs[s, i], ins[s, i] = z, x
                 if s < last:
@@ -306,7 +403,7 @@ def hand_written(schedule, p, m, lr):
                     losses.append(loss)
                 continue
             if kind == "B":
-                ct = cts[s, i] if s == last else jax.device_put(cts.pop((s, i)), devices[s])
+                ct = cts[s, i] if s == last else put(cts.pop((s, i)), devices[s])
                 pre, dx = in_grad[s](params[s]["w"], zs.pop((s, i)), ct)
                 if s > 0:
                     cts[s - 1, i] = dx
@@ -321,6 +418,79 @@ def hand_written(schedule, p, m, lr):
         return ([pp for pp, _ in new], [o for _, o in new]), sum(losses) / m
 
     return init, step
+
+
+def _python_calls(fn) -> int:
+    """Python function calls (the profiler's 'call' events) while `fn()` runs: host work
+    counted, not timed, so that other programs on the cores do not change it."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def per_step_work(schedule, p, m, batch) -> dict:
+    """Per step, counted rather than timed: executables dispatched, copies (`device_put`
+    calls), Python function calls on the host (one step after two warm ones) and each
+    device's FLOPs and bytes accessed (XLA's cost analysis, each executable as often as it
+    runs), for Fit's compiled step (`MpmdProgram`, called as the loop calls it) and the
+    hand-written loop."""
+    fit = jl.Fit(strategy=_strategy(schedule, p, m), max_steps=1, enable_progress_bar=False,
+                 enable_model_summary=False, logger=False)
+    fit.fit(SeedMLP(3, False, False), [batch])
+    program, state = fit.compiled_train_step, [fit.state]
+
+    def fit_step():
+        on_device = jax.device_put(batch, jax.devices()[0])  # as the loop hands it over
+        return lambda: state.append(program(state.pop(), on_device)[0])
+
+    for _ in range(2):
+        fit_step()()
+    fit_calls = _python_calls(fit_step())
+    jax.block_until_ready(state)
+    costs = program.device_costs()
+    fit_row = {"executable_calls": len(program.segments), "copies": len(program.transfers()),
+               "executables_compiled": len({id(seg.executable) for seg in program.segments}),
+               "python_calls": fit_calls,
+               "flops_per_device": [c["flops"] for c in costs],
+               "bytes_accessed_per_device": [c["bytes_accessed"] for c in costs]}
+    params = [{"w": np.asarray(w), "b": np.asarray(b)} for w, b in _mlp_params(p)]
+    init, step = hand_written(schedule, p, m, 1e-3)
+    hand_state = [init(params)]
+    for _ in range(2):
+        hand_state.append(step(hand_state.pop(), batch)[0])
+    hand_calls = _python_calls(lambda: hand_state.append(step(hand_state.pop(), batch)[0]))
+    jax.block_until_ready(hand_state)
+    record: list = []
+    init, step = hand_written(schedule, p, m, 1e-3, record)
+    step(init(params), batch)
+    flops, accessed, compiled = [0.0] * p, [0.0] * p, {}
+    for fn, call_args in record:
+        if fn is jax.device_put:
+            continue
+        leaves = [x for x in jax.tree.leaves(call_args) if isinstance(x, jax.Array)]
+        key = (id(fn), tuple((x.shape, str(x.dtype)) for x in leaves))
+        if key not in compiled:
+            done = fn.lower(*call_args).compile()
+            compiled[key] = (compiled_flops(done).flops, bytes_accessed(done) or 0.0)
+        d = jax.devices().index(next(iter(leaves[0].sharding.device_set)))
+        flops[d] += compiled[key][0]
+        accessed[d] += compiled[key][1]
+    puts = [a for fn, a in record if fn is jax.device_put]
+    hand_row = {"executable_calls": len(record) - len(puts),
+                "copies": sum(isinstance(a[0], jax.Array) for a in puts),
+                "host_to_device_puts": sum(not isinstance(a[0], jax.Array) for a in puts),
+                "executables_compiled": len(compiled), "python_calls": hand_calls,
+                "flops_per_device": flops, "bytes_accessed_per_device": accessed}
+    return {"fit": fit_row, "hand_written": hand_row}
 
 
 def overhead(args) -> dict:
@@ -355,7 +525,8 @@ def overhead(args) -> dict:
                            "cpu_ratio": fit_cpu / hand_cpu})
         out[schedule] = {"rounds": rounds,
                          "median_ratio": float(np.median([r["ratio"] for r in rounds])),
-                         "median_cpu_ratio": float(np.median([r["cpu_ratio"] for r in rounds]))}
+                         "median_cpu_ratio": float(np.median([r["cpu_ratio"] for r in rounds])),
+                         "per_step": per_step_work(schedule, p, m, batch)}
     return {"stages": p, "microbatches": m, "microbatch_size": b, **out}
 
 
@@ -390,7 +561,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--overhead-microbatch-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sections", nargs="*",
-                        default=["equivalence", "memory", "schedule", "overhead"])
+                        default=["equivalence", "equivalence_cause", "memory", "schedule",
+                                 "overhead"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--keep", action="store_true",
                         help="keep the other sections of an existing results file")
@@ -398,8 +570,8 @@ def main(argv=None) -> dict:
     warnings.simplefilter("ignore", UserWarning)  # m < p warns by design
     report = {"jax": jax.__version__, "cpus": os.cpu_count()}
     path = args.out or os.path.join(HERE, "results", "pipeline_schedules.json")
-    sections = {"equivalence": equivalence, "memory": memory, "schedule": schedule_rows,
-                "overhead": overhead}
+    sections = {"equivalence": equivalence, "equivalence_cause": equivalence_cause,
+                "memory": memory, "schedule": schedule_rows, "overhead": overhead}
     for name in args.sections:
         start = time.perf_counter()
         report[name] = sections[name](args)

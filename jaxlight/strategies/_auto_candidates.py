@@ -159,9 +159,15 @@ def enumerate_candidates(user_rules: list, layouts: tuple[str, ...] | None, abst
     # it uses `pipe` of the devices, which need not divide their number.
     own = 1 + max((s for path, _ in jax.tree_util.tree_leaves_with_path(abstract_state.params)
                    if (s := stage_index(path)) is not None), default=-1)
+    # Each with the schedules a program per device runs (priced by the roofline of its own
+    # dispatch order, `MpmdProgram.roofline_seconds`): 1F1B holds fewer activations, ZB-H1
+    # has a smaller bubble, interleaved 1F1B (two or more stages per device) both.
     for pipe in divisors(own):
         if 1 < pipe <= n:
             out.append(Candidate(f"pipe={pipe} mpmd", MpmdGPipe(pipe)))
+            schedules = ["1f1b", "zb-h1"] + (["interleaved-1f1b"] if own >= 2 * pipe else [])
+            out.extend(Candidate(f"pipe={pipe} mpmd {schedule}",
+                                 MpmdGPipe(pipe, schedule=schedule)) for schedule in schedules)
     batch, length = long_sequence(abstract_batch)
     if length:
         out.extend(context_candidates(user_rules, n, batch))

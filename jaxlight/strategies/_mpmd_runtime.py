@@ -7,15 +7,18 @@ nothing else, which means a different program per device. jax has no MPMD runtim
 
 1. **Trace**, 2. **place** and 3. **cut** (`_mpmd_trace.py`): the step traced once
    (`jax.make_jaxpr`), every equation placed on a device (each pipeline stage's call on its
-   stage's device), the program cut into segments: each stage call alone, and runs of other
-   equations of one device. Each segment is one `jax.jit` executable committed to its device
-   (identical stage calls share one), compiled here.
+   stage's device), the program cut into segments: each stage call with the equations around
+   it that the schedule lets it take (a microbatch's loss, the gradient sums), the rest in
+   runs per device. Each segment is one `jax.jit` executable committed to its device
+   (segments that lower alike share one), compiled here.
 4. **Run** the segments in program order from the host. jax dispatches asynchronously, so
    while device 1 runs microbatch 0 of its stage, device 0 already runs microbatch 1 of its
    own: the GPipe schedule (forward m + p − 1 slots, then the backward in reverse). Values
    cross devices with `jax.device_put` (a copy of exactly the boundary's bytes); a value is
-   dropped after its last use, and a donated input is donated to the segment that last reads
-   it when an output of that segment can take its buffer.
+   dropped after its last use, and a donated input (the state) is donated to the segment that
+   last reads it when an output of that segment can take its buffer. What each segment reads,
+   copies, donates and drops is worked out once (`_mpmd_wire.py`): a call's host work is one
+   executable call per segment and one copy per value crossing devices.
 
 No collectives are compiled: the only communication is the copies, which `transfers` lists.
 
@@ -50,10 +53,12 @@ from jaxlight.strategies._mpmd_trace import (
     broadcast,
     cut_segments,
     device_of_sharding,
+    merge_glue,
     nbytes,
     place,
     trace,
 )
+from jaxlight.strategies._mpmd_wire import COPY, LOCAL, plan_fetches, wire
 from jaxlight.strategies._roofline import bytes_accessed
 
 
@@ -118,57 +123,23 @@ class MpmdProgram:
         place(ops, inputs, outputs, in_flat, out_flat, self.devices, self.stages,
               round_robin=schedule == "interleaved-1f1b")
         ops = order_ops(ops, schedule, p, microbatches, self.stages, who)
-        self.segments = cut_segments(ops)
+        self.segments = merge_glue(cut_segments(ops))
         self._home = {k: device_of_sharding(s, self.devices)
                       for k, s in zip(inputs, in_flat, strict=True)}
         self._home.update((k, seg.device) for seg in self.segments for op in seg.ops
                           for k in op.outs if k is not None)
-        self._consts: dict = {}
         #: Bytes of placed inputs (the state) that a stage on another device reads per call.
         given = set(inputs)
         self.misplaced_bytes = sum(
             nbytes(a.aval) for op in ops if op.stage is not None
             for a in dict.fromkeys(a for a in op.ins if isinstance(a, Key))
             if a in given and self._home.get(a, ANY) not in (ANY, op.device))
-        self._wire(inputs, outputs, donated)
+        self._last_use, self._final = wire(self.segments, self._home, outputs, donated)
         self._compile()
+        plan_fetches(self.segments, self._home, self._last_use, self._final, self.devices)
+        self._plan()
 
     # -- wiring and compiling ---------------------------------------------------------------
-
-    def _wire(self, inputs, outputs, donated) -> None:
-        """Each segment's inputs and outputs; when each value is last read; what is donated."""
-        for seg in self.segments:
-            defined: set = set()
-            needed: dict = {}
-            for op in seg.ops:
-                needed.update((a, None) for a in op.ins
-                              if isinstance(a, Key) and a not in defined)
-                defined.update(k for k in op.outs if k is not None)
-            seg.inputs = list(needed)
-        last_use: dict = {}
-        for i, seg in enumerate(self.segments):
-            for key in seg.inputs:
-                last_use[key] = i
-        final = {k for k in outputs if isinstance(k, Key)}
-        inputs_set = set(inputs)
-        for i, seg in enumerate(self.segments):
-            outs = [k for op in seg.ops for k in op.outs if k is not None]
-            seg.outputs = [k for k in outs if k in final or last_use.get(k, -1) > i]
-            free = list(seg.outputs)
-            donate = []
-            for j, key in enumerate(seg.inputs):
-                if (last_use[key] != i or key in final or isinstance(key, Const)
-                        or (key in inputs_set and key not in donated)
-                        or self._home[key] == ANY):
-                    continue
-                match = next((o for o in free if o.aval.shape == key.aval.shape
-                              and o.aval.dtype == key.aval.dtype), None)
-                if match is not None:
-                    free.remove(match)
-                    donate.append(j)
-            seg.donate = tuple(donate)
-        self._last_use = last_use
-        self._final = final
 
     def _compile(self) -> None:
         """One executable per segment; segments that lower to the same program (a stage's
@@ -180,7 +151,7 @@ class MpmdProgram:
             abstract = [jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype, sharding=sharding)
                         for k in seg.inputs]
             call = None
-            if seg.stage is not None:
+            if seg.stage is not None and len(seg.ops) == 1:
                 call = (id(seg.ops[0].eqn.params["jaxpr"]), seg.device, seg.donate,
                         tuple((a.shape, str(a.dtype)) for a in abstract))
                 if call in by_call:
@@ -200,6 +171,27 @@ class MpmdProgram:
                                  .values())
 
     # -- running ----------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Where `_run` takes each step input from, and which outputs it places or copies: a
+        value returned twice (Adam's two zero moments, one value in the traced program) or a
+        constant of the program comes back as a buffer of its own, as from `jax.jit`, so that
+        donating one output (the next step's state) cannot delete another or the constant."""
+        self._in_homes = [(k, self._home[k], None if self._home[k] == ANY
+                           else jax.sharding.SingleDeviceSharding(self.devices[self._home[k]]))
+                          for k in self._inputs]
+        made = {k: seg.device for seg in self.segments for k in seg.outputs}
+        self._out_plan = []
+        seen: set = set()
+        for key, sharding in zip(self._outputs, self._out_shardings, strict=True):
+            fresh = isinstance(key, Const) or (isinstance(key, Key) and key in seen)
+            if isinstance(key, Key):
+                seen.add(key)
+            placed = sharding is None or (
+                isinstance(key, Key) and key in made
+                and isinstance(sharding, jax.sharding.SingleDeviceSharding)
+                and sharding.device_set == {self.devices[made[key]]})
+            self._out_plan.append((key, None if placed and not fresh else sharding, fresh))
 
     def _on(self, value, d: int):
         device = self.devices[d]
@@ -222,33 +214,30 @@ class MpmdProgram:
         return self._run(args, times), times
 
     def _run(self, args, times: list | None = None):
-        flat = jax.tree.leaves(args)
         env: dict = {}
-        for key, value in zip(self._inputs, flat, strict=True):
-            d = self._home[key]
-            env[key] = value if d == ANY else self._on(value, d)
+        for (key, d, sharding), value in zip(self._in_homes, jax.tree.leaves(args),
+                                             strict=True):
+            env[key] = (value if d == ANY or (isinstance(value, jax.Array)
+                                              and value.sharding == sharding)
+                        else self._on(value, d))
         copies: dict = {}
-        for i, seg in enumerate(self.segments):
+        for seg in self.segments:
+            d = seg.device
             vals = []
-            for key in seg.inputs:
-                if isinstance(key, Const):
-                    value = self._consts.get((key, seg.device))
-                    if value is None:
-                        value = self._consts[(key, seg.device)] = jax.device_put(
-                            key.value, self.devices[seg.device])
-                    vals.append(value)
-                    continue
-                if self._home.get(key) == seg.device:
+            for how, key in seg.fetch:
+                if how is LOCAL:
                     vals.append(env[key])
-                    continue
-                value = copies.get((key, seg.device))
-                if value is None:
-                    value = copies[(key, seg.device)] = self._on(env[key], seg.device)
-                vals.append(value)
-            for key in seg.inputs:  # drop what no later segment reads
-                if self._last_use.get(key) == i and key not in self._final:
-                    env.pop(key, None)
-                    copies.pop((key, seg.device), None)
+                elif how is COPY:
+                    value = copies.get((key, d))
+                    if value is None:
+                        value = copies[(key, d)] = self._on(env[key], d)
+                    vals.append(value)
+                else:
+                    vals.append(key)  # a constant, already on the device
+            for key in seg.drop:  # what no later segment reads
+                env.pop(key, None)
+            for pair in seg.drop_copies:
+                copies.pop(pair, None)
             if times is not None:
                 jax.block_until_ready(vals)
                 start = time.perf_counter()
@@ -256,14 +245,14 @@ class MpmdProgram:
             if times is not None:
                 jax.block_until_ready(results)
                 times.append((seg.device, seg.stage, time.perf_counter() - start))
-            for key, value in zip(seg.outputs, results, strict=True):
-                env[key] = value
+            env.update(zip(seg.outputs, results, strict=True))
             del vals, results
         out = []
-        for key, sharding in zip(self._outputs, self._out_shardings, strict=True):
+        for key, sharding, fresh in self._out_plan:
             value = key.val if isinstance(key, jex_core.Literal) else (
                 key.value if isinstance(key, Const) else env[key])
-            out.append(value if sharding is None else _put(value, sharding))
+            out.append(jax.device_put(value, sharding, may_alias=False) if fresh
+                       else value if sharding is None else _put(value, sharding))
         return jax.tree.unflatten(self._out_tree, out)
 
     def simulate(self, cost: Callable[[Segment], float],
@@ -356,7 +345,7 @@ class MpmdProgram:
         peak, peak_mid, peak_act = [0] * p, [0] * p, [0] * p
         held: dict = {}
         forward = {k for seg in self.segments if seg.stage is not None
-                   and seg.ops[0].kind == "F" for k in seg.outputs}
+                   and seg.call.kind == "F" for k in seg.call.outs if k in seg.outputs}
         for i, seg in enumerate(self.segments):
             d = seg.device
             new = [k for k in seg.inputs if self._home.get(k) != d and (k, d) not in held]

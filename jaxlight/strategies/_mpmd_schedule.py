@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.nn._mpmd import MpmdConfig, active_mpmd, mpmd_context
@@ -195,8 +196,7 @@ def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -
         size = rows // m
         total = losses = metrics_sum = None
         for i in range(m):
-            part = jax.tree.map(
-                lambda v, i=i: jax.lax.slice_in_dim(v, i * size, (i + 1) * size), batch)
+            part = jax.tree.map(lambda v, i=i: _rows(v, i * size, size), batch)
             with jax.named_scope(f"{MICROBATCH}{i}"), \
                     mpmd_context(MpmdConfig(devices, 1, remat)) as inner:
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, part)
@@ -214,6 +214,15 @@ def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -
         return (losses / m, (metrics, rest)), grads
 
     return run
+
+
+def _rows(value, start: int, size: int):
+    """`value[start:start + size]`, the offset an array constant (an input of the executable
+    that slices, not a number in its program): the stage call the slice joins (`merge_glue`)
+    then compiles once for every microbatch, not once each. One constant per leaf, so that
+    the labels' slice runs where the labels are read."""
+    offset = jnp.asarray(np.full((1,), start, np.int32))[0]
+    return jax.lax.dynamic_slice_in_dim(value, offset, size)
 
 
 def _as_float32(x):

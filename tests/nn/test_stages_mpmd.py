@@ -213,6 +213,11 @@ def test_auto_weighs_the_program_per_device_and_can_pick_it(runs):
     if choice.chosen == "pipe=3 mpmd":
         assert_runs_close(run, runs["single"])
     assert "pipe=3 mpmd" in choice.table()
+    # The schedules too, each priced by the makespan of its own order: ZB-H1's W passes fill
+    # GPipe's bubble, 1F1B's order is as long as GPipe's.
+    for schedule in ("1f1b", "zb-h1"):
+        assert layouts[f"pipe=3 mpmd {schedule}"].predicted_s > 0, sorted(layouts)
+    assert layouts["pipe=3 mpmd zb-h1"].predicted_s <= mpmd.predicted_s * 1.01
 
 
 class _FirstStageFrozen(StageMLP):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
+from jaxlight.strategies._mpmd_runtime import MpmdProgram
 from jaxlight.strategies._mpmd_schedule import (
     bubble,
     device_orders,
@@ -115,6 +117,27 @@ def test_unknown_or_unsupported_schedule_is_refused():
     assert strategies.GPipe(3, 4, schedule="ZB_H1", mpmd=True).schedule == "zb-h1"
 
 
+def test_a_value_returned_twice_comes_back_as_two_buffers():
+    """As from `jax.jit`: a value the traced step returns twice (Adam's two zero moments of a
+    leaf, one value in the program) or a constant of the program comes back as buffers of its
+    own, so that donating one output to the next step deletes nothing else (the two moments
+    read by one optimizer update)."""
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def step(x):
+        y = x + 1
+        return y, y, jnp.arange(3.0)
+
+    program = MpmdProgram(step, (jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding),),
+                          sharding, sharding, [device])
+    first, second, constant = program(jax.device_put(jnp.zeros(4), device))
+    _, _, again = program(jax.device_put(jnp.zeros(4), device))
+    assert first.unsafe_buffer_pointer() != second.unsafe_buffer_pointer()
+    assert constant.unsafe_buffer_pointer() != again.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(second, np.ones(4))
+
+
 # -- the programs (slow) -----------------------------------------------------------------------
 
 
@@ -158,7 +181,7 @@ def test_interleaved_1f1b_matches_single_device_in_its_order():
     assert_runs_close(run, ref)
     program = run["fit"].compiled_train_step
     for d, order in enumerate(interleaved_orders(2, M, 2)):
-        assert [(s.ops[0].kind, s.ops[0].microbatch, s.stage) for s in program.segments
+        assert [(s.call.kind, s.call.microbatch, s.stage) for s in program.segments
                 if s.stage is not None and s.device == d] == order
     assert program.simulate(lambda seg: float(seg.stage is not None))["makespan"] == \
         makespan("interleaved-1f1b", 2, M, 2)
@@ -178,11 +201,55 @@ def test_devices_run_their_passes_in_the_schedules_order(runs, schedule):
     the first stage reads the batch, so it has no input gradient: its backward is all W)."""
     program = runs[schedule]["fit"].compiled_train_step
     for d, order in enumerate(device_orders(schedule, 3, M)):
-        got = [(s.ops[0].kind, s.ops[0].microbatch) for s in program.segments
+        got = [(s.call.kind, s.call.microbatch) for s in program.segments
                if s.stage is not None and s.device == d]
         if schedule == "zb-h1" and d == 0:
             order = [x for x in order if x[0] != "B"]
         assert got == order, (d, got)
+
+
+def _parameter_copies(hlo: str) -> int:
+    """Copies of an entry parameter in optimized HLO modules (XLA keeps a donated buffer that
+    an output took while it is still read by copying it)."""
+    count = 0
+    for module in hlo.split("HloModule")[1:]:
+        entry = module[module.index("ENTRY"):]
+        params = set(re.findall(r"(%[\w.\-]+) = [^\n]*? parameter\(\d+\)", entry))
+        count += sum(1 for name in re.findall(r" copy\((%[\w.\-]+)\)", entry) if name in params)
+    return count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", *SCHEDULES])
+def test_one_dispatch_per_stage_call(runs, schedule):
+    """The loss, each microbatch's labels and the gradient sums run inside the stage calls'
+    executables: per step one dispatch per stage call plus at most one optimizer update per
+    device (a hand-written loop's count), the labels copied to the loss once, the stage calls
+    compiled once for every microbatch (the slices' offsets are inputs), and no executable
+    copying a buffer it is given (donating the step's intermediate values made XLA copy
+    them)."""
+    program = runs[schedule]["fit"].compiled_train_step
+    calls = sum(1 for s in program.segments if s.stage is not None)
+    # Stage 0 reads the batch: no input gradient, so under ZB-H1 its backward is all W.
+    assert calls == {"zb-h1": 3 * M * 3 - M}.get(schedule, 2 * M * 3)
+    # Besides the stage calls, at most each device's optimizer update (the first device's
+    # joins its last backward pass: it reads nothing from the others).
+    others = [(s.device, [op.eqn.primitive.name for op in s.ops][:8])
+              for s in program.segments if s.stage is None]
+    assert len(others) == len({d for d, _ in others}) <= 3, others
+    labels = [c.nbytes for c in program.transfers() if (c.source, c.target) == (0, 2)
+              and c.nbytes > 8]
+    assert labels == [BATCH * 4]
+    # Each stage's forward passes after the first (which takes the step's opening equations)
+    # share one executable: the first stage slices its microbatch at an offset that is an
+    # input, not a number compiled into each.
+    forward: dict = {}
+    for s in program.segments:
+        if s.stage is not None and s.call.kind == "F" and s.call.microbatch in range(1, M):
+            forward.setdefault(s.stage, set()).add(id(s.executable))
+    assert schedule == "gpipe" or sorted(forward) == [0, 1, 2]
+    assert all(len(found) == 1 for found in forward.values()), forward
+    assert _parameter_copies(program.as_text()) == 0
 
 
 class _Scaled(jl.TrainModule):
