@@ -203,8 +203,8 @@ def opt_state_axes(abstract_opt: Any, params: Any, param_axes: Any) -> Any:
 class StateInit:
     """Creates the real TrainState (jit it with the target out_shardings): `init()` all of it in
     one function, or in two parts that strategies compile apart (`SpmdStrategy.init_state`):
-    `model_part()`, the state without its optimizer state (`opt_state=None`), then
-    `optimizer_part(params)`, the optimizer state of those parameters.
+    `init_model()`, the state without its optimizer state (`opt_state=None`), then
+    `init_optimizer(params)`, the optimizer state of those parameters.
 
     One compiled call holds the parameters' initialization temporaries (random bits, the
     normal transform) and the whole optimizer state at once; two hold at most the state.
@@ -215,19 +215,19 @@ class StateInit:
         self.module, self.tx, self.seed = module, tx, seed
         self.params_transform = params_transform
 
-    def model_part(self) -> TrainState:
+    def init_model(self) -> TrainState:
         _, params, rest = split_model(build_model(self.module, self.seed), self.module.trainable)
         if self.params_transform is not None:
             params = self.params_transform(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=None,
                           rest=rest)
 
-    def optimizer_part(self, params: Any) -> Any:
+    def init_optimizer(self, params: Any) -> Any:
         return self.tx.init(params)
 
     def __call__(self) -> TrainState:
-        state = self.model_part()
-        return state.replace(opt_state=self.optimizer_part(state.params))
+        state = self.init_model()
+        return state.replace(opt_state=self.init_optimizer(state.params))
 
 
 def make_init_fn(module, tx: optax.GradientTransformation, seed: int,

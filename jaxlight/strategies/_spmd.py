@@ -245,12 +245,12 @@ class SpmdStrategy(Strategy):
         25.8 GB of temporaries); two hold at most the state, as a hand-written loop that builds
         the model and then runs `jax.jit(tx.init)` does, and leave no hole among the state's
         buffers for the first step's temporaries to miss."""
-        if not hasattr(init_fn, "optimizer_part"):
+        if not hasattr(init_fn, "init_optimizer"):
             return super().init_state(init_fn, abstract_state, shardings)
         with self.trace_context():
-            make_model = jax.jit(init_fn.model_part,
+            make_model = jax.jit(init_fn.init_model,
                                  out_shardings=shardings.replace(opt_state=None)).lower().compile()
-            make_opt = jax.jit(init_fn.optimizer_part, in_shardings=(shardings.params,),
+            make_opt = jax.jit(init_fn.init_optimizer, in_shardings=(shardings.params,),
                                out_shardings=shardings.opt_state
                                ).lower(abstract_state.params).compile()
         self.init_peak_bytes = _peak_bytes(make_model, make_opt)
