@@ -95,7 +95,8 @@ def main(argv=None):
         extra = [profiler] if profiler is not None else []
         fit = jl.Fit(args.strategy, max_steps=args.steps, precision=args.precision,
                      callbacks=[monitor, rec, *extra], log_every_n_steps=max(1, args.steps // 3),
-                     enable_progress_bar=False, enable_model_summary=False, logger=False)
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False)
         fit.fit(module, loader())
         params = jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
         return fit, monitor, stamps, params, module

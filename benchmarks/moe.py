@@ -267,7 +267,7 @@ def overhead(layouts=("single", "data2_expert4"), steps=60, warmup=10, rounds=3)
         for _ in range(rounds):
             fit_stamps = []
             fit = jl.Fit(strategy=_strategy(name), max_steps=steps, enable_progress_bar=False,
-                         enable_model_summary=False, logger=False,
+                         enable_model_summary=False, logger=False, enable_checkpointing=False,
                          callbacks=[callbacks.LambdaCallback(
                              on_train_batch_end=_stamp(fit_stamps))])
             module = MoELM()

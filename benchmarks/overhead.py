@@ -109,6 +109,7 @@ def run_one(args) -> dict:
         fit = jl.Fit(make_strategy(), max_steps=max_steps,
                      callbacks=[callbacks.LambdaCallback(on_train_batch_end=at_end), *extra],
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False,
                      log_every_n_steps=args.log_every, accumulate_grad_batches=k,
                      prefetch_batches=args.prefetch_batches)
         fit.fit(module, jl.data.ArrayLoader(data, args.batch, seed=0))

@@ -108,7 +108,8 @@ def _fit_lm(strategy, steps):
         metrics["loss"]))
     module = MpmdLM()
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(module, jl.data.ArrayLoader(data, 16))
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     return fit, np.asarray(losses), params
@@ -178,7 +179,8 @@ def equivalence_cause(args) -> dict:
             on_train_start=lambda fit, module: start.setdefault("params", _pure(module)),
             on_train_batch_end=lambda fit, module, *a: steps.append(_pure(module)))
         fit = jl.Fit(strategy=strategy, max_steps=args.steps, callbacks=[grab, *cbs],
-                     enable_progress_bar=False, enable_model_summary=False, logger=False)
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False)
         fit.fit(SeedMLP(3, False, False), batches(args.steps, args.batch))
         return steps
 
