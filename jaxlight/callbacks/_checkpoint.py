@@ -164,11 +164,14 @@ class ModelCheckpoint(Callback):
         return f"ModelCheckpoint{{dirpath={self.dirpath!r}, monitor={self.monitor!r}}}"
 
     def resolved_dirpath(self, fit) -> str:
-        """The directory saves go to: process 0's, with several processes (agreed in `setup`,
-        as Lightning's ModelCheckpoint broadcasts its dirpath)."""
+        """The directory saves go to: process 0's, with several processes, as Lightning's
+        ModelCheckpoint broadcasts its dirpath (the default is agreed by Fit as each stage
+        starts, an explicit dirpath in `setup`)."""
+        if self.dirpath is None:
+            return default_dirpath(fit)
         if self._agreed_dirpath is not None:
             return self._agreed_dirpath
-        return os.path.abspath(self.dirpath if self.dirpath is not None else default_dirpath(fit))
+        return os.path.abspath(self.dirpath)
 
     # -- state saved in checkpoints -----------------------------------------------------------
 
@@ -193,13 +196,13 @@ class ModelCheckpoint(Callback):
         self._stage = stage
         if self._writer is not None:
             return
-        self._agreed_dirpath = None
-        self._agreed_dirpath = _distributed.all_gather_json(
-            "checkpoint_dirpath", self.resolved_dirpath(fit))[0]
+        if self.dirpath is not None:
+            self._agreed_dirpath = _distributed.all_gather_json(
+                "checkpoint_dirpath", os.path.abspath(self.dirpath))[0]
         if stage != "fit":
             return
         self._writer = CheckpointWriter(
-            self._agreed_dirpath, monitor=self.monitor, mode=self.mode,
+            self.resolved_dirpath(fit), monitor=self.monitor, mode=self.mode,
             save_top_k=self.save_top_k, save_last=self.save_last is not False,
             async_save=self.async_save,
             compress=self.compress)
