@@ -5,9 +5,7 @@
 # the log to $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export JAXLIGHT_COMPILATION_CACHE="${JAXLIGHT_COMPILATION_CACHE:-/tmp/jaxlight_xla_cache}"
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
+source benchmarks/_gpu_env.sh
 out="${OUT:-}"
 log="${out:-/tmp}/moe_gpu.log"
 {
