@@ -34,8 +34,10 @@ Prints JSON; writes benchmarks/results/overhead.json (when run for every configu
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -43,6 +45,16 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: The optimizer's learning rate (adamw) and, with --swa, SWA's annealing epochs.
 LR, SWA_ANNEAL = 1e-3, 2
+
+
+def hlo_ops(text: str) -> collections.Counter:
+    """Instruction counts of an optimized HLO module, and its collectives (kind and shapes)."""
+    from jaxlight.analysis._hlo import collectives
+
+    ops = collections.Counter(m.group(1) for m in re.finditer(
+        r"=\s*\S+\s+([a-z][a-z0-9\-]*)\(", text))
+    ops["collectives"] = sorted((c.kind, str(c.shapes)) for c in collectives(text))
+    return ops
 
 
 def run_one(args) -> dict:
@@ -266,13 +278,22 @@ def run_one(args) -> dict:
             params, _, ema = carry
             return jax.device_get(params if ema is None else ema[0])
 
-        return run, result
+        def hlo_text():
+            """The hand-written step as XLA compiled it (lowered from the carry's shapes)."""
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), carry)
+            batch = next_batch()
+            if k > 1:
+                batch = jax.tree.map(lambda x: np.concatenate([x] * k), batch)
+            return step.lower(*abstract, batch).compile().as_text()
+
+        return run, result, hlo_text
 
     def hand_round(fit):
-        run, result = hand_loop(fit)
+        run, result, hlo_text = hand_loop(fit)
         stamps = []
         run(args.steps, stamps)
-        return stamps, result()
+        return stamps, result(), hlo_text
 
     # -- interleaved: one Fit paused every `chunk` steps for as many hand-written steps -------
     def interleaved_round():
@@ -297,7 +318,7 @@ def run_one(args) -> dict:
             hand_chunks.append(stamps)
 
         fit, params = train_with_fit(args.steps * args.rounds, at_end, averaging_callbacks())
-        return fit_chunks, hand_chunks, fit, params, hand[1]()
+        return fit_chunks, hand_chunks, fit, params, hand[1](), hand[2]
 
     def median_step(stamps, skip=args.warmup):
         d = np.diff([wall for wall, _ in stamps[skip:]])
@@ -313,7 +334,7 @@ def run_one(args) -> dict:
     rounds = []
     fit_params = hand_params = None
     if args.interleave:
-        fit_chunks, hand_chunks, fit, fit_params, hand_params = interleaved_round()
+        fit_chunks, hand_chunks, fit, fit_params, hand_params, hand_hlo = interleaved_round()
         # The first chunk pair compiles the hand-written step: dropped as warm-up. In every
         # chunk the first step starts with nothing in flight: its interval is dropped too.
         for f_stamps, h_stamps in list(zip(fit_chunks, hand_chunks, strict=True))[1:]:
@@ -323,7 +344,7 @@ def run_one(args) -> dict:
                            "hand_cpu_ms": cpu_per_step(h_stamps, 1) * 1e3})
     for _ in range(0 if args.interleave else args.rounds):
         f_stamps, fit_params, fit = fit_round()
-        h_stamps, hand_params = hand_round(fit)
+        h_stamps, hand_params, hand_hlo = hand_round(fit)
         rounds.append({"fit_ms": median_step(f_stamps) * 1e3,
                        "hand_ms": median_step(h_stamps) * 1e3,
                        "fit_cpu_ms": cpu_per_step(f_stamps) * 1e3,
@@ -336,6 +357,7 @@ def run_one(args) -> dict:
         for a, b in zip(jax.tree.leaves(fit_params), jax.tree.leaves(hand_params), strict=True)
     )
     ratios = [r["ratio"] for r in rounds]
+    fit_ops, hand_ops = hlo_ops(fit.session.compiled_train_step.as_text()), hlo_ops(hand_hlo())
     return {
         "devices": args.devices,
         "strategy": fit.strategy.name,
@@ -360,6 +382,12 @@ def run_one(args) -> dict:
         "ratio_met": bool(np.median(ratios) <= 1.02),
         "final_params_max_rel_err": rel,
         "params_agree_1e-6": bool(rel <= 1e-6),
+        # The device work, read from the two compiled programs: the instructions whose counts
+        # differ (Fit's step also counts its steps), and whether the collectives are the same.
+        "hlo_op_counts_differing": {op: {"fit": fit_ops[op], "hand": hand_ops[op]}
+                                    for op in sorted(set(fit_ops) | set(hand_ops))
+                                    if fit_ops[op] != hand_ops[op] and op != "collectives"},
+        "collectives_equal": fit_ops["collectives"] == hand_ops["collectives"],
         "rounds": rounds,
         "platform": jax.devices()[0].platform,
         "device_kind": jax.devices()[0].device_kind,
