@@ -150,3 +150,46 @@ def test_uncreatable_directory_is_refused(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ConfigurationError, match="compilation cache directory"):
         _cache.configure(blocker / "xla")
+
+
+def test_trim_removes_the_least_recently_used_entries_past_the_bound(tmp_path):
+    # Five entries of 100 bytes, used at times 1..5 (JAX's -atime companions beside two).
+    for i in range(5):
+        entry = tmp_path / f"key{i}-cache"
+        entry.write_bytes(b"x" * 100)
+        os.utime(entry, (i + 1, i + 1))
+    (tmp_path / "key0-atime").write_bytes(b"t")
+    (tmp_path / "key4-atime").write_bytes(b"t")
+    (tmp_path / ".lockfile").write_bytes(b"")
+    assert _cache.trim(str(tmp_path), max_bytes=500) == 0
+    assert _cache.trim(str(tmp_path), max_bytes=250) == 300
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".lockfile", "key3-cache", "key4-atime", "key4-cache"], left
+    assert _cache.trim(str(tmp_path / "missing")) == 0
+
+
+def test_jax_does_not_scan_the_directory_on_every_write(tmp_path, monkeypatch):
+    """JAX's own size bound lists every entry on every write (time linear in the entries, per
+    compile); jaxlight leaves JAX's cache unbounded and trims the directory itself, once."""
+    import jax
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache,
+              jax.config.jax_compilation_cache_max_size, _cache._configured)
+    big = tmp_path / "xla"
+    big.mkdir()
+    for i in range(3):
+        (big / f"old{i}-cache").write_bytes(b"x" * 10)
+    monkeypatch.setattr(_cache, "MAX_BYTES", 15)
+    monkeypatch.setattr(_cache.trim, "__defaults__", (15,))
+    try:
+        assert _cache.configure(big) == str(big)
+        assert jax.config.jax_compilation_cache_max_size == -1
+        assert len(list(big.glob("*-cache"))) == 1  # trimmed to the bound when configured
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
+        jax.config.update("jax_compilation_cache_max_size", before[2])
+        _cache._configured = before[3]
+        from jax.experimental.compilation_cache import compilation_cache as cc
+        cc.reset_cache()
