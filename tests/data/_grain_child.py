@@ -2,7 +2,8 @@
 
 Usage: python _grain_child.py '<json config>'. Prints `STEP <n>` after every step; with
 `pause_at` it commits that step's checkpoint, prints PAUSED and waits to be killed. At the end it
-writes the final parameters and the records each step saw to `<out>.<process>.npz`.
+writes the final parameters and the records each step saw to `<out>.<process>.npz`. Without
+`dir` (the checkpoint directory) it saves no checkpoint.
 """
 
 import json
@@ -37,10 +38,14 @@ def on_step(fit, module, outputs, batch, batch_idx):
 
 def main():
     global ckpt
-    ckpt = callbacks.ModelCheckpoint(cfg["dir"], every_n_steps=cfg.get("every", 1000))
+    # Without `dir` (a run nothing resumes from) the fit saves no checkpoint: seconds each.
+    ckpt = callbacks.ModelCheckpoint(cfg["dir"], every_n_steps=cfg.get("every", 1000)) \
+        if cfg.get("dir") else None
     fit = jl.Fit(strategies.DataParallel(), max_steps=cfg["max_steps"], logger=False,
-                 callbacks=[ckpt, callbacks.LambdaCallback(on_train_batch_end=on_step)],
-                 enable_progress_bar=False, enable_model_summary=False)
+                 callbacks=[*([ckpt] if ckpt else []),
+                            callbacks.LambdaCallback(on_train_batch_end=on_step)],
+                 enable_progress_bar=False, enable_model_summary=False,
+                 enable_checkpointing=ckpt is not None)
     # After Fit: it joined the job, so grain's ShardByJaxProcess sees this process's index.
     log = f"{cfg['log']}.rank{jax.process_index()}" if cfg.get("log") else None
     data = pipeline(cfg["kind"], cfg["records"], log, cfg.get("workers", 1))

@@ -30,7 +30,7 @@ def _data(n):
 
 def _fit(strategy, **kw):
     return jl.Fit(strategy, enable_progress_bar=False, logger=False, enable_model_summary=False,
-                  **kw)
+                  enable_checkpointing=False, **kw)
 
 
 def test_defaults_are_torchs():

@@ -85,7 +85,7 @@ def stop_on_one_process(out: str) -> dict:
 
     loader = jl.data.ArrayLoader(data(512, 0), 32, seed=0)
     fit = jl.Fit("dp", max_steps=12, log_every_n_steps=2, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False,
+                 enable_model_summary=False, logger=False, enable_checkpointing=False,
                  callbacks=[jl.callbacks.LambdaCallback(on_train_batch_end=maybe_stop)])
     fit.fit(Module(), loader)
     return {"global_step": fit.global_step, "reason": fit.stop_reason}

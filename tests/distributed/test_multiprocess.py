@@ -35,7 +35,7 @@ def _failed(results) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The fits in this process, 1 process x 8 devices; FSDP checkpoints every 2 steps."""
+    """The fits in this process, 1 process x 8 devices; FSDP checkpoints every 4 steps."""
     out = tmp_path_factory.mktemp("reference")
     return out, {name: script.train(name, str(out / name), ckpt_dir=str(out / "ckpt_single")
                                     if name == "fsdp" else None) for name in STRATEGIES}

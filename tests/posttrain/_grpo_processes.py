@@ -75,8 +75,12 @@ def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
         def on_log(self, fit, module, metrics, step):
             losses[step] = [metrics["loss"], metrics["ppo_kl"]] + [metrics[k] for k in STATS]
 
+    # No default checkpoint at train end (read by no test; seconds per process): only the
+    # resume test's ModelCheckpoint saves.
+    saves = any(isinstance(cb, jl.callbacks.ModelCheckpoint) for cb in callbacks)
     fit = jl.Fit("fsdp", max_steps=4, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, callbacks=[Losses(), *callbacks])
+                 enable_model_summary=False, logger=False, callbacks=[Losses(), *callbacks],
+                 enable_checkpointing=saves)
     fit.fit(module, data.train, ckpt_path=ckpt_path)
     params = distributed.gather(nnx.to_pure_dict(nnx.state(module.policy(module.model),
                                                            nnx.Param)))

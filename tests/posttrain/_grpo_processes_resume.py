@@ -1,5 +1,5 @@
 """The 2-process grpo fit of _grpo_processes.py, checkpointed and SIGKILLed, then resumed
-(tests/posttrain/test_grpo_processes_resume.py).
+(tests/posttrain/test_grpo_processes.py).
 
     python _grpo_processes_resume.py DIR pause   # checkpoint every step into DIR/ckpt; after
         # step PAUSE_AT's checkpoint (every process past it) write DIR/paused{rank}, wait to be

@@ -107,7 +107,7 @@ def test_grpo_and_dpo_recipes_run_one_kv_head_under_tp4(one_kv_head):
         for key, (mod, train) in {"grpo": (module, [batch, batch]),
                                   "dpo": (dpo_module, dpo_data.train)}.items():
             fit = jl.Fit(make(), max_steps=2, log_every_n_steps=1, enable_progress_bar=False,
-                         enable_model_summary=False, logger=False)
+                         enable_model_summary=False, logger=False, enable_checkpointing=False)
             fit.fit(mod, train)
             losses[name, key] = fit.callback_metrics["loss"]
             if name == "tp4":

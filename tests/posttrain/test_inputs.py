@@ -185,7 +185,7 @@ class Loaded(jl.TrainModule):
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
 def test_from_pretrained_inside_configure_model(strategy):
     fit = jl.Fit(strategy, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
+                 logger=False, enable_checkpointing=False)
     tokens = np.arange(32, dtype=np.int32).reshape(8, 4)
     fit.fit(Loaded(), jl.data.ArrayLoader({"tokens": tokens}, batch_size=8))
     want = nnx.to_pure_dict(nnx.state(from_pretrained(FIXTURE, param_dtype=jnp.float32),

@@ -95,7 +95,8 @@ STRATEGIES = {
 def test_losses_in_the_compiled_step_equal_tunix(name):
     recorder = Recorder()
     fit = jl.Fit(STRATEGIES[name](), max_steps=1, log_every_n_steps=1, callbacks=[recorder],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(OracleHeads(), _data())
     got = recorder.metrics[1]
     grpo, dpo = RESULTS["grpo"][GRPO], RESULTS["dpo"][DPO]

@@ -113,7 +113,7 @@ def test_grpo_on_a_jsonl_with_columns_and_two_weighted_reward_functions(tmp_path
     module, data = grpo.build(config)
     feed = data.train
     fit = jl.Fit("fsdp", max_steps=2, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False)
+                 enable_model_summary=False, logger=False, enable_checkpointing=False)
     fit.fit(module, feed)
     seen = feed.reward_funcs[0].__globals__["SEEN"]
     assert len(seen) == feed.generation == 1  # one batched call per generation batch

@@ -1,6 +1,6 @@
 """A grpo recipe fit in its own process (tests/recipes/test_grpo.py's SIGKILL resume).
 
-    python _grpo_child.py '{"dir": ..., "steps": 6, "pause_at": 3}'   # checkpoint each step,
+    python _grpo_child.py '{"dir": ..., "steps": 6, "pause_at": 3}'   # checkpoint step 3,
         # print "paused" after step pause_at's checkpoint and wait to be killed
     python _grpo_child.py '{"dir": ..., "steps": 6, "resume": true}'  # resume from "last",
         # write the final policy and the feed's record to dir/resumed.npz
@@ -25,7 +25,9 @@ if __name__ == "__main__":
                 print("paused", flush=True)
                 time.sleep(600)
 
-    ckpt = jl.callbacks.ModelCheckpoint(os.path.join(cfg["dir"], "ckpt"), every_n_train_steps=1,
+    # Every 3 steps: step 3's checkpoint (mid generation batch 1) is the one resumed; earlier
+    # ones would only cost their saves.
+    ckpt = jl.callbacks.ModelCheckpoint(os.path.join(cfg["dir"], "ckpt"), every_n_train_steps=3,
                                         async_save=False)
     out = run_grpo(cfg["steps"], callbacks=[ckpt, Pause()],
                    ckpt_path="last" if cfg.get("resume") else None)

@@ -25,7 +25,8 @@ def test_dpo_raises_held_out_reward_accuracy():
     config.data.pairs, config.data.batch_size = 96, 16  # 77 train, 19 held out
     module, data = dpo.build(config)
     fit = jl.Fit(strategies.Hybrid({"fsdp": 4, "tp": 2}), max_steps=12, log_every_n_steps=4,
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     before = fit.validate(module, data.val)
     assert before["val_reward_accuracy"] == 0.0 and abs(before["val_loss"] - np.log(2)) < 1e-6
     fit.fit(module, data.train)

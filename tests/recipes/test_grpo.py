@@ -54,7 +54,8 @@ def run_grpo(steps: int, strategy="single", callbacks=(), ckpt_path=None) -> Run
     config.optim.lr = 1e-2  # the random fixture: big steps, so that every generation differs
     module, data = grpo.build(config)
     fit = jl.Fit(strategy, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 callbacks=list(callbacks),
+                 callbacks=list(callbacks), enable_checkpointing=any(
+                     isinstance(cb, jl.callbacks.ModelCheckpoint) for cb in callbacks),
                  **grpo.RECIPE.fit_defaults | {"max_steps": steps, "log_every_n_steps": 1})
     programs, logps = compiled_programs(), _old_log_probs._cache_size()
     fit.fit(module, data.train, ckpt_path=ckpt_path)
@@ -116,7 +117,8 @@ def test_on_policy_when_each_batch_feeds_one_step():
             copies[fit.global_step] = nnx.merge(graphdef, jax.tree.map(jax.numpy.copy, state))
 
     fit = jl.Fit("single", max_steps=2, prefetch_batches=2, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, callbacks=[Keep()])
+                 enable_model_summary=False, logger=False, callbacks=[Keep()],
+                 enable_checkpointing=False)
     fit.fit(module, data.train)
     feed = data.train
     assert feed.generation == 2
@@ -210,7 +212,7 @@ def test_recipe_step_loss_is_the_same_under_fsdp_and_fsdp_tp():
                        "fsdp_tp": lambda: strategies.Hybrid({"fsdp": 4, "tp": 2},
                                                             min_shard_size=1)}.items():
         fit = jl.Fit(make(), max_steps=1, log_every_n_steps=1, enable_progress_bar=False,
-                     enable_model_summary=False, logger=False)
+                     enable_model_summary=False, logger=False, enable_checkpointing=False)
         fit.fit(module, [batch])
         for key, value in want.items():
             assert abs(fit.callback_metrics[key] - value) <= 1e-5, (name, key, value,
@@ -229,7 +231,7 @@ def test_lora_policy_samples_and_trains_only_its_adapters():
     config.optim.lr = 1e-2
     module, data = grpo.build(config)
     fit = jl.Fit("single", max_steps=2, enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
+                 logger=False, enable_checkpointing=False)
     fit.fit(module, data.train)
     assert data.train.generation == 2
     leaves = jax.tree_util.tree_leaves_with_path(fit.state.params)
