@@ -18,7 +18,7 @@ def _devices_used(fit) -> set[int]:
 
 def _train(strategy, devices, module=None, data=None, steps=2):
     fit = jl.Fit(strategy, devices=devices, max_steps=steps, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False)
+                 enable_model_summary=False, logger=False, enable_checkpointing=False)
     fit.fit(module or Net(), data or _batches(steps))
     return fit
 
