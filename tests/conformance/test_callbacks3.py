@@ -114,7 +114,7 @@ def swa_fit(case, strategy="single", max_epochs=None, extra=(), **fit_kwargs):
                  callbacks=[callbacks.StochasticWeightAveraging(**case["kwargs"]), record,
                             *extra],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0, **fit_kwargs)
+                 enable_checkpointing=False, num_sanity_val_steps=0, **fit_kwargs)
     return fit, record
 
 
@@ -222,7 +222,7 @@ def test_callbacks3_accumulation(case_id):
     fit = jl.Fit("single", max_epochs=case["epochs"],
                  callbacks=[callbacks.GradientAccumulationScheduler(scheduling), record],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0)
+                 enable_checkpointing=False, num_sanity_val_steps=0)
     module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
     fit.fit(module, *loaders(case, prob))
     assert fit.global_step == case["global_step"]
@@ -252,7 +252,7 @@ def test_callbacks3_accumulation_scheduler_resumes_bitwise_across_a_k_change(tmp
         fit = jl.Fit("single", max_epochs=case["epochs"],
                      callbacks=[callbacks.GradientAccumulationScheduler(scheduling), *extra],
                      enable_progress_bar=False, logger=False, enable_model_summary=False,
-                     num_sanity_val_steps=0)
+                     enable_checkpointing=False, num_sanity_val_steps=0)
         module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
         fit.fit(module, *loaders(case, prob), ckpt_path=ckpt_path)
         return fit, module
@@ -338,7 +338,7 @@ def finetune_fit(case, extra=(), ckpt_path=None):
     cb = finetune_callback(case["callback"])
     fit = jl.Fit("single", max_epochs=case["epochs"], callbacks=[cb, record, *extra],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0)
+                 enable_checkpointing=False, num_sanity_val_steps=0)
     module = NetModule(case["initial"], case["lr"], case["optimizer"])
     fit.fit(module, *loaders(case, prob), ckpt_path=ckpt_path)
     return fit, module, record, cb
