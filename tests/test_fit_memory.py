@@ -17,6 +17,7 @@ import gc
 
 import jax
 import numpy as np
+import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
@@ -76,6 +77,7 @@ def test_initialization_holds_at_most_the_state_and_builds_the_same_state():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # a second MoE step compile (32-true); the fast tier: the test above
 def test_training_holds_the_state_and_the_step_aliases_all_of_it():
     """Live device bytes while training, beside what lived before the fit: the state and a
     batch's few bytes (no copy of the initial weights for `module.model`), as a hand loop."""
