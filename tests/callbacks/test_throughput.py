@@ -106,7 +106,8 @@ class Rows(callbacks.Callback):
         self.rows.setdefault(step, {}).update(metrics)
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp", "ddp"])
+# DataParallel in the whole suite only: the fast tier keeps one device and data parallelism (DDP).
+@pytest.mark.parametrize("strategy", ["single", pytest.param("dp", marks=pytest.mark.slow), "ddp"])
 def test_mfu_matches_analytic_flops(strategy):
     module = DenseStack()
     monitor, rows = callbacks.ThroughputMonitor(peak_flops_per_device=PEAK), Rows()
