@@ -52,7 +52,7 @@ def test_dtype_change_in_later_epoch_names_the_epoch():
     with pytest.raises(jl.DataError, match=r"training batch 0 of epoch 1 has leaf \['x'\] of "
                                            r"dtype float16.*from training batch 0 of epoch 0"):
         jl.Fit("single", max_epochs=3, enable_progress_bar=False, enable_model_summary=False,
-               logger=False).fit(Classifier(), Epochs())
+               logger=False, enable_checkpointing=False).fit(Classifier(), Epochs())
 
 
 def test_float64_after_float32_is_not_a_change():

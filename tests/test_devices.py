@@ -18,7 +18,7 @@ def _devices_used(fit) -> set[int]:
 
 def _train(strategy, devices, module=None, data=None, steps=2):
     fit = jl.Fit(strategy, devices=devices, max_steps=steps, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False)
+                 enable_model_summary=False, logger=False, enable_checkpointing=False)
     fit.fit(module or Net(), data or _batches(steps))
     return fit
 
@@ -34,7 +34,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+#: Cases the whole suite runs and the fast tier leaves out: the fast tier keeps devices given as a
+#: number and as a list under one-device, data-parallel and sharded strategies (the selection is
+#: the same code for every strategy: `Strategy.setup(devices)` builds the mesh from them).
+SLOW_CASES = {"tp", "hybrid", "auto"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES
+                                  else c for c in CASES])
 def test_every_strategy_runs_on_the_chosen_devices_only(case):
     make, devices, used = CASES[case]
     fit = _train(make(), devices)
@@ -42,6 +49,7 @@ def test_every_strategy_runs_on_the_chosen_devices_only(case):
     assert {d.id for d in fit.strategy.mesh.devices.flat} == used
 
 
+@pytest.mark.slow  # a pipeline's stages on a device subset; the fast tier: the cases above
 def test_gpipe_on_four_of_eight_devices():
     fit = _train(strategies.GPipe(stages=2, microbatches=4), [4, 5, 6, 7], _Regression(layers=2),
                  _regression_data(2, 16))

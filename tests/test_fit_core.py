@@ -25,6 +25,9 @@ from tests.models import Classifier, classification_data
 
 def _fit(**kw):
     kw.setdefault("max_steps", 4)
+    # The default checkpoint's saves only where a test gives a ModelCheckpoint.
+    kw.setdefault("enable_checkpointing", any(
+        isinstance(cb, callbacks.ModelCheckpoint) for cb in kw.get("callbacks", ())))
     return jl.Fit("single", enable_progress_bar=False, enable_model_summary=False,
                   logger=False, log_every_n_steps=1, **kw)
 
@@ -111,12 +114,14 @@ def test_skip_nonfinite_is_an_optax_transformation_that_holds_its_counters():
     params = {"w": np.ones(3, np.float32)}
     state = tx.init(params)
     assert isinstance(state, GuardedState) and isinstance(state.counters, NonFiniteState)
+    # Compiled, as a step runs them (one compile each; run op by op, each operation compiled).
+    update, adam_update = jax.jit(tx.update), jax.jit(optax.adam(0.1).update)
     good = {"w": np.full(3, 0.5, np.float32)}
-    updates, after_good = tx.update(good, state, params)
-    reference, _ = optax.adam(0.1).update(good, optax.adam(0.1).init(params), params)
+    updates, after_good = update(good, state, params)
+    reference, _ = adam_update(good, optax.adam(0.1).init(params), params)
     np.testing.assert_array_equal(updates["w"], reference["w"])
     bad = {"w": np.array([1.0, np.nan, 0.0], np.float32)}
-    updates, after_bad = tx.update(bad, after_good, params)
+    updates, after_bad = update(bad, after_good, params)
     np.testing.assert_array_equal(updates["w"], np.zeros(3, np.float32))
     for a, b in zip(jax.tree.leaves(after_bad.inner), jax.tree.leaves(after_good.inner),
                     strict=True):

@@ -12,10 +12,12 @@ the model then `tx.init`, whose peak is the state (47.5 GB), as the hand loop's.
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import jax
 import numpy as np
+import pytest
 
 import jaxlight as jl
 from jaxlight import callbacks
@@ -39,10 +41,26 @@ def _bytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
-def test_initialization_holds_at_most_the_state_and_builds_the_same_state():
-    fit = _fit("bf16-mixed", max_steps=1)
+@functools.cache
+def _trained(precision: str):
+    """A 3-step fit at `precision`, the live device bytes before it and at each batch's start
+    and end; both tests read the bf16-mixed one (one compile of its step, not two)."""
+    seen = []
+
+    def record(fit, *_):
+        seen.append(sum(a.nbytes for a in jax.live_arrays()))
+
+    fit = _fit(precision, callbacks=[callbacks.LambdaCallback(
+        on_train_batch_start=record, on_train_batch_end=record)])
     module = _module()
-    fit.fit(module, token_batches(1, batch=2))
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())
+    fit.fit(module, token_batches(3, batch=2))
+    return fit, module, before, seen
+
+
+def test_initialization_holds_at_most_the_state_and_builds_the_same_state():
+    fit, module, _, _ = _trained("bf16-mixed")
     state_bytes = _bytes(fit.state)
     # The outputs so far plus a call's temporaries, at most: the state (+ the step counter's
     # and optimizer counts' few bytes). One call held the state plus the parameters'
@@ -59,21 +77,12 @@ def test_initialization_holds_at_most_the_state_and_builds_the_same_state():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow  # a second MoE step compile (32-true); the fast tier: the test above
 def test_training_holds_the_state_and_the_step_aliases_all_of_it():
     """Live device bytes while training, beside what lived before the fit: the state and a
     batch's few bytes (no copy of the initial weights for `module.model`), as a hand loop."""
     for precision in ("bf16-mixed", "32-true"):
-        seen = []
-
-        def record(fit, *_):
-            seen.append(sum(a.nbytes for a in jax.live_arrays()))
-
-        fit = _fit(precision, callbacks=[callbacks.LambdaCallback(
-            on_train_batch_start=record, on_train_batch_end=record)])
-        module = _module()
-        gc.collect()
-        before = sum(a.nbytes for a in jax.live_arrays())
-        fit.fit(module, token_batches(3, batch=2))
+        fit, module, before, seen = _trained(precision)
         state_bytes = _bytes(fit.state)
         # Per batch: its tokens (2 x 17 int32) and metrics, kept two steps in flight.
         assert max(seen) - before <= state_bytes + 4096, (precision, max(seen) - before,

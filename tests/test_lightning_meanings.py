@@ -53,6 +53,9 @@ def _fit(strategy="single", **kw) -> jl.Fit:
     kw.setdefault("logger", False)
     kw.setdefault("enable_model_summary", False)
     kw.setdefault("num_sanity_val_steps", 0)
+    # The default checkpoint's saves only where a test gives a ModelCheckpoint.
+    kw.setdefault("enable_checkpointing", any(
+        isinstance(cb, callbacks.ModelCheckpoint) for cb in kw.get("callbacks", ())))
     return jl.Fit(strategy, **kw)
 
 

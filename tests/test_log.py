@@ -47,7 +47,8 @@ class Logged(Classifier):
 def run():
     logs = Logs()
     fit = jl.Fit("single", max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, callbacks=[logs])
+                 enable_model_summary=False, logger=False, enable_checkpointing=False,
+                 callbacks=[logs])
     data = classification_data(128)
     fit.fit(Logged(), ArrayLoader(data, 32), ArrayLoader(classification_data(40, seed=1), 16,
                                                         shuffle=False, drop_remainder=False))
@@ -116,7 +117,8 @@ def test_logger_false_keeps_values_from_the_loggers(tmp_path):
 
     logs, csv = Logs(), callbacks.CSVLogger(str(tmp_path))
     fit = jl.Fit("single", max_steps=2, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=csv, callbacks=[logs])
+                 enable_model_summary=False, logger=csv, enable_checkpointing=False,
+                 callbacks=[logs])
     data = ArrayLoader(classification_data(64), 32)
     fit.fit(Hidden(), data, data)
     fit.validate(data=data)
@@ -180,7 +182,8 @@ def test_reduce_fx_max_min_over_the_epoch():
 
     logs = Logs()
     fit = jl.Fit("single", max_epochs=2, log_every_n_steps=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, callbacks=[logs])
+                 enable_model_summary=False, logger=False, enable_checkpointing=False,
+                 callbacks=[logs])
     fit.fit(Extremes(), ArrayLoader(classification_data(96), 32))
     steps = [m["top_step"] for _, m in logs.rounds if "top_step" in m]
     ends = [m for _, m in logs.rounds if "top_epoch" in m]

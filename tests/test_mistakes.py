@@ -23,6 +23,9 @@ def _fit(strategy="single", **kw) -> jl.Fit:
     kw.setdefault("enable_progress_bar", False)
     kw.setdefault("enable_model_summary", False)
     kw.setdefault("logger", False)
+    # The default checkpoint's saves only where a test gives a ModelCheckpoint.
+    kw.setdefault("enable_checkpointing", any(
+        isinstance(cb, callbacks.ModelCheckpoint) for cb in kw.get("callbacks", ())))
     return jl.Fit(strategy, **kw)
 
 

@@ -46,7 +46,8 @@ def _fit(module, train, val=None, cbs=(), ckpt_path=None, **kw):
                                           on_log=lambda f, m, metrics, step: logs.append(
                                               (step, dict(metrics))))],
                  log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                 logger=False, **kw)
+                 logger=False, enable_checkpointing=any(
+                     isinstance(cb, callbacks.ModelCheckpoint) for cb in cbs), **kw)
     fit.fit(module, train, val, ckpt_path=ckpt_path)
     return fit, logs
 
@@ -186,7 +187,8 @@ def test_plateau_under_other_strategies(strategy):
     fit = jl.Fit(strategy, max_epochs=3, callbacks=[
         callbacks.LearningRateMonitor(),
         callbacks.LambdaCallback(on_log=lambda f, m, metrics, step: logs.append((step, metrics)))],
-        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, logger=False)
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False, logger=False,
+        enable_checkpointing=False)
     fit.fit(Scheduled(_plateau_opt(), stall=True), train, val)
     lrs = _lrs(logs)
     np.testing.assert_allclose([lrs[2], lrs[4], lrs[6]], [0.1, 0.1, 0.05], rtol=1e-6)

@@ -11,7 +11,7 @@ from tests.models import Classifier, classification_data
 
 def quiet_fit(strategy):
     return jl.Fit(strategy=strategy, max_steps=2, enable_progress_bar=False,
-                  enable_model_summary=False, logger=False)
+                  enable_model_summary=False, logger=False, enable_checkpointing=False)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from tests.models import Classifier, classification_data
 
 def _fit():
     return jl.Fit("single", max_steps=2, enable_progress_bar=False, enable_model_summary=False,
-                  logger=False)
+                  logger=False, enable_checkpointing=False)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -24,6 +24,9 @@ from tests.test_mistakes import _Steps  # the steps taken (a refusal comes befor
 
 def _fit(**kw) -> jl.Fit:
     kw.setdefault("max_steps", 4)
+    # The default checkpoint's saves only where a test gives a ModelCheckpoint.
+    kw.setdefault("enable_checkpointing", any(
+        isinstance(cb, callbacks.ModelCheckpoint) for cb in kw.get("callbacks", ())))
     return jl.Fit("single", enable_progress_bar=False, enable_model_summary=False, logger=False,
                   num_sanity_val_steps=0, **kw)
 

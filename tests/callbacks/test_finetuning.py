@@ -47,7 +47,8 @@ def _data():
 def _fit(strategy="single", cb=None, **kw):
     kw.setdefault("max_epochs", 2)
     return jl.Fit(strategy, enable_progress_bar=False, logger=False, enable_model_summary=False,
-                  callbacks=[cb or callbacks.BackboneFinetuning(1)], **kw)
+                  enable_checkpointing=False, callbacks=[cb or callbacks.BackboneFinetuning(1)],
+                  **kw)
 
 
 def test_states_are_sharded_like_the_parameters_and_the_backbone_waits():
@@ -65,7 +66,7 @@ def test_frozen_parameters_do_not_move_until_they_join():
     start = callbacks.LambdaCallback(
         on_fit_start=lambda fit, module: seen.update(jax.device_get(fit.state.params)))
     fit = jl.Fit("single", max_epochs=1, enable_progress_bar=False, logger=False,
-                 enable_model_summary=False,
+                 enable_model_summary=False, enable_checkpointing=False,
                  callbacks=[callbacks.BackboneFinetuning(1), start])
     fit.fit(Module(), _data())
     after = jax.device_get(fit.state.params)

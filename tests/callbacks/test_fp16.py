@@ -27,7 +27,8 @@ def _train(batches, cbs=(), strategy="single", ckpt_path=None, **kw):
     fit = jl.Fit(strategy, callbacks=[*cbs, callbacks.LambdaCallback(
         on_log=lambda fit, module, metrics, step: logs.append(dict(metrics)))],
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-        logger=False, **kw)
+        logger=False, enable_checkpointing=any(
+            isinstance(cb, callbacks.ModelCheckpoint) for cb in cbs), **kw)
     module = Classifier()
     fit.fit(module, batches, ckpt_path=ckpt_path)
     return module, fit, logs

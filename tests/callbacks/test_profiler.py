@@ -14,7 +14,8 @@ from tests.models import Classifier, classification_data
 def _fit(profiler, max_steps=6, **kw):
     fit = jl.Fit("single", max_steps=max_steps, log_every_n_steps=2, val_check_interval=3,
                  callbacks=[profiler],
-                 enable_progress_bar=False, enable_model_summary=False, **kw)
+                 enable_progress_bar=False, enable_model_summary=False,
+                 enable_checkpointing=False, **kw)
     fit.fit(Classifier(), jl.data.ArrayLoader(classification_data(256), 32),
             jl.data.ArrayLoader(classification_data(64, seed=1), 32))
     return fit

@@ -24,7 +24,8 @@ from tests.models import Classifier, classification_data
 def _fit(max_steps=None, bar=None, extra=(), **kw) -> jl.Fit:
     kw.setdefault("log_every_n_steps", 50)
     return jl.Fit("single", max_steps=max_steps, enable_progress_bar=False, logger=False,
-                  enable_model_summary=False,
+                  enable_model_summary=False, enable_checkpointing=any(
+                      isinstance(cb, callbacks.ModelCheckpoint) for cb in extra),
                   callbacks=[bar or callbacks.TQDMProgressBar(), *extra], **kw)
 
 

@@ -28,7 +28,7 @@ def test_rich_summary_shows_modelsummarys_rows_and_totals(capsys):
     plain, rich_summary = callbacks.ModelSummary(), callbacks.RichModelSummary()
     data = jl.data.DataLoader({"x": np.ones((16, 8), np.float32)}, batch_size=16)
     fit = jl.Fit("fsdp", max_steps=1, callbacks=[plain, rich_summary],
-                 enable_progress_bar=False, logger=False)
+                 enable_progress_bar=False, logger=False, enable_checkpointing=False)
     fit.fit(Lin(), data)
     out = capsys.readouterr().out
     assert rich_summary.totals == plain.totals == {

@@ -39,6 +39,7 @@ def _data():
 def _fit(strategy="single", swa=None, **kw):
     kw.setdefault("max_epochs", 3)
     return jl.Fit(strategy, enable_progress_bar=False, logger=False, enable_model_summary=False,
+                  enable_checkpointing=False,
                   callbacks=[swa or callbacks.StochasticWeightAveraging(1e-2, 2, 1)], **kw)
 
 

@@ -106,13 +106,15 @@ class Rows(callbacks.Callback):
         self.rows.setdefault(step, {}).update(metrics)
 
 
-@pytest.mark.parametrize("strategy", ["single", "dp", "ddp"])
+# DataParallel in the whole suite only: the fast tier keeps one device and data parallelism (DDP).
+@pytest.mark.parametrize("strategy", ["single", pytest.param("dp", marks=pytest.mark.slow), "ddp"])
 def test_mfu_matches_analytic_flops(strategy):
     module = DenseStack()
     monitor, rows = callbacks.ThroughputMonitor(peak_flops_per_device=PEAK), Rows()
     fit = jl.Fit(strategies.resolve(strategy), max_steps=12, log_every_n_steps=4,
                  callbacks=[monitor, callbacks.LearningRateMonitor(), rows],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(module, jl.data.ArrayLoader(_regression_data(), B, seed=0))
     devices = fit.strategy.mesh.devices.size
     analytic = module.analytic_flops(B)
@@ -145,7 +147,8 @@ class DeclaredFlops(DenseStack):
 def test_module_declared_flops_win():
     monitor = callbacks.ThroughputMonitor(peak_flops_per_device=PEAK)
     fit = jl.Fit("single", max_steps=4, log_every_n_steps=2, callbacks=[monitor],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(DeclaredFlops(layers=2), jl.data.ArrayLoader(_regression_data(), B))
     assert monitor.flops_per_step == 123.0e6
     assert monitor.summary["throughput/flops_per_sec"] == pytest.approx(
@@ -172,7 +175,8 @@ def test_lr_monitor_reads_inject_hyperparams():
     rows = Rows()
     fit = jl.Fit("single", max_steps=4, log_every_n_steps=1,
                  callbacks=[callbacks.LearningRateMonitor(log_momentum=True), rows],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(InjectedLR(), jl.data.ArrayLoader(classification_data(128), 32))
     for step in range(1, 5):
         assert rows.rows[step]["lr"] == pytest.approx(0.1 * 0.5 ** (step - 1), rel=1e-6)
@@ -184,7 +188,8 @@ def test_device_stats_on_cpu_and_lr_monitor_reads_a_constant_lr(capsys):
     monitor, rows = callbacks.DeviceStatsMonitor(), Rows()
     fit = jl.Fit("single", max_steps=2, log_every_n_steps=1,
                  callbacks=[monitor, callbacks.LearningRateMonitor(), rows],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(Classifier(), jl.data.ArrayLoader(classification_data(64), 32))
     # optax.adam(1e-2)'s constant rate, read from its closure (Lightning logs it too).
     assert [r["lr"] for r in rows.rows.values() if "lr" in r] == pytest.approx([1e-2, 1e-2])

@@ -36,7 +36,8 @@ def _data():
 
 def _fit(strategy, steps, extra=()):
     return jl.Fit(strategy, max_steps=steps, enable_progress_bar=False, logger=False,
-                  enable_model_summary=False,
+                  enable_model_summary=False, enable_checkpointing=any(
+                      isinstance(cb, callbacks.ModelCheckpoint) for cb in extra),
                   callbacks=[callbacks.EMAWeightAveraging(decay=0.7), *extra])
 
 

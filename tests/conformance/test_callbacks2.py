@@ -79,7 +79,7 @@ def run_case(case, strategy="single", extra=()):
     fit = jl.Fit(strategy, max_epochs=case["epochs"],
                  callbacks=[cls(**case["callback"]["kwargs"]), record, *extra],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0)
+                 enable_checkpointing=False, num_sanity_val_steps=0)
     module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
     loader = jl.data.DataLoader
     fit.fit(module, loader({"x": prob["x"][:n], "y": prob["y"][:n]}, case["batch_size"]),
@@ -153,7 +153,7 @@ def test_callbacks2_timer(case_id, monkeypatch):
     extra = [callbacks.Timer(**spec["timer"])] if "timer" in spec else []
     fit = jl.Fit("single", max_epochs=case["epochs"], max_time=spec.get("max_time"),
                  callbacks=[_Tick(clock, events), *extra], enable_progress_bar=False,
-                 logger=False, enable_model_summary=False)
+                 logger=False, enable_model_summary=False, enable_checkpointing=False)
     fit.fit(Reg(prob["kernel"], prob["bias"], 0.05, "sgd"),
             jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"]))
     assert fit.global_step == case["global_step"]
@@ -187,7 +187,8 @@ def test_callbacks2_on_exception_checkpoint_resumes(tmp_path):
 
     def fit_with(extra):
         return jl.Fit("single", max_epochs=case["epochs"], callbacks=extra,
-                      enable_progress_bar=False, logger=False, enable_model_summary=False)
+                      enable_progress_bar=False, logger=False, enable_model_summary=False,
+                      enable_checkpointing=False)
 
     def module():
         return Reg(prob["kernel"], prob["bias"], 0.05, "sgd")
@@ -292,7 +293,8 @@ def test_callbacks2_spike_detection(case_id, tmp_path):
     y[s:s + case["batch_size"]] *= 50
     fit = jl.Fit("single", max_epochs=case["epochs"], default_root_dir=tmp_path,
                  callbacks=[callbacks.SpikeDetection(**case["kwargs"])],
-                 enable_progress_bar=False, logger=False, enable_model_summary=False)
+                 enable_progress_bar=False, logger=False, enable_model_summary=False,
+                 enable_checkpointing=False)
     module = Reg(prob["kernel"], prob["bias"], 0.02, "sgd")
     loader = jl.data.DataLoader({"x": prob["x"], "y": y}, case["batch_size"])
     path = tmp_path / "skip_batches.json"

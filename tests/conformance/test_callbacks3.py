@@ -10,6 +10,7 @@ when training ends).
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 
@@ -114,8 +115,15 @@ def swa_fit(case, strategy="single", max_epochs=None, extra=(), **fit_kwargs):
                  callbacks=[callbacks.StochasticWeightAveraging(**case["kwargs"]), record,
                             *extra],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0, **fit_kwargs)
+                 enable_checkpointing=False, num_sanity_val_steps=0, **fit_kwargs)
     return fit, record
+
+
+@functools.cache
+def swa_case_run(case_id):
+    """`run_swa` of a swa case, once per module: its test and the resume test's uninterrupted
+    run read the same fit."""
+    return run_swa(FIXTURE["swa_cases"][case_id])
 
 
 def run_swa(case, strategy="single"):
@@ -140,7 +148,7 @@ def assert_final(module, case):
         "StochasticWeightAveraging(annealing_strategy)")
 def test_callbacks3_swa(case_id):
     case = FIXTURE["swa_cases"][case_id]
-    fit, module, record = run_swa(case)
+    fit, module, record = swa_case_run(case_id)
     assert fit.global_step == case["global_step"]
     np.testing.assert_allclose(record.lrs, case["epoch_lrs"], rtol=1e-5)
     np.testing.assert_allclose(record.losses, case["val_losses"], rtol=1e-5)
@@ -171,8 +179,10 @@ def test_callbacks3_swa_resumes_bitwise_across_its_start(tmp_path):
     def module():
         return Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
 
-    whole, whole_record = swa_fit(case)
-    whole.fit(module(), *loaders(case, prob))
+    # The uninterrupted run: swa_fit(case) on module() (the case has no epoch scheduler), as
+    # test_callbacks3_swa ran it.
+    assert case.get("gamma") is None
+    whole, _, whole_record = swa_case_run("swa_sgd_cos_from_third_epoch")
     # Step 14: the third step of epoch 2, SWA's first epoch (after its first average).
     on_exception = callbacks.OnExceptionCheckpoint(tmp_path)
     broken, _ = swa_fit(case, extra=[_Boom(14), on_exception])
@@ -222,7 +232,7 @@ def test_callbacks3_accumulation(case_id):
     fit = jl.Fit("single", max_epochs=case["epochs"],
                  callbacks=[callbacks.GradientAccumulationScheduler(scheduling), record],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0)
+                 enable_checkpointing=False, num_sanity_val_steps=0)
     module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
     fit.fit(module, *loaders(case, prob))
     assert fit.global_step == case["global_step"]
@@ -252,7 +262,7 @@ def test_callbacks3_accumulation_scheduler_resumes_bitwise_across_a_k_change(tmp
         fit = jl.Fit("single", max_epochs=case["epochs"],
                      callbacks=[callbacks.GradientAccumulationScheduler(scheduling), *extra],
                      enable_progress_bar=False, logger=False, enable_model_summary=False,
-                     num_sanity_val_steps=0)
+                     enable_checkpointing=False, num_sanity_val_steps=0)
         module = Reg(prob["kernel"], prob["bias"], case["lr"], case["optimizer"])
         fit.fit(module, *loaders(case, prob), ckpt_path=ckpt_path)
         return fit, module
@@ -332,13 +342,20 @@ def finetune_callback(spec):
     return UnfreezeAt(**kwargs)
 
 
+@functools.cache
+def finetune_case_run(case_id):
+    """`finetune_fit` of a finetune case, once per module: its test and the resume test's
+    uninterrupted run read the same fit."""
+    return finetune_fit(FIXTURE["finetune_cases"][case_id])
+
+
 def finetune_fit(case, extra=(), ckpt_path=None):
     prob = problem(case)
     record = ValLoss()
     cb = finetune_callback(case["callback"])
     fit = jl.Fit("single", max_epochs=case["epochs"], callbacks=[cb, record, *extra],
                  enable_progress_bar=False, logger=False, enable_model_summary=False,
-                 num_sanity_val_steps=0)
+                 enable_checkpointing=False, num_sanity_val_steps=0)
     module = NetModule(case["initial"], case["lr"], case["optimizer"])
     fit.fit(module, *loaders(case, prob), ckpt_path=ckpt_path)
     return fit, module, record, cb
@@ -378,7 +395,7 @@ def assert_net(module, case):
         "BaseFinetuning.unfreeze_and_add_param_group(lr)")
 def test_callbacks3_finetune(case_id):
     case = FIXTURE["finetune_cases"][case_id]
-    fit, module, record, cb = finetune_fit(case)
+    fit, module, record, cb = finetune_case_run(case_id)
     assert fit.global_step == case["global_step"]
     active, lrs, _ = cb.table()
     # The rate of each parameter group (groups of one rate counted once).
@@ -400,7 +417,7 @@ def test_callbacks3_finetuning_resumes_bitwise_across_the_unfreeze(tmp_path):
     import jax
 
     case = FIXTURE["finetune_cases"]["backbone_finetuning_adam_unfreezes_with_zero_moments"]
-    whole, _, _, _ = finetune_fit(case)
+    whole, _, _, _ = finetune_case_run("backbone_finetuning_adam_unfreezes_with_zero_moments")
     # Step 14: the second step of epoch 2, the backbone's first epoch in the optimizer.
     with pytest.raises(RuntimeError, match="boom at step 14"):
         finetune_fit(case, [_Boom(14), callbacks.OnExceptionCheckpoint(tmp_path)])

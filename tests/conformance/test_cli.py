@@ -22,8 +22,10 @@ G = "cli"
 HERE = pathlib.Path(__file__).resolve().parent
 PORT = str(HERE / "_cli_port.py")
 TARGET = [f"{PORT}:LitClassifier", "--data", f"{PORT}:MyDataModule"]
+# lightning_side/cli.py's QUIET (no default checkpoint either) and no sanity check.
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-         "--trainer.logger", "false", "--trainer.num_sanity_val_steps", "0"]
+         "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+         "--trainer.num_sanity_val_steps", "0"]
 
 
 @pytest.fixture

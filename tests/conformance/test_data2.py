@@ -72,7 +72,8 @@ def test_data2(case_id):
     module = Reg(prob["kernel"], prob["bias"], case["lr"])
     record = EpochLosses()
     fit = jl.Fit("single", max_epochs=case["epochs"], callbacks=[record],
-                 enable_progress_bar=False, logger=False, enable_model_summary=False)
+                 enable_progress_bar=False, logger=False, enable_model_summary=False,
+                 enable_checkpointing=False)
     loader = jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, batch_size=case["batch_size"],
                                 drop_last=case["drop_last"])
     fit.fit(module, loader)

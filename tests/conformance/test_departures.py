@@ -34,7 +34,8 @@ def test_global_batch():
     expected = case(G, "global_batch")
     module = Reg(G)
     fit = jl.Fit("dp", devices=2, max_epochs=1, enable_progress_bar=False,
-                 enable_model_summary=False, logger=False, num_sanity_val_steps=0)
+                 enable_model_summary=False, logger=False, num_sanity_val_steps=0,
+                 enable_checkpointing=False)
     fit.fit(module, batches(G, batch_size=expected["batch_size"]))
     assert fit.global_step == expected["global_step"]
     assert_weights(module, expected["weights"])

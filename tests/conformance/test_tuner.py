@@ -51,7 +51,7 @@ def _problem_of(case):
 
 def _fit(strategy="single", **kw):
     return jl.Fit(strategy, enable_progress_bar=False, logger=False, enable_model_summary=False,
-                  **kw)
+                  enable_checkpointing=False, **kw)
 
 
 # -- the learning-rate finder ------------------------------------------------------------------
@@ -223,7 +223,8 @@ def mlflow_run(tmp_path_factory):
     fit = jl.Fit("single", max_steps=case["max_steps"],
                  log_every_n_steps=case["log_every_n_steps"],
                  val_check_interval=case["val_check_interval"], callbacks=[logger],
-                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                 enable_checkpointing=False)
     loader = jl.data.DataLoader({"x": prob["x"], "y": prob["y"]}, case["batch_size"])
     fit.fit(LoggedReg(prob["kernel"], prob["bias"], 0.05), loader, loader)
     client = tracking.MlflowClient(uri)

@@ -98,7 +98,7 @@ def test_the_dqn_port_equals_lightnings_dqn():
     lightning = json.loads(FIXTURE.read_text())
     rounds, module = _Rounds(), DQNPort()
     jl.Fit("single", max_steps=CONFIG["max_steps"], log_every_n_steps=1, logger=False,
-           enable_progress_bar=False, enable_model_summary=False,
+           enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
            callbacks=[rounds]).fit(module, module.data)
     assert [r["reward"] for r in rounds.rows] == lightning["rewards"]
     assert module.states == lightning["states"]  # the same actions, greedy ones included

@@ -85,7 +85,8 @@ def test_fit_lowers_the_rate_as_lightning_with_torchs_plateau():
             scales.append(float(state.scale))
 
     fit = jl.Fit("single", max_epochs=6, callbacks=[Record()], logger=False,
-                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                 enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                 enable_checkpointing=False)
     fit.fit(Worsening(), data, data)
     assert all(b > a for a, b in zip(losses, losses[1:], strict=False))  # rising every epoch
     assert scales == [1, 1, 0.5, 0.5, 0.25, 0.25]
