@@ -12,10 +12,10 @@ from jaxlight import callbacks
 from tests.callbacks.test_loggers import Recorder, _data
 from tests.models import Classifier
 
-mlflow_tracking = pytest.importorskip("mlflow.tracking")
-
 
 def _client(uri):
+    # Imported here, not at collection: MLflow's import costs seconds in every pytest worker.
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 asks for a file store
     return mlflow_tracking.MlflowClient(uri)
 
@@ -29,6 +29,7 @@ def _only_run(client, experiment):
 
 
 def test_mlflow_run_read_back(tmp_path):
+    pytest.importorskip("mlflow.tracking")
     uri = f"file:{tmp_path / 'mlruns'}"
     logger = callbacks.MLFlowLogger("exp", run_name="first", tracking_uri=uri,
                                     tags={"team": "jax"}, log_model=True)
@@ -66,6 +67,7 @@ class _Boom(callbacks.Callback):
 
 
 def test_mlflow_prefix_names_and_failed_status(tmp_path):
+    pytest.importorskip("mlflow.tracking")
     uri = f"file:{tmp_path / 'mlruns'}"
     logger = callbacks.MLFlowLogger("exp2", tracking_uri=uri, prefix="train")
     fit = jl.Fit("single", max_steps=6, log_every_n_steps=1, callbacks=[logger, _Boom()],
