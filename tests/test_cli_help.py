@@ -14,7 +14,7 @@ import pytest
 
 from jaxlight import recipes
 from jaxlight._cli import _help, _main
-from jaxlight._cli._options import COMMANDS
+from jaxlight._cli._help import COMMANDS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: What the console script `jaxlight` (`jaxlight._cli:main`) runs, in a fresh interpreter.

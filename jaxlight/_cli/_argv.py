@@ -296,11 +296,22 @@ def parser_argv(items: list[tuple[str, Any]], notes: Notes, modules: dict[str, A
     return out
 
 
-def config_devices(argv: Sequence[str]) -> int | None:
-    """The `devices:` of the last `--config` file naming one (`--print_config` writes the
-    `--devices` of the run), to be applied before JAX starts."""
-    trees = [_read_config(value) for name, value in _pairs(argv)
-             if name == "--config" and value is not None]
+def requested_devices(argv: Sequence[str], configs: bool = True) -> int | None:
+    """`--devices N`, else (`configs`) the `devices:` of the last `--config` file naming one
+    (`--print_config` writes the run's), to be applied before JAX starts."""
+    pairs = _pairs(argv[:argv.index("--")] if "--" in argv else argv)
+    given = [value for name, value in pairs if name == "--devices"]
+    if given:
+        try:
+            n = int(given[0])
+        except (TypeError, ValueError):
+            raise ConfigurationError(f"--devices expects a positive int, got {given[0]!r}.") \
+                from None
+        if n < 1:
+            raise ConfigurationError(f"--devices expects a positive int, got {n}.")
+        return n
+    trees = [_read_config(value) for name, value in pairs
+             if configs and name == "--config" and value is not None]
     found = [tree["devices"] for tree in trees if tree.get("devices") is not None]
     if found and (not isinstance(found[-1], int) or isinstance(found[-1], bool) or found[-1] < 1):
         raise ConfigurationError(f"config file: devices: {found[-1]!r}; give a positive number "

@@ -113,8 +113,8 @@ def build_strategy(name: str = "auto", mesh_shape: str | Sequence | Mapping | No
         else:
             kwargs = {**kwargs, "mesh_shape": parse_mesh_shape(kwargs["mesh_shape"])}
         return _call(strategies.Hybrid, args, kwargs, f"--strategy {name}")
-    target = _strategy_class(key)
-    if lower not in strategies.ALIASES and target is None:
+    target = strategies.ALIASES.get(lower) or _strategy_class(key)
+    if target is None:
         try:
             strategies.resolve(key)
         except ConfigurationError as err:
@@ -122,9 +122,7 @@ def build_strategy(name: str = "auto", mesh_shape: str | Sequence | Mapping | No
                 f"{err} On the command line also: 'hybrid' (with --mesh-shape), and any class of "
                 "jaxlight.strategies, with arguments in call form such as \"tp(size=4)\"."
             ) from None
-    if not args and not kwargs:
-        return strategies.resolve(key) if lower in strategies.ALIASES else target()
-    return _call(strategies.ALIASES.get(lower, target), args, kwargs, f"--strategy {name}")
+    return _call(target, args, kwargs, f"--strategy {name}")
 
 
 #: Bare strategies that span every device on one axis: (class, sizing keyword, what it sizes).

@@ -13,32 +13,11 @@ import numpy as np
 
 from jaxlight import distributed, strategies
 from jaxlight._cli._build import build_strategy
-from jaxlight._cli._options import COMMANDS, Parser, normalize_argv, unknown_option_error
+from jaxlight._cli._help import COMMANDS
+from jaxlight._cli._options import Parser, normalize_argv, unknown_option_error
 from jaxlight._errors import ConfigurationError
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def prescan_devices(argv: Sequence[str]) -> int | None:
-    """`--devices N` from raw argv (before argparse, before JAX starts)."""
-    for i, token in enumerate(argv):
-        if token == "--":
-            break
-        value = None
-        if token == "--devices" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif token.startswith("--devices="):
-            value = token.split("=", 1)[1]
-        if value is not None:
-            try:
-                n = int(value)
-            except ValueError:
-                raise ConfigurationError(f"--devices expects a positive int, got {value!r}.") \
-                    from None
-            if n < 1:
-                raise ConfigurationError(f"--devices expects a positive int, got {n}.")
-            return n
-    return None
 
 
 def simulate_cpu_devices(n: int) -> None:

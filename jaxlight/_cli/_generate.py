@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from jaxlight._cli._build import build_strategy
 from jaxlight._cli._devices import parse_command
-from jaxlight._cli._options import COMMANDS, Parser
+from jaxlight._cli._help import COMMANDS
+from jaxlight._cli._options import Parser
 from jaxlight._errors import ConfigurationError
 from jaxlight.nn.pretrained import Tokenizer, from_pretrained, generate
 

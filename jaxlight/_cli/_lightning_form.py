@@ -37,7 +37,7 @@ from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.data._datamodule import DataModule
 from jaxlight.module._module import TrainModule
 from jaxlight.optim.torch import TorchLRScheduler, TorchOptimizer
-from jaxlight.recipes._base import apply_overrides, flatten, type_name
+from jaxlight.recipes._base import type_name
 
 #: Every public callback and logger class, loaded: jsonargparse resolves a short class name
 #: (`--trainer.logger CSVLogger`, `--trainer.callbacks+=EarlyStopping`) among the subclasses
@@ -73,11 +73,8 @@ def _parser(command: str, description: str):
             return self.add_class_arguments(cls, nested_key, fail_untyped=False,
                                             sub_configs=True)
 
-    class Formatter(DefaultHelpFormatter):
+    class Formatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
         """Keeps the description's and the epilog's lines as written."""
-
-        def _fill_text(self, text, width, indent):
-            return "".join(indent + line for line in text.splitlines(keepends=True))
 
     # env_prefix: LightningCLI's environment variables (PL_FIT__TRAINER__MAX_EPOCHS), read when
     # JSONARGPARSE_DEFAULT_ENV=true, as for a LightningCLI script.
@@ -167,8 +164,7 @@ def build_recipe_parser(command: str, recipe, preset: str | None):
     helps = {}
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
-        parser.add_class_arguments(type(value), section.name, instantiate=False,
-                                   fail_untyped=False, default=value)
+        parser.add_class_arguments(type(value), section.name, fail_untyped=False, default=value)
         helps.update({f"{section.name}.{f.name}": f.metadata.get("help")
                       for f in dataclasses.fields(value)})
     for action in parser._actions:  # a recipe field's help, from its metadata
@@ -296,16 +292,10 @@ def _describe(obj: Any) -> str:
     return f"a {type(obj).__name__} ({obj!r:.60})"
 
 
-def recipe_config(recipe, preset: str | None, cfg) -> Any:
-    """The recipe's config dataclass with the parsed sections' values."""
+def recipe_config(recipe, preset: str | None, init) -> Any:
+    """The recipe's config dataclass with the sections jsonargparse built (`init`)."""
     config = recipe.default_config(preset)
-    values = {}
-    for f in dataclasses.fields(config):
-        section = cfg.get(f.name)
-        if section is not None:
-            values.update(flatten(section.as_dict() if hasattr(section, "as_dict")
-                                  else dict(section), f"{f.name}."))
-    return apply_overrides(config, values, "command line")
+    return dataclasses.replace(config, **{f.name: init[f.name] for f in dataclasses.fields(config)})
 
 
 def printed_config(parser, cfg) -> str:

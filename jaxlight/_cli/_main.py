@@ -11,10 +11,11 @@ from collections.abc import Sequence
 import jax
 
 from jaxlight import recipes
-from jaxlight._cli._argv import config_devices, config_target
-from jaxlight._cli._devices import devices_command, prescan_devices, simulate_cpu_devices
+from jaxlight._cli import _help
+from jaxlight._cli._argv import config_target, requested_devices
+from jaxlight._cli._devices import devices_command, simulate_cpu_devices
 from jaxlight._cli._generate import generate_command
-from jaxlight._cli._options import COMMANDS
+from jaxlight._cli._help import COMMANDS
 from jaxlight._cli._run import run
 from jaxlight._errors import (
     ConfigurationError,
@@ -27,29 +28,17 @@ from jaxlight.distributed._launch import main as launch_main
 
 
 def _top_help() -> str:
-    lines = ["usage: jaxlight <command> [recipe | PATH.py:Module --data PATH.py:Data] [options]"
-             "   (jaxlight --version)", "", "commands:"]
-    lines += [f"  {name:<9} {text}" for name, text in COMMANDS.items()]
-    lines += ["", "recipes (jaxlight fit <recipe> --help lists every option and its default):"]
+    summaries = {}
     for name in recipes.names():
         try:
-            summary = recipes.get(name).summary
+            summaries[name] = recipes.get(name).summary
         except Exception as err:  # a recipe whose dependencies are missing still gets listed
-            summary = f"(unavailable: {err})"
-        lines.append(f"  {name:<9} {summary}")
-    return "\n".join(lines)
+            summaries[name] = f"(unavailable: {err})"
+    return _help.top_help(summaries)
 
 
 def _version() -> str:
     return f"jaxlight {sys.modules['jaxlight'].__version__} (jax {jax.__version__})"
-
-
-def _quiet_stdout() -> None:
-    """Points stdout at /dev/null once its reader is gone (`jaxlight devices | head`), so that
-    neither later prints nor the interpreter's final flush raise BrokenPipeError again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         return status
     except BrokenPipeError:
-        _quiet_stdout()
+        _help.quiet_stdout()
         return 128 + signal.SIGPIPE  # what a Unix tool killed by SIGPIPE reports
     except (DistributedError, TrainingStopped) as err:
         print(f"jaxlight: {type(err).__name__}: {err}", file=sys.stderr)
@@ -96,9 +85,8 @@ def _dispatch(argv: list[str]) -> int:
             f"unknown command {command!r}; valid commands are {list(COMMANDS)} (or --version, "
             f"--help).{suggest(command, [*COMMANDS, '--version'])}"
         )
-    n = prescan_devices(rest)
-    if n is None and command not in ("devices", "generate"):
-        n = config_devices(rest)  # a saved config replays on its devices
+    # A saved config replays on its devices (run commands).
+    n = requested_devices(rest, configs=command not in ("devices", "generate"))
     if n is not None:
         simulate_cpu_devices(n)
     if command == "devices":

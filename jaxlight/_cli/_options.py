@@ -1,4 +1,4 @@
-"""The commands, and the small argparse parser of `jaxlight devices` and `jaxlight generate`
+"""The small argparse parser of `jaxlight devices` and `jaxlight generate`
 (run commands are read by the one jsonargparse parser, `_lightning_form`)."""
 
 from __future__ import annotations
@@ -7,17 +7,6 @@ import argparse
 from collections.abc import Sequence
 
 from jaxlight._errors import ConfigurationError, suggest
-
-COMMANDS = {
-    "fit": "train a recipe or your module (then report its final validation metrics)",
-    "validate": "run the validation data through a model (from --ckpt_path)",
-    "test": "run the test data through a model (from --ckpt_path)",
-    "predict": "run predict_step over the prediction data (from --ckpt_path); --output saves it",
-    "generate": "sample from a Hugging Face model directory (Llama 3, Qwen 2/3, Gemma 3) with "
-                "a key/value cache: jaxlight generate PATH --prompt TEXT",
-    "devices": "print devices, process index and count, and the mesh a strategy builds",
-    "launch": "start N local processes of a command (multi-process training on one machine)",
-}
 
 
 class Parser(argparse.ArgumentParser):

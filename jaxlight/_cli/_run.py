@@ -103,7 +103,7 @@ def run(command: str, recipe_name: str, argv: Sequence[str] = ()) -> RunResult |
         _replace_optimizers(cfg, init, module)
         recipe = Recipe(name=recipe_name, summary="", config=type(cfg), build=lambda *a: None)
     else:
-        config = recipe_config(recipe, extras["preset"], cfg)
+        config = recipe_config(recipe, extras["preset"], init)
 
     def make_fit(strategy):
         return Fit(seed=seed, **{**trainer, "strategy": strategy,

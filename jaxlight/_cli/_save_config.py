@@ -36,7 +36,7 @@ class SaveConfigCallback(cbs.Callback):
         #: Where the file was written (process 0; None before a stage started).
         self.path: str | None = None
 
-    def _save(self, fit) -> None:
+    def _save(self, fit, module=None) -> None:
         if self.already_saved:
             return
         self.already_saved = True
@@ -71,18 +71,7 @@ class SaveConfigCallback(cbs.Callback):
 
     # Lightning saves in `setup`; a logger's run directory is chosen when its stage starts, so
     # the file is written then (after the loggers, which come before it among the callbacks).
-    def on_fit_start(self, fit, module) -> None:
-        self._save(fit)
-
-    def on_validation_start(self, fit, module) -> None:
-        self._save(fit)
-
-    def on_test_start(self, fit, module) -> None:
-        self._save(fit)
-
-    def on_predict_start(self, fit, module) -> None:
-        self._save(fit)
-
+    on_fit_start = on_validation_start = on_test_start = on_predict_start = _save
 
 def save_config_callbacks(text: str, extras, fast_dev_run, resuming: bool) -> list:
     """LightningCLI's `SaveConfigCallback` (not under `fast_dev_run`, as in Lightning):
