@@ -69,11 +69,14 @@ def _by_hand(clip: float | None = None):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     txs = _txs()
     states = {n: txs[n].init(params[n]) for n in txs}
+    # Compiled once (eagerly each op was an XLA compile of its own); the steps stay on the host.
+    grad = jax.jit(jax.grad(lambda p, batch: _loss(nnx.merge(graphdef, p), batch)))
+    updates_of = {n: jax.jit(tx.update) for n, tx in txs.items()}
     norms = []
     for batch in _batches():
-        grads = jax.grad(lambda p: _loss(nnx.merge(graphdef, p), batch))(params)
+        grads = grad(params, batch)
         norms.append({})
-        for n, tx in txs.items():
+        for n in txs:
             g = grads[n]
             norm = optax.tree.norm(g)
             norms[-1][n] = float(norm)
@@ -81,7 +84,7 @@ def _by_hand(clip: float | None = None):
                 g = jax.tree.map(lambda x: x * (clip / norm), g)
             if not all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(g)):
                 continue
-            updates, states[n] = tx.update(g, states[n], params[n])
+            updates, states[n] = updates_of[n](g, states[n], params[n])
             params = {**params, n: optax.apply_updates(params[n], updates)}
     return params, norms
 
