@@ -60,20 +60,28 @@ def test_grouped_experts_equal_dense_reference(router):
     np.testing.assert_allclose(out, _dense_reference(x, r, gate, up, down), atol=2e-6)
 
 
+@jax.jit
+def _four_routings(logits, bias):
+    """Qwen's, Mixtral's, the raw softmax top-k and the biased sigmoid routing of `logits`, and
+    the top k softmax probabilities, in one compiled program."""
+    top = jnp.sort(jax.nn.softmax(logits, -1), -1)[..., ::-1][..., :K]
+    return (route(logits, K, router="softmax_topk", renormalize=True),
+            route(logits, K, router="topk_softmax"),
+            route(logits, K, router="softmax_topk", renormalize=False),
+            route(logits, K, router="sigmoid", bias=bias), top)
+
+
 def test_routers():
     logits = _normal(np.random.default_rng(3), (2, 5, E))
-    qwen = route_jit(logits, K, router="softmax_topk", renormalize=True)
-    mixtral = route_jit(logits, K, router="topk_softmax")
-    raw = route_jit(logits, K, router="softmax_topk", renormalize=False)
+    # the bias chooses, never weighs: a large bias on expert 5 makes every token pick it
+    bias = np.zeros(E, np.float32)
+    bias[5] = 10.0
+    qwen, mixtral, raw, biased, top = _four_routings(logits, bias)
     np.testing.assert_array_equal(qwen.experts, mixtral.experts)
     np.testing.assert_allclose(qwen.weights, mixtral.weights, rtol=1e-6)
-    probs = jax.nn.softmax(logits, -1)
-    np.testing.assert_allclose(raw.weights, jnp.sort(probs, -1)[..., ::-1][..., :K], rtol=1e-6)
+    np.testing.assert_allclose(raw.weights, top, rtol=1e-6)
     assert float(raw.weights.sum(-1).max()) < 1.0
-    # the bias chooses, never weighs: a large bias on expert 5 makes every token pick it
-    bias = jnp.zeros(E).at[5].set(10.0)
-    biased = route_jit(logits, K, router="sigmoid", bias=bias)
-    assert bool(jnp.all(jnp.any(biased.experts == 5, axis=-1)))
+    assert np.all(np.any(np.asarray(biased.experts) == 5, axis=-1))
     assert float(biased.weights.max()) < 1.0
 
 
@@ -93,14 +101,14 @@ def test_aux_losses_follow_their_formulas():
 
 def test_capacity_drops_and_counts():
     x, gate, up, down, logits = _arrays(b=2, length=16)
-    dropless = route_jit(logits, K)
-    # capacity factor >= E/k: every expert can take a whole example, nothing drops
-    roomy = route_jit(logits, K, capacity_factor=E / K)
+    # capacity factor >= E/k: every expert can take a whole example, nothing drops (roomy)
+    dropless, roomy, tight = jax.jit(lambda logits: (
+        route(logits, K), route(logits, K, capacity_factor=E / K),
+        route(logits, K, capacity_factor=0.5)))(logits)
     assert float(roomy.stats["dropped_fraction"]) == 0.0
     np.testing.assert_array_equal(
         experts(x, roomy.experts, roomy.weights, roomy.kept, gate, up, down),
         experts(x, dropless.experts, dropless.weights, dropless.kept, gate, up, down))
-    tight = route_jit(logits, K, capacity_factor=0.5)
     cap = capacity(16, E, K, 0.5)
     kept = np.asarray(tight.kept)
     for b in range(2):
@@ -112,11 +120,17 @@ def test_capacity_drops_and_counts():
     np.testing.assert_allclose(out, _dense_reference(x, tight, gate, up, down), atol=2e-6)
 
 
+def _moe(**kw) -> MoE:
+    """A MoE layer initialized in one compiled program (eagerly, each initializer's shape was a
+    compile of its own); the values are the eager initialization's."""
+    return nnx.jit(lambda: MoE(D, F, num_experts=E, experts_per_token=K, rngs=nnx.Rngs(0),
+                               **kw))()
+
+
 def test_bias_update_moves_toward_even_load():
     assert balance_bias_update(jnp.zeros(3), jnp.array([1.0, 2.0, 3.0]), 0.5).tolist() == [
         0.5, 0.0, -0.5]
-    moe = MoE(D, F, num_experts=E, experts_per_token=K, bias_update_rate=0.1,
-              rngs=nnx.Rngs(0))
+    moe = _moe(bias_update_rate=0.1)
     x = _normal(np.random.default_rng(1), (2, 6, D))
     call = nnx.jit(lambda moe, x: moe(x))
     _, stats = call(moe, x)
@@ -191,10 +205,12 @@ def test_mesh_shape_grammar_takes_expert():
 
 
 def test_shared_expert_adds_a_dense_swiglu():
-    moe = MoE(D, F, num_experts=E, experts_per_token=K, shared_expert_dim=8, rngs=nnx.Rngs(0))
+    moe = _moe(shared_expert_dim=8)
     x = _normal(np.random.default_rng(2), (2, 6, D))
-    y, _ = nnx.jit(lambda moe, x: moe(x))(moe, x)
-    r = route_jit(moe.router(x), K)
+    # the layer, its router's logits and its shared expert alone, in one compiled program
+    (y, _), logits, shared = nnx.jit(lambda moe, x: (moe(x), moe.router(x), moe.shared(x)))(
+        moe, x)
+    r = route_jit(logits, K)
     routed = _dense_reference(x, r, moe.gate[...], moe.up[...], moe.down[...])
-    np.testing.assert_allclose(y, routed + moe.shared(x), atol=2e-5)
+    np.testing.assert_allclose(y, routed + shared, atol=2e-5)
     assert moe.shared.gate_up.kernel.shape == (D, 2, 8)
