@@ -96,7 +96,8 @@ def logged_fit(strategy, module, loader, steps: int, cbs=(), ckpt_path=None) -> 
         metrics["loss"]))
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
+                 logger=False,  # a run saves only where its callbacks ask
+                 enable_checkpointing=any(isinstance(c, callbacks.ModelCheckpoint) for c in cbs))
     fit.fit(module, loader, ckpt_path=ckpt_path)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}

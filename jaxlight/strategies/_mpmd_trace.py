@@ -381,3 +381,54 @@ def _held(key, prev: Segment, maker: dict) -> bool:
     seg = maker.get(key)
     return (seg is None or seg is prev or seg.device == prev.device
             or any(a is key for op in prev.ops for a in op.ins))
+
+
+def _param_key(value, printed: dict) -> Any:
+    """An equation parameter as a hashable key equal only for equal parameters: plain values
+    by type and value, sequences element-wise, a closed jaxpr by its printed equations and
+    its constants' identities (each microbatch's traced stage call is a jaxpr object of its
+    own; `printed` keeps each object's text), anything else (shardings) by identity."""
+    if value is None or isinstance(value, (bool, int, float, str, np.dtype)):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_param_key(v, printed) for v in value))
+    if isinstance(value, jex_core.ClosedJaxpr):
+        if id(value) not in printed:
+            text = str(value.jaxpr)
+            # An elided array or a host callback prints alike for different values.
+            printed[id(value)] = (None if "..." in text or "callback" in text else
+                                  ("jaxpr", text, tuple(id(c) for c in value.consts)))
+        return printed[id(value)] or ("id", id(value))
+    return ("id", id(value))
+
+
+def structure_key(seg: Segment, printed: dict) -> tuple | None:
+    """A key equal for two segments only if they lower to the same program: the same device,
+    donation, input shapes, and equations (primitive, parameters, context, wiring); None for
+    a segment with effects. `MpmdProgram` lowers one segment per key (a stage's call on every
+    microbatch with its glue), not every segment."""
+    local = {k: ("in", i) for i, k in enumerate(seg.inputs)}
+    ops = []
+    for op in seg.ops:
+        eqn = op.eqn
+        if eqn.effects:
+            return None
+        ins = []
+        for a in op.ins:
+            if isinstance(a, jex_core.Literal):
+                ins.append(("lit", type(a.val), repr(a.val), str(a.aval)))
+            elif a in local:
+                ins.append(local[a])
+            else:
+                return None
+        for k in op.outs:
+            if k is not None:
+                local[k] = ("v", len(local))
+        ops.append((eqn.primitive, id(eqn.ctx), tuple(ins),
+                    tuple(k is None for k in op.outs),
+                    tuple((n, _param_key(v, printed)) for n, v in sorted(eqn.params.items()))))
+    if any(k not in local for k in seg.outputs):
+        return None
+    return (seg.device, seg.stage, tuple(seg.donate),
+            tuple((tuple(k.aval.shape), str(k.aval.dtype)) for k in seg.inputs),
+            tuple(ops), tuple(local[k] for k in seg.outputs))

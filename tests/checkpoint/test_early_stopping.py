@@ -23,7 +23,8 @@ def _val():
 
 def test_stops_after_patience_checks_without_improvement():
     stop = callbacks.EarlyStopping("val_loss", patience=2)
-    fit = make_fit("single", 1000, [stop], max_epochs=20, limit_train_batches=2)
+    fit = make_fit("single", 1000, [stop], max_epochs=20, limit_train_batches=2,
+                   enable_checkpointing=False)
     fit.fit(Frozen(), loader(), _val())
     # Epoch 0 sets the best; epochs 1 and 2 do not improve: stop after the third validation.
     assert fit.current_epoch == 3 and fit.global_step == 6
@@ -39,7 +40,8 @@ LIGHTNING_STOPS = {1: (1, 2, 4), 2: (2, 3, 6), 3: (3, 4, 8)}
 @pytest.mark.parametrize("patience", list(LIGHTNING_STOPS))
 def test_stopped_epoch_is_lightnings(patience):
     stop = callbacks.EarlyStopping("val_loss", patience=patience)
-    fit = make_fit("single", 1000, [stop], max_epochs=10, limit_train_batches=2)
+    fit = make_fit("single", 1000, [stop], max_epochs=10, limit_train_batches=2,
+                   enable_checkpointing=False)
     fit.fit(Frozen(), loader(), _val())
     assert (stop.stopped_epoch, fit.current_epoch, fit.global_step) == LIGHTNING_STOPS[patience]
     assert stop.state_dict()["stopped_epoch"] == stop.stopped_epoch
@@ -47,7 +49,8 @@ def test_stopped_epoch_is_lightnings(patience):
 
 def test_stopped_epoch_is_zero_when_training_was_not_stopped():
     stop = callbacks.EarlyStopping("val_loss", patience=50)
-    make_fit("single", 1000, [stop], max_epochs=3, limit_train_batches=2).fit(
+    make_fit("single", 1000, [stop], max_epochs=3, limit_train_batches=2,
+                   enable_checkpointing=False).fit(
         Frozen(), loader(), _val())
     assert stop.stopped_epoch == 0 and stop.state_dict()["stopped_epoch"] == 0
 
@@ -55,11 +58,13 @@ def test_stopped_epoch_is_zero_when_training_was_not_stopped():
 def test_min_delta_counts_small_improvements_as_none():
     # A learning model improves every epoch, but by less than a huge min_delta.
     stop = callbacks.EarlyStopping("val_loss", patience=1, min_delta=10.0)
-    fit = make_fit("single", 1000, [stop], max_epochs=20, limit_train_batches=2)
+    fit = make_fit("single", 1000, [stop], max_epochs=20, limit_train_batches=2,
+                   enable_checkpointing=False)
     fit.fit(Classifier(), loader(), _val())
     assert fit.current_epoch == 2
     no_delta = callbacks.EarlyStopping("val_loss", patience=1)
-    fit = make_fit("single", 1000, [no_delta], max_epochs=4, limit_train_batches=2)
+    fit = make_fit("single", 1000, [no_delta], max_epochs=4, limit_train_batches=2,
+                   enable_checkpointing=False)
     fit.fit(Classifier(), loader(), _val())
     assert fit.current_epoch == 4 and no_delta.stopped_step is None
 
@@ -68,7 +73,8 @@ def test_non_finite_value_stops_at_once_on_a_training_metric():
     data = classification_data(256)
     data["x"][:] = float("nan")
     stop = callbacks.EarlyStopping("loss", patience=5, check_finite=True)
-    fit = make_fit("single", 1000, [stop], max_epochs=5, limit_train_batches=2)
+    fit = make_fit("single", 1000, [stop], max_epochs=5, limit_train_batches=2,
+                   enable_checkpointing=False)
     fit.fit(Classifier(), jl.data.ArrayLoader(data, 32))
     assert fit.current_epoch == 1 and "is not finite" in stop.stop_reason
 

@@ -97,21 +97,28 @@ def test_same_function_as_transformer_lm():
     # The stages hold TransformerLM's weights in its order: with the same weights copied in,
     # the logits agree.
     config = nn.TransformerConfig(**CONFIG)
-    lm = nn.TransformerLM(config, rngs=nnx.Rngs(0))
-    staged = nn.StagedTransformerLM(config, rngs=nnx.Rngs(1))
-    stages = [staged.stage(i) for i in range(staged.num_stages)]
-    stages[0].embed.embedding[...] = lm.embed.embedding[...]
-    for i in range(config.num_layers):
-        layer = jax.tree.map(lambda v, i=i: v[i], nnx.state(lm.blocks.layers, nnx.Param))
-        nnx.update(stages[1 + i].blocks[0], layer)
-    nnx.update(stages[-1].final_norm, nnx.state(lm.final_norm))
-    nnx.update(stages[-1].head, nnx.state(lm.head))
-    for i, stage in enumerate(stages):
-        for d, row in zip(staged.dtypes, _rows(staged, stage), strict=True):
-            packed = getattr(staged, f"packed_{d}")
-            packed[...] = packed[...].at[i, :row.shape[0]].set(row)
+    # Built, copied into and run in compiled programs (eagerly, each op of the initializers
+    # and of the copy was an XLA compile of its own); the same arrays and steps.
+    lm, staged = nnx.jit(lambda: (nn.TransformerLM(config, rngs=nnx.Rngs(0)),
+                                  nn.StagedTransformerLM(config, rngs=nnx.Rngs(1))))()
+
+    @nnx.jit
+    def copy_in_and_run(staged, lm, tokens):
+        stages = [staged.stage(i) for i in range(staged.num_stages)]
+        stages[0].embed.embedding[...] = lm.embed.embedding[...]
+        for i in range(config.num_layers):
+            layer = jax.tree.map(lambda v, i=i: v[i], nnx.state(lm.blocks.layers, nnx.Param))
+            nnx.update(stages[1 + i].blocks[0], layer)
+        nnx.update(stages[-1].final_norm, nnx.state(lm.final_norm))
+        nnx.update(stages[-1].head, nnx.state(lm.head))
+        for i, stage in enumerate(stages):
+            for d, row in zip(staged.dtypes, _rows(staged, stage), strict=True):
+                packed = getattr(staged, f"packed_{d}")
+                packed[...] = packed[...].at[i, :row.shape[0]].set(row)
+        return staged(tokens), lm(tokens)
+
     tokens = jnp.asarray(lm_data(3, LENGTH)["tokens"])
-    got, expected = nnx.jit(lambda a, b, t: (a(t), b(t)))(staged, lm, tokens)
+    got, expected = copy_in_and_run(staged, lm, tokens)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 

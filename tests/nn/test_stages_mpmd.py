@@ -149,7 +149,8 @@ def test_validation_over_any_batch_size_equals_single_device(tmp_path):
     val = jl.data.ArrayLoader(stage_data(58, seed=5), 24)
     metrics = {}
     for name, strategy in (("single", "single"), ("mpmd", _mpmd())):
-        fit = jl.Fit(strategy=strategy, max_steps=2, enable_progress_bar=False, logger=False)
+        fit = jl.Fit(strategy=strategy, max_steps=2, enable_progress_bar=False, logger=False,
+                     enable_checkpointing=False)
         module = _Validated(packed=False)
         fit.fit(module, jl.data.ArrayLoader(stage_data(48), BATCH), val)
         metrics[name] = fit.validate(module, val)

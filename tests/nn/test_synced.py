@@ -70,12 +70,14 @@ def test_every_n_copies_the_network_as_it_entered_every_nth_step_and_checkpoints
 def test_tau_moves_the_copy_a_fraction_toward_the_network():
     pair = _Pair(nnx.Rngs(0))
     old, online = _kernels(pair.target.net), _kernels(pair.net)
-    copied = pair.target.sync(pair.net, tau=0.25)
+    # Compiled, as in a training step (eagerly, each op was an XLA compile of its own).
+    copied = nnx.jit(lambda p: p.target.sync(p.net, tau=0.25))(pair)
     np.testing.assert_allclose(_kernels(pair.target.net), 0.25 * online + 0.75 * old, rtol=1e-6)
     assert bool(copied) and int(pair.target.count[...]) == 1
     # No gradient flows into the copy.
-    grads = nnx.grad(lambda m: m.target(jnp.ones((1, 16))).sum(),
-                     argnums=nnx.DiffState(0, nnx.All(jl.nn.Synced, nnx.PathContains("net"))))(pair)
+    grads = nnx.jit(nnx.grad(
+        lambda m: m.target(jnp.ones((1, 16))).sum(),
+        argnums=nnx.DiffState(0, nnx.All(jl.nn.Synced, nnx.PathContains("net")))))(pair)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
 
 
@@ -85,7 +87,7 @@ def test_the_copy_follows_alike_under_every_data_parallel_strategy():
     for strategy in ("single", "dp", "fsdp", "ddp"):
         module = _Periodic()
         jl.Fit(strategy, max_steps=4, enable_progress_bar=False, logger=False,
-               enable_model_summary=False).fit(
+               enable_model_summary=False, enable_checkpointing=False).fit(
             module, jl.data.ArrayLoader(classification_data(128), 32, shuffle=False))
         assert int(module.model.target.count[...]) == 4, strategy
         finals[strategy] = _kernels(module.model.target.net)

@@ -61,7 +61,8 @@ def _fit(module, steps=1, cbs=(), strategy="single"):
     log = callbacks.LambdaCallback(
         on_log=lambda fit, m, metrics, step: logged.__setitem__(step, metrics))
     fit = jl.Fit(strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log, *cbs],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(module, BATCHES[:steps])
     return fit, logged, nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
 

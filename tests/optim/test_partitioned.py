@@ -36,7 +36,8 @@ def _train(name):
     log = callbacks.LambdaCallback(
         on_log=lambda fit, m, metrics, step: losses.__setitem__(step, metrics["loss"]))
     fit = jl.Fit(STRATEGIES[name](), max_steps=STEPS, log_every_n_steps=1, callbacks=[log],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     module = PartitionedRegression()
     fit.fit(module, regression_batches(STEPS))
     assert fit.compile_counts["train"] == 1

@@ -53,7 +53,8 @@ def _fit(cbs, strategy="single"):
     log = callbacks.LambdaCallback(
         on_log=lambda fit, m, metrics, step: logged.__setitem__(step, metrics))
     fit = jl.Fit(strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=[log, *cbs],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     module = Named()
     fit.fit(module, _batches())
     return logged, nnx.to_pure_dict(nnx.state(module.model, nnx.Param))
@@ -68,11 +69,14 @@ def _by_hand(clip: float | None = None):
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     txs = _txs()
     states = {n: txs[n].init(params[n]) for n in txs}
+    # Compiled once (eagerly each op was an XLA compile of its own); the steps stay on the host.
+    grad = jax.jit(jax.grad(lambda p, batch: _loss(nnx.merge(graphdef, p), batch)))
+    updates_of = {n: jax.jit(tx.update) for n, tx in txs.items()}
     norms = []
     for batch in _batches():
-        grads = jax.grad(lambda p: _loss(nnx.merge(graphdef, p), batch))(params)
+        grads = grad(params, batch)
         norms.append({})
-        for n, tx in txs.items():
+        for n in txs:
             g = grads[n]
             norm = optax.tree.norm(g)
             norms[-1][n] = float(norm)
@@ -80,7 +84,7 @@ def _by_hand(clip: float | None = None):
                 g = jax.tree.map(lambda x: x * (clip / norm), g)
             if not all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(g)):
                 continue
-            updates, states[n] = tx.update(g, states[n], params[n])
+            updates, states[n] = updates_of[n](g, states[n], params[n])
             params = {**params, n: optax.apply_updates(params[n], updates)}
     return params, norms
 

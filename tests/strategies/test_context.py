@@ -98,7 +98,8 @@ def _fit(strategy, module=None, ckpt=None):
         metrics["loss"]) if "loss" in metrics else None)
     cbs = [log] + ([callbacks.ModelCheckpoint(ckpt, every_n_steps=1)] if ckpt else [])
     fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=cbs,
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=bool(ckpt))
     module = module or context_module()
     fit.fit(module, context_data(STEPS))
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))

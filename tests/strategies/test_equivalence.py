@@ -40,7 +40,7 @@ def train(strategy, module=None, batches=None, steps=STEPS):
     module = TinyLM() if module is None else module
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 callbacks=[recorder])
+                 enable_checkpointing=False, callbacks=[recorder])
     fit.fit(module, token_batches(steps) if batches is None else batches)
     losses = np.array([recorder.losses[s] for s in range(1, steps + 1)])
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))

@@ -28,7 +28,8 @@ def _fit(strategy, steps=STEPS, cbs=(), val=None, batch=BATCH):
         metrics["loss"]) if "loss" in metrics else None)
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
+                 logger=False,  # a run saves only where its callbacks ask
+                 enable_checkpointing=any(isinstance(c, callbacks.ModelCheckpoint) for c in cbs))
     module = TinyLM(layers=LAYERS, embed=EMBED, mlp=64)
     fit.fit(module, token_batches(steps, batch=batch, length=LENGTH), val)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
@@ -180,7 +181,7 @@ def _quick_fit(strategy, module, data, cbs=()):
     log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: logged.append(metrics))
     fit = jl.Fit(strategy=strategy, max_steps=len(data), log_every_n_steps=1,
                  callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
-                 logger=False)
+                 logger=False, enable_checkpointing=False)
     fit.fit(module, data)
     fit.history = {k: np.asarray([m[k] for m in logged]) for k in logged[0] if k != "epoch"}
     return fit

@@ -27,7 +27,8 @@ def _fit(strategy, val=None):
     log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
         metrics["loss"]) if "loss" in metrics else None)
     fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=[log],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     module = Regression()
     fit.fit(module, regression_data(STEPS), val)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))

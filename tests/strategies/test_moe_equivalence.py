@@ -79,7 +79,7 @@ def test_moe_checkpoint_moves_between_layouts(tmp_path, reference):
     module = TinyMoELM(bias_update_rate=1e-3)
     second = jl.Fit(strategy=strategies.SingleDevice(), max_steps=STEPS, log_every_n_steps=1,
                     enable_progress_bar=False, enable_model_summary=False, logger=False,
-                    callbacks=[recorder])
+                    enable_checkpointing=False, callbacks=[recorder])
     second.fit(module, batches, ckpt_path=str(tmp_path / "4"))
     assert min(recorder.losses) == 5 and second.global_step == STEPS  # resumed at step 4
     _, ref_losses, ref_params = reference
@@ -102,6 +102,7 @@ def test_moe_with_gradient_accumulation_under_expert_axis():
         recorder = LossRecorder()
         fit = jl.Fit(strategy=strategy, max_steps=4, log_every_n_steps=1,
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False,
                      callbacks=[recorder, callbacks.GradientAccumulation(2)])
         fit.fit(TinyMoELM(bias_update_rate=1e-3), batches)
         return np.array([recorder.losses[s] for s in range(1, 5)])

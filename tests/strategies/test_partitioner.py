@@ -61,7 +61,8 @@ def _train(strategy, *extra, module=Regression):
     log = callbacks.LambdaCallback(
         on_log=lambda f, m, metrics, step: losses.__setitem__(step, metrics["loss"]))
     fit = jl.Fit(strategy, max_steps=4, log_every_n_steps=1, callbacks=[log, *extra],
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(module(), regression_batches(4))
     return [losses[s] for s in sorted(losses)]
 
@@ -99,7 +100,8 @@ def test_rules_putting_the_batch_on_data_then_fsdp_are_computed_fsdp_major():
 def test_batches_are_placed_data_major_and_computed_fsdp_major():
     """Placement keeps each process's rows contiguous; the step's layout is the exact one."""
     fit = jl.Fit(strategies.Hybrid({"data": 2, "fsdp": 2, "tp": 2}), max_steps=1,
-                 enable_progress_bar=False, enable_model_summary=False, logger=False)
+                 enable_progress_bar=False, enable_model_summary=False, logger=False,
+                 enable_checkpointing=False)
     fit.fit(Regression(), regression_batches(1))
     (sharding,) = set(jax.tree.leaves(fit.session.train_batch_shardings))
     assert sharding.spec == PartitionSpec(("data", "fsdp"), None)

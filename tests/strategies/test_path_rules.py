@@ -169,7 +169,7 @@ class Losses(Callback):
 
 def quiet_fit(strategy, **kw):
     return jl.Fit(strategy=strategy, enable_progress_bar=False, enable_model_summary=False,
-                  logger=False, **kw)
+                  logger=False, enable_checkpointing=False, **kw)
 
 
 def train(strategy, module, data):

@@ -25,7 +25,7 @@ def _losses(strategy, module, loader, steps=3) -> np.ndarray:
         metrics["loss"]))
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1, callbacks=[log],
                  enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 precision="bf16-mixed")
+                 enable_checkpointing=False, precision="bf16-mixed")
     fit.fit(module, loader)
     return np.asarray(got)
 

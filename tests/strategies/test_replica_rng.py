@@ -59,7 +59,7 @@ def _run(strategy, k):
     stream's key and counter after them."""
     module = ProbeModule()
     jl.Fit(strategy, max_steps=2, callbacks=[callbacks.Microbatches(k)] if k > 1 else [],
-           enable_progress_bar=False,
+           enable_progress_bar=False, enable_checkpointing=False,
            enable_model_summary=False, logger=False).fit(module, [_batch()] * 2)
     model = module.model
     return {"per_example": -np.asarray(jax.device_get(model.w[...])),

@@ -139,7 +139,7 @@ def train(tp: int, overlap: bool, *, accumulate: int = 1, validate: bool = False
     module = SgdLM()
     fit = jl.Fit(strategies.TensorParallel(tp, overlap=overlap), max_steps=STEPS,
                  log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                 logger=False,
+                 logger=False, enable_checkpointing=False,
                  callbacks=[recorder] + ([callbacks.Microbatches(accumulate)] if accumulate > 1
                                          else []))
     fit.fit(module, token_batches(STEPS), token_batches(1, seed=1) if validate else None)
