@@ -1,6 +1,7 @@
 """Checkpoints of a LoRA module hold only what it trains; its frozen base comes from
 configure_model on restore (sft recipe, tiny model)."""
 
+import functools
 import os
 
 import jax
@@ -23,6 +24,7 @@ TASK = sft.TaskConfig(min_len=3, max_len=3, train_examples=64, val_examples=16)
 STEPS = 4
 
 
+@functools.cache
 def _base() -> dict:
     """Base weights unlike configure_model's own initialization (seed 1, not the fit's 0), so
     a restore that took the frozen weights from anywhere but `base_params` would show."""
@@ -32,10 +34,12 @@ def _base() -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
-BASE = _base()
+#: `_tuner`'s default base: `_base()`, built on first use (not at collection, in every worker).
+BASE = object()
 
 
 def _tuner(base=BASE, rank=4) -> sft.FineTuner:
+    base = _base() if base is BASE else base
     return sft.FineTuner(model=MODEL, base_params=base, lora_rank=rank, lr=1e-2, warmup_steps=1)
 
 
@@ -90,7 +94,8 @@ def test_lora_checkpoint_holds_only_the_adapters(trained):
     frozen = read_meta(step_dir)["frozen_params"]
     assert sorted(frozen) == sorted("['rest']" + p for p in _paths(fit.state.rest))
     embed = frozen["['rest']['embed']['embedding']"]
-    assert embed["shape"] == list(BASE["embed"]["embedding"].shape) and embed["dtype"] == "float32"
+    assert embed["shape"] == list(_base()["embed"]["embedding"].shape)
+    assert embed["dtype"] == "float32"
 
 
 @pytest.mark.slow
