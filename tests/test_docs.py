@@ -96,16 +96,32 @@ def _run_blocks(path: pathlib.Path) -> None:
                 "`bash` block so they are tested, or mark the block <!-- skip: reason -->")
 
 
+#: What `strategies.Auto`'s arguments set: a page's `Auto(...)` with other values is not `Fit()`.
+AUTO_SETTINGS = ("memory_budget", "headroom", "table", "device", "layouts", "max_compiles",
+                 "explore", "shortcut", "rules")
+
+
+def on_default_path(fit: Fit) -> bool:
+    """Whether a fit ran on `Fit()`'s path: strategy "auto" with its default settings, every
+    device, default precision."""
+    auto, default = fit.auto, jl.strategies.Auto()
+    return (auto is not None and fit.config["devices"] is None and fit.config["precision"] is None
+            and all(getattr(auto, k) == getattr(default, k) for k in AUTO_SETTINGS))
+
+
 @contextlib.contextmanager
 def recording_fits(fitted: dict):
-    """Notes in `fitted` ("Class" -> (module, args, kwargs)) the module and data of each
-    `Fit.fit` a page makes that trained (the fit itself runs as is; a page may show a refused
-    module on purpose)."""
+    """Notes in `fitted` ("Class" -> (module, args, kwargs, default)) the module and data of the
+    first `Fit.fit` of each class a page makes that trained (the fit itself runs as is; a page
+    may show a refused module on purpose); `default` is whether one of the page's fits of that
+    class trained on `Fit()`'s path (`on_default_path`)."""
     original = Fit.fit
 
     def fit(self, module, *args, **kwargs):
         out = original(self, module, *args, **kwargs)
-        fitted.setdefault(type(module).__qualname__, (module, args, kwargs))
+        name = type(module).__qualname__
+        first = fitted.get(name, (module, args, kwargs, False))
+        fitted[name] = (*first[:3], first[3] or (on_default_path(self) and self.global_step >= 1))
         return out
 
     Fit.fit = fit
@@ -142,11 +158,13 @@ DEFAULT_FIT_DONE: set[tuple] = set()
 
 def default_fit(key: str, module, args: tuple, kwargs: dict) -> None:
     """`Fit()` (strategy "auto") trains the module a page trained, whatever strategy the page
-    chose: two steps, models with RNG streams (Dropout, the strategies page's `Noisy`) included."""
+    chose: two steps, models with RNG streams (Dropout, the strategies page's `Noisy`) included.
+    Without the default checkpoint: its subject is the layout (checkpoints have their own page
+    and tests), and a save and its wait cost more than the two steps."""
     data = args[0] if args else kwargs.get("train_data")
     val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
     fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
-                 enable_model_summary=False, num_sanity_val_steps=0)
+                 enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False)
     try:
         fit.fit(module, data, val, datamodule=kwargs.get("datamodule"))
     except Exception as err:
@@ -159,7 +177,8 @@ def default_fit(key: str, module, args: tuple, kwargs: dict) -> None:
                                   for p in PAGES], ids=[p.name for p in PAGES])
 def test_page_runs(path, tmp_path, monkeypatch):
     """The page's blocks run; then the documented default path, `Fit()` with no arguments,
-    trains every model the page trained (each distinct model once per process)."""
+    trains every model the page trained (each distinct model once per process), unless one of
+    the page's own fits of it was on that path already."""
     fitted: dict[str, tuple] = {}
     with recording_fits(fitted):
         run_page(path)
@@ -167,11 +186,12 @@ def test_page_runs(path, tmp_path, monkeypatch):
         assert fitted, f"{path.name} calls .fit( but no fit trained: the recording missed it"
     (tmp_path / "default_fit").mkdir()
     monkeypatch.chdir(tmp_path / "default_fit")
-    for name, (module, args, kwargs) in sorted(fitted.items()):
+    for name, (module, args, kwargs, default) in sorted(fitted.items()):
         signature = model_signature(module)
         if signature not in DEFAULT_FIT_DONE:
             DEFAULT_FIT_DONE.add(signature)
-            default_fit(f"{path.name}:{name}", module, args, kwargs)
+            if not default:  # the page trained it on the default path already
+                default_fit(f"{path.name}:{name}", module, args, kwargs)
 
 
 def test_the_guide_links_every_page():
@@ -191,3 +211,12 @@ def test_readme_opens_with_the_two_commands_and_the_makefile_runs_the_demo():
     assert demo.endswith("jaxlight fit digits --strategy dp")
     assert "--xla_force_host_platform_device_count=8" in makefile
     assert "## Benchmarks" in readme
+
+
+def test_only_fits_on_the_default_path_stand_for_the_default_fit():
+    """A page's fit stands for `default_fit` only when it was `Fit()`'s layout."""
+    assert on_default_path(jl.Fit())
+    assert on_default_path(jl.Fit("auto", max_steps=3, logger=False))
+    for other in (jl.Fit("dp"), jl.Fit(devices=2), jl.Fit(precision="bf16-mixed"),
+                  jl.Fit(jl.strategies.Auto(max_compiles=1)), jl.Fit(jl.strategies.FSDP())):
+        assert not on_default_path(other), other.config
