@@ -103,10 +103,11 @@ AUTO_SETTINGS = ("memory_budget", "headroom", "table", "device", "layouts", "max
 
 def on_default_path(fit: Fit) -> bool:
     """Whether a fit ran on `Fit()`'s path: strategy "auto" with its default settings, every
-    device, default precision."""
+    device, default precision, a ModelCheckpoint saving."""
     auto, default = fit.auto, jl.strategies.Auto()
     return (auto is not None and fit.config["devices"] is None and fit.config["precision"] is None
-            and all(getattr(auto, k) == getattr(default, k) for k in AUTO_SETTINGS))
+            and all(getattr(auto, k) == getattr(default, k) for k in AUTO_SETTINGS)
+            and any(isinstance(c, jl.callbacks.ModelCheckpoint) for c in fit.callbacks))
 
 
 @contextlib.contextmanager
@@ -158,13 +159,12 @@ DEFAULT_FIT_DONE: set[tuple] = set()
 
 def default_fit(key: str, module, args: tuple, kwargs: dict) -> None:
     """`Fit()` (strategy "auto") trains the module a page trained, whatever strategy the page
-    chose: two steps, models with RNG streams (Dropout, the strategies page's `Noisy`) included.
-    Without the default checkpoint: its subject is the layout (checkpoints have their own page
-    and tests), and a save and its wait cost more than the two steps."""
+    chose: two steps, models with RNG streams (Dropout, the strategies page's `Noisy`) included,
+    with the default checkpoint (a model whose state orbax could not save would crash `Fit()`)."""
     data = args[0] if args else kwargs.get("train_data")
     val = args[1] if len(args) > 1 else kwargs.get("val_data")  # a plateau monitor reads it
     fit = jl.Fit(max_steps=2, enable_progress_bar=False, logger=False,
-                 enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=False)
+                 enable_model_summary=False, num_sanity_val_steps=0)
     try:
         fit.fit(module, data, val, datamodule=kwargs.get("datamodule"))
     except Exception as err:
@@ -218,5 +218,6 @@ def test_only_fits_on_the_default_path_stand_for_the_default_fit():
     assert on_default_path(jl.Fit())
     assert on_default_path(jl.Fit("auto", max_steps=3, logger=False))
     for other in (jl.Fit("dp"), jl.Fit(devices=2), jl.Fit(precision="bf16-mixed"),
+                  jl.Fit(enable_checkpointing=False),
                   jl.Fit(jl.strategies.Auto(max_compiles=1)), jl.Fit(jl.strategies.FSDP())):
         assert not on_default_path(other), other.config
