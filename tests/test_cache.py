@@ -165,7 +165,7 @@ def test_trim_removes_the_least_recently_used_entries_past_the_bound(tmp_path):
     assert _cache.trim(str(tmp_path), max_bytes=250) == 300
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == [".lockfile", "key3-cache", "key4-atime", "key4-cache"], left
-    assert _cache.trim(str(tmp_path / "missing")) == 0
+    assert _cache.trim(str(tmp_path / "missing"), max_bytes=0) == 0
 
 
 def test_jax_does_not_scan_the_directory_on_every_write(tmp_path, monkeypatch):
@@ -181,7 +181,6 @@ def test_jax_does_not_scan_the_directory_on_every_write(tmp_path, monkeypatch):
     for i in range(3):
         (big / f"old{i}-cache").write_bytes(b"x" * 10)
     monkeypatch.setattr(_cache, "MAX_BYTES", 15)
-    monkeypatch.setattr(_cache.trim, "__defaults__", (15,))
     try:
         assert _cache.configure(big) == str(big)
         assert jax.config.jax_compilation_cache_max_size == -1

@@ -117,13 +117,13 @@ def configure(setting: Any = None) -> str | None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
         jax.config.update("jax_compilation_cache_max_size", -1)  # unbounded: no scan per write
-        trim(target)
+        trim(target, MAX_BYTES)
     cc.reset_cache()  # JAX opens its cache once; a new directory needs a fresh start
     _configured = target
     return target
 
 
-def trim(directory: str, max_bytes: int = MAX_BYTES) -> int:
+def trim(directory: str, max_bytes: int) -> int:
     """Removes the least recently used entries of `directory` until it holds at most
     `max_bytes` of them; returns the bytes removed. One listing of the directory, done when a
     process first configures it (JAX's own bound lists it on every write)."""
