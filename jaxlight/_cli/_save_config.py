@@ -73,6 +73,7 @@ class SaveConfigCallback(cbs.Callback):
     # the file is written then (after the loggers, which come before it among the callbacks).
     on_fit_start = on_validation_start = on_test_start = on_predict_start = _save
 
+
 def save_config_callbacks(text: str, extras, fast_dev_run, resuming: bool) -> list:
     """LightningCLI's `SaveConfigCallback` (not under `fast_dev_run`, as in Lightning):
     `--save_config_kwargs '{"overwrite": true, "config_filename": "x.yaml"}'`, or
