@@ -7,6 +7,13 @@ from flax import nnx
 import jaxlight as jl
 
 
+def saves_checkpoints(cbs) -> bool:
+    """`Fit(enable_checkpointing=...)` for a test fit: only when the test gives a
+    ModelCheckpoint among `cbs` (jaxlight, as Lightning, refuses False beside one); the default
+    checkpoint's save and wait are not the subject of these tests."""
+    return any(isinstance(cb, jl.callbacks.ModelCheckpoint) for cb in cbs)
+
+
 class MLP(nnx.Module):
     def __init__(self, din: int, hidden: int, dout: int, *, rngs: nnx.Rngs):
         self.l1 = nnx.Linear(din, hidden, rngs=rngs)

@@ -17,6 +17,7 @@ from flax import nnx
 
 import jaxlight as jl
 from jaxlight import callbacks, strategies
+from tests.models import saves_checkpoints
 from tests.nn.staged_lm import StagedLM, lm_data
 from tests.nn.stages_mlp import StageMLP, stage_data
 from tests.strategies.interleaved_net import Regression, regression_data
@@ -97,7 +98,7 @@ def logged_fit(strategy, module, loader, steps: int, cbs=(), ckpt_path=None) -> 
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
                  logger=False,  # a run saves only where its callbacks ask
-                 enable_checkpointing=any(isinstance(c, callbacks.ModelCheckpoint) for c in cbs))
+                 enable_checkpointing=saves_checkpoints(cbs))
     fit.fit(module, loader, ckpt_path=ckpt_path)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
     return {"fit": fit, "module": module, "losses": np.asarray(losses), "params": params}

@@ -11,7 +11,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.schedules._scheduler import ScheduleState, scheduler_state
-from tests.models import Classifier, classification_data
+from tests.models import Classifier, classification_data, saves_checkpoints
 
 BATCH = 32
 
@@ -46,8 +46,7 @@ def _fit(module, train, val=None, cbs=(), ckpt_path=None, **kw):
                                           on_log=lambda f, m, metrics, step: logs.append(
                                               (step, dict(metrics))))],
                  log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                 logger=False, enable_checkpointing=any(
-                     isinstance(cb, callbacks.ModelCheckpoint) for cb in cbs), **kw)
+                 logger=False, enable_checkpointing=saves_checkpoints(cbs), **kw)
     fit.fit(module, train, val, ckpt_path=ckpt_path)
     return fit, logs
 

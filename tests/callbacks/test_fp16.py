@@ -11,7 +11,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import callbacks, strategies
 from jaxlight.callbacks._loss_scale import LossScaleState, find
-from tests.models import Classifier, classification_data
+from tests.models import Classifier, classification_data, saves_checkpoints
 
 BATCH = 32
 
@@ -27,8 +27,7 @@ def _train(batches, cbs=(), strategy="single", ckpt_path=None, **kw):
     fit = jl.Fit(strategy, callbacks=[*cbs, callbacks.LambdaCallback(
         on_log=lambda fit, module, metrics, step: logs.append(dict(metrics)))],
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-        logger=False, enable_checkpointing=any(
-            isinstance(cb, callbacks.ModelCheckpoint) for cb in cbs), **kw)
+        logger=False, enable_checkpointing=saves_checkpoints(cbs), **kw)
     module = Classifier()
     fit.fit(module, batches, ckpt_path=ckpt_path)
     return module, fit, logs

@@ -13,7 +13,7 @@ import jaxlight as jl
 from jaxlight import callbacks, strategies
 from jaxlight.callbacks import _plot
 from tests.callbacks.wandb_records import find_runs, read_run
-from tests.models import Classifier, classification_data
+from tests.models import Classifier, classification_data, saves_checkpoints
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -41,8 +41,8 @@ def _fit(logger_cbs, strategy="single", max_steps=12, **kw):
     fit = jl.Fit(strategy, max_steps=max_steps, log_every_n_steps=3, val_check_interval=6,
                  check_val_every_n_epoch=None,
                  callbacks=[*logger_cbs, recorder], enable_progress_bar=False,
-                 enable_model_summary=False, enable_checkpointing=any(
-                     isinstance(cb, callbacks.ModelCheckpoint) for cb in logger_cbs), **kw)
+                 enable_model_summary=False,
+                 enable_checkpointing=saves_checkpoints(logger_cbs), **kw)
     train, val = _data()
     fit.fit(Classifier(hidden=24, lr=0.05), train, val)
     return fit, recorder

@@ -18,14 +18,13 @@ import pytest
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight._fit._preemption import Preempted
-from tests.models import Classifier, classification_data
+from tests.models import Classifier, classification_data, saves_checkpoints
 
 
 def _fit(max_steps=None, bar=None, extra=(), **kw) -> jl.Fit:
     kw.setdefault("log_every_n_steps", 50)
     return jl.Fit("single", max_steps=max_steps, enable_progress_bar=False, logger=False,
-                  enable_model_summary=False, enable_checkpointing=any(
-                      isinstance(cb, callbacks.ModelCheckpoint) for cb in extra),
+                  enable_model_summary=False, enable_checkpointing=saves_checkpoints(extra),
                   callbacks=[bar or callbacks.TQDMProgressBar(), *extra], **kw)
 
 

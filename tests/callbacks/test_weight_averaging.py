@@ -15,6 +15,7 @@ import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.callbacks._weight_averaging import AveragingState
 from jaxlight.schedules._scheduler import states_of
+from tests.models import saves_checkpoints
 
 
 class Lin(jl.TrainModule):
@@ -36,8 +37,7 @@ def _data():
 
 def _fit(strategy, steps, extra=()):
     return jl.Fit(strategy, max_steps=steps, enable_progress_bar=False, logger=False,
-                  enable_model_summary=False, enable_checkpointing=any(
-                      isinstance(cb, callbacks.ModelCheckpoint) for cb in extra),
+                  enable_model_summary=False, enable_checkpointing=saves_checkpoints(extra),
                   callbacks=[callbacks.EMAWeightAveraging(decay=0.7), *extra])
 
 

@@ -21,6 +21,7 @@ from jaxlight import posttrain
 from jaxlight.nn.pretrained._generate import compiled_programs
 from jaxlight.posttrain._rollout import _old_log_probs
 from jaxlight.recipes import grpo
+from tests.models import saves_checkpoints
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nn",
                        "pretrained", "fixtures", "qwen3")
@@ -54,8 +55,7 @@ def run_grpo(steps: int, strategy="single", callbacks=(), ckpt_path=None) -> Run
     config.optim.lr = 1e-2  # the random fixture: big steps, so that every generation differs
     module, data = grpo.build(config)
     fit = jl.Fit(strategy, enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 callbacks=list(callbacks), enable_checkpointing=any(
-                     isinstance(cb, jl.callbacks.ModelCheckpoint) for cb in callbacks),
+                 callbacks=list(callbacks), enable_checkpointing=saves_checkpoints(callbacks),
                  **grpo.RECIPE.fit_defaults | {"max_steps": steps, "log_every_n_steps": 1})
     programs, logps = compiled_programs(), _old_log_probs._cache_size()
     fit.fit(module, data.train, ckpt_path=ckpt_path)

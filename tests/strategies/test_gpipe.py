@@ -16,7 +16,7 @@ import jaxlight as jl
 from jaxlight import callbacks, nn, strategies
 from jaxlight.nn._pipeline import bubble_fraction
 from jaxlight.strategies._pipelined import schedule_stats
-from tests.models import Classifier, classification_data
+from tests.models import Classifier, classification_data, saves_checkpoints
 from tests.strategies.lm import TinyLM, token_batches
 
 STEPS, BATCH, LENGTH, EMBED, LAYERS = 10, 16, 9, 32, 4  # sequences of 8 tokens after the shift
@@ -29,7 +29,7 @@ def _fit(strategy, steps=STEPS, cbs=(), val=None, batch=BATCH):
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  callbacks=[log, *cbs], enable_progress_bar=False, enable_model_summary=False,
                  logger=False,  # a run saves only where its callbacks ask
-                 enable_checkpointing=any(isinstance(c, callbacks.ModelCheckpoint) for c in cbs))
+                 enable_checkpointing=saves_checkpoints(cbs))
     module = TinyLM(layers=LAYERS, embed=EMBED, mlp=64)
     fit.fit(module, token_batches(steps, batch=batch, length=LENGTH), val)
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
