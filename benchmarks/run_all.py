@@ -36,6 +36,7 @@ BENCHMARKS = {
     "pipeline_interleaved": [],
     "pipeline_mpmd": [],
     "pipeline_schedules": [],
+    "pipeline_bubble": [],
     "tp_overlap": [],
     "context": [],
     "moe": [],
@@ -347,6 +348,20 @@ def summarize_pipeline_mpmd(r):
                      f"{tb['max_bubble_abs_error']:.3f}",
                      f"≤ {tb['gpipe_precision_pipeline_stages_p4']:.3f}",
                      tb["within_gpipe_precision"]))
+    return rows
+
+
+def summarize_pipeline_bubble(r):
+    rows = []
+    gpipe = r["schedules"]["gpipe"]["max_bubble_abs_error"]
+    for name, run in r["schedules"].items():
+        ms = [row["microbatches"] for row in run["rows"]]
+        rows.append((f"mpmd {name}, p={r['stages']}, equal stages, m = {ms[0]}..{ms[-1]}: bubble, "
+                     "max abs(measured − theory) from step times (fit residual ≤ "
+                     f"{run['max_fit_rel_residual']:.0%}, {r.get('cpus')} CPUs), against GPipe's "
+                     "in the same run", f"{run['max_bubble_abs_error']:.3f}",
+                     f"≤ {max(gpipe, r['gpipe_precision_pipeline_stages_p4'] or 0):.3f}",
+                     run["within_gpipe_precision_same_run"]))
     return rows
 
 
