@@ -38,6 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _common import setup_devices, write_result  # noqa: E402
+from overhead import hlo_ops  # noqa: E402
 
 setup_devices(8)
 
@@ -214,8 +215,9 @@ def _stamp(stamps):
     return lambda *_: stamps.append((time.perf_counter(), time.process_time()))
 
 
-def _hand_loop(fit, batches) -> tuple[list, dict]:
-    """The hand-written loop in `fit`'s shardings: timestamps per step, final parameters."""
+def _hand_loop(fit, batches) -> tuple[list, dict, str]:
+    """The hand-written loop in `fit`'s shardings: timestamps per step, final parameters, the
+    compiled step's optimized HLO."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     module = MoELM()
@@ -240,6 +242,7 @@ def _hand_loop(fit, batches) -> tuple[list, dict]:
         step = jax.jit(step, in_shardings=(param_sh, opt_sh, batch_sh),
                        out_shardings=(param_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
                        donate_argnums=(0, 1)).lower(params, opt_state, batches[0]).compile()
+    text = step.as_text()
     stamps, prev = [], None
     for batch in batches:
         params, opt_state, loss = step(params, opt_state, jax.device_put(batch, batch_sh))
@@ -248,7 +251,7 @@ def _hand_loop(fit, batches) -> tuple[list, dict]:
         prev = loss
         stamps.append((time.perf_counter(), time.process_time()))
     prev.block_until_ready()
-    return stamps, jax.device_get(params)
+    return stamps, jax.device_get(params), text
 
 
 def overhead(layouts=("single", "data2_expert4"), steps=60, warmup=10, rounds=3) -> dict:
@@ -273,7 +276,8 @@ def overhead(layouts=("single", "data2_expert4"), steps=60, warmup=10, rounds=3)
             module = MoELM()
             fit.fit(module, batches)
             fit_params = jax.device_get(nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
-            hand_stamps, hand_params = _hand_loop(fit, batches)
+            hand_stamps, hand_params, hand_text = _hand_loop(fit, batches)
+            fit_ops, hand_ops = hlo_ops(fit.compiled_train_step.as_text()), hlo_ops(hand_text)
             rows.append({"fit_ms": wall(fit_stamps) * 1e3, "hand_ms": wall(hand_stamps) * 1e3,
                          "fit_cpu_ms": cpu(fit_stamps) * 1e3,
                          "hand_cpu_ms": cpu(hand_stamps) * 1e3})
@@ -291,6 +295,12 @@ def overhead(layouts=("single", "data2_expert4"), steps=60, warmup=10, rounds=3)
             "median_cpu_ratio": float(np.median([r["cpu_ratio"] for r in rows])),
             "target_ratio": 1.02,
             "final_params_max_rel_err": rel,
+            # The device work, read from the two compiled programs (overhead.py's comparison):
+            # the instructions whose counts differ, and whether the collectives are the same.
+            "hlo_op_counts_differing": {op: {"fit": fit_ops[op], "hand": hand_ops[op]}
+                                        for op in sorted(set(fit_ops) | set(hand_ops))
+                                        if fit_ops[op] != hand_ops[op] and op != "collectives"},
+            "collectives_equal": fit_ops["collectives"] == hand_ops["collectives"],
             "rounds": rows,
         }
     out["backend"] = jax.default_backend()
