@@ -3,9 +3,9 @@
     python _grpo_processes.py OUT   # in each of 2 processes x 4 devices: OUT/rank{r}.npz
 
 `run(out, name)` is the whole job: a 4-step FSDP fit on the tiny Qwen 3 fixture (2 prompts x 4
-completions per generation batch, 2 updates each), recording each step's loss, `ppo_kl` and logged
-reward statistics, the first and last generation batches this process holds and the
-trained policy.
+completions per generation batch, 2 updates each, the recipe's own learning rate), recording each
+step's loss, `ppo_kl` and logged reward statistics, the first and last generation batches this
+process holds and the policy before and after training.
 
 The reward functions (`PATH.py:fn`, this file's) give random-weight completions rewards that
 differ between rows and a function that applies to some rows only, so that the statistics of one
@@ -47,8 +47,6 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
     """The fit, with extra `callbacks` and `ckpt_path` for the SIGKILL resume
     (tests/posttrain/_grpo_processes_resume.py)."""
-    import jax
-    from flax import nnx
 
     from jaxlight.recipes import grpo
 
@@ -56,7 +54,6 @@ def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
     config.model.pretrained = FIXTURE
     config.data.prompts_per_step, config.grpo.group_size = 2, 4
     config.grpo.max_new_tokens, config.grpo.updates = 4, 2
-    config.optim.lr = 1e-2
     here = os.path.abspath(__file__)
     config.grpo.reward_funcs = f"{here}:first_token,{here}:odd_start"
     config.grpo.reward_weights = "1,1"
@@ -71,7 +68,12 @@ def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
 
     data.train._generate = record_first
 
+    start = {}
+
     class Losses(jl.callbacks.Callback):
+        def on_train_start(self, fit, module):
+            start.update(_policy_params(module))
+
         def on_log(self, fit, module, metrics, step):
             losses[step] = [metrics["loss"], metrics["ppo_kl"]] + [metrics[k] for k in STATS]
 
@@ -82,16 +84,24 @@ def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
                  enable_model_summary=False, logger=False, callbacks=[Losses(), *callbacks],
                  enable_checkpointing=saves)
     fit.fit(module, data.train, ckpt_path=ckpt_path)
-    params = distributed.gather(nnx.to_pure_dict(nnx.state(module.policy(module.model),
-                                                           nnx.Param)))
-    flat = {"param" + jax.tree_util.keystr(k): np.asarray(v)
-            for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    flat = _policy_params(module)
+    flat.update({"start_" + k: v for k, v in start.items()})
     batch = {"batch_" + k: v for k, v in data.train.batch.items()}
     # (none when a resumed fit continued the checkpoint's generation batch to the end)
     batch.update({"first_" + k: v for k, v in first.get("batch", {}).items()})
     logged = np.array([losses[s] for s in sorted(losses)])
     np.savez(path, losses=logged[:, 0], ppo_kl=logged[:, 1], stats=logged[:, 2:],
              steps=np.array(sorted(losses)), **batch, **flat)
+
+
+def _policy_params(module) -> dict:
+    import jax
+    from flax import nnx
+
+    params = distributed.gather(nnx.to_pure_dict(nnx.state(module.policy(module.model),
+                                                           nnx.Param)))
+    return {"param" + jax.tree_util.keystr(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_leaves_with_path(params)}
 
 
 if __name__ == "__main__":

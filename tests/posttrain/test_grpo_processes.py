@@ -76,13 +76,17 @@ def test_two_processes_sample_their_own_rows_and_equal_one_process(straight, tmp
         # another order than within one process (the first step's loss, from bitwise-equal
         # inputs, differs by 6e-9; a psum of 8 devices' float32 vectors is devices 0..7 in
         # order within one process, while gloo's order is neither that nor two halves of 4:
-        # 48% of 1000 sums differ), and Adam (lr 1e-2) divides each gradient by its own
-        # running scale: the parameters end ~1e-6 apart (1.4e-6 measured), the multi-process
-        # tests' tolerance, 1e-5.
+        # 48% of 1000 sums differ), and Adam divides each gradient by its own running scale, so
+        # an element whose gradient is rounding noise moves by up to the learning rate times
+        # that noise's relative difference: at the recipe's learning rate (3e-4) the parameters
+        # end 1.2e-7 apart after moving up to 1.2e-3 (at 1e-2: 1.4e-6 apart, moved 4e-2).
         diffs = {k: float(np.abs(g[k] - want[k]).max()) for k in want.files
                  if k.startswith("param")}
-        print(f"rank {r}: parameters within {max(diffs.values()):.2e} of one process")
-        assert max(diffs.values()) <= 1e-5, diffs
+        moved = max(float(np.abs(want[k] - want["start_" + k]).max()) for k in diffs)
+        print(f"rank {r}: parameters within {max(diffs.values()):.2e} of one process, "
+              f"moved up to {moved:.2e}")
+        assert moved >= 1e-3, moved  # the policy trained: 1,000 times the tolerance below
+        assert max(diffs.values()) <= 1e-6, diffs
 
 
 def _run_and_kill(out: str, timeout: float = 600) -> list[subprocess.CompletedProcess]:
