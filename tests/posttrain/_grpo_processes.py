@@ -47,7 +47,6 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run(path: str, callbacks=(), ckpt_path: str | None = None) -> None:
     """The fit, with extra `callbacks` and `ckpt_path` for the SIGKILL resume
     (tests/posttrain/_grpo_processes_resume.py)."""
-
     from jaxlight.recipes import grpo
 
     config = grpo.Config()
