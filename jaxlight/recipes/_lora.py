@@ -57,11 +57,11 @@ class LoRADense(nnx.Module):
 def add_lora(module: nnx.Module, rank: int, alpha: float, *, rngs: nnx.Rngs,
              names: tuple[str, ...] | None = None) -> int:
     """Wraps every `jaxlight.nn.Dense` inside `module` (or those whose attribute name is in
-    `names`, e.g. `("q_proj", "v_proj")`) in a `LoRADense`; returns how many layers it adapted.
+    `names`, e.g. `("q_proj", "v_proj")`) in a `LoRADense`; returns how many.
 
     `names` may also hold the experts' targets (`jaxlight.nn.EXPERT_TARGETS`:
     `experts.gate_proj`, `experts.up_proj`, `experts.down_proj`): every `MoE` layer then gets
-    per-expert adapters on those weights (counted once per layer)."""
+    per-expert adapters on those weights (an `MoE` counts once, whatever it adapts)."""
     count = 0
 
     def visit(parent: nnx.Module) -> None:

@@ -249,3 +249,40 @@ def test_sft_targets_name_the_experts():
     assert "mlp" not in lora["dense_layers"]["layers"]  # dense MLPs: no gate_proj named
     with pytest.raises(ConfigurationError, match="experts.gate_proj.*no mixture-of-experts"):
         ChatFineTuner(fixture("qwen3")[0], lora_rank=4, lora_targets=targets)
+
+
+@pytest.mark.slow
+def test_cli_fits_expert_adapters_under_an_expert_layout_and_exports_them_merged():
+    """`jaxlight fit sft --model.pretrained` on Qwen 3 MoE (dense and MoE layers) with
+    `--lora.targets` naming the experts, under `data 2 x expert 4`: the experts' adapters
+    train (B leaves zero), the checkpoint holds only adapters, and `--export.path` writes a
+    model whose logits are the fine-tuned one's."""
+    from jaxlight._cli import run
+
+    mixed = os.path.join(os.path.dirname(fixture("qwen3_moe")[0]), "qwen3_moe_mixed")
+    steps = 4
+    out = run("fit", "sft", [
+        "--model.pretrained", mixed, "--max-steps", str(steps), "--task.train_examples", "64",
+        "--task.val_examples", "16", "--data.batch_size", "16", "--data.max_length", "40",
+        "--optim.lr", "1e-2", "--optim.warmup_steps", "1", "--strategy", "hybrid",
+        "--mesh-shape", '[[2,4],["data","expert"]]', "--checkpoint-every-n-steps", str(steps),
+        "--lora.targets", "q_proj,experts.gate_proj,experts.up_proj,experts.down_proj",
+        "--export.path", "exported", "--logger", "none", "--enable-progress-bar", "false",
+        "--enable-model-summary", "false"])
+    model = out.module.model
+    lora = model.layers.layers.mlp.lora
+    assert lora.weights == WEIGHTS
+    assert lora.gate_a[...].addressable_shards[0].data.shape[1] == 8 // 4  # E split 4 ways
+    assert all(float(jnp.abs(b[...]).max()) > 0 for b in (lora.gate_b, lora.up_b, lora.down_b))
+    state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(
+        "jaxlight_logs", "checkpoints", str(steps), "state")))
+    saved = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        state["params"])}
+    assert saved == {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))}
+    assert {"['layers']['layers']['mlp']['lora']['down_b']"} <= saved
+    tokens = np.arange(96, dtype=np.int32).reshape(8, 12) * 5 % 500
+    single = strategies.SingleDevice()
+    tuned = logits_of(model, out.fit.strategy, tokens)
+    exported = logits_of(from_pretrained("exported", "single"), single, tokens)
+    assert _relative(exported, tuned) <= 1e-5
