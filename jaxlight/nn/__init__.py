@@ -42,6 +42,7 @@ from jaxlight.nn._layers import (
     causal_attention,
 )
 from jaxlight.nn._moe import MoE, MoEConfig, MoETransformerLM
+from jaxlight.nn._moe_lora import EXPERT_TARGETS, ExpertLoRA, add_expert_lora
 from jaxlight.nn._stacked import LAYERS, REMAT_POLICIES, Stacked
 from jaxlight.nn._stages import Stages
 from jaxlight.nn._synced import Synced, SyncedCopy
@@ -63,6 +64,8 @@ __all__ = [
     "ATTENTION_IMPLEMENTATIONS",
     "DecoderConfig",
     "DecoderLM",
+    "EXPERT_TARGETS",
+    "ExpertLoRA",
     "LAYERS",
     "MLP",
     "MoE",
@@ -82,6 +85,7 @@ __all__ = [
     "TransformerConfig",
     "Tokenizer",
     "TransformerLM",
+    "add_expert_lora",
     "apply_rope",
     "causal_attention",
     "constrain",

@@ -11,6 +11,7 @@ axis; `embed` -> `fsdp`, `mlp` -> `tp` as everywhere):
 | `down` | `(E, F, D)` | `("expert", "mlp", "embed")` |
 | `shared` (optional) | a SwiGLU `MLP` | as `MLP` |
 | `router_bias` (optional) | `(E,)` | an `ExpertBias` variable, outside the optimizer |
+| `lora` (optional) | per-expert LoRA factors of `gate`/`up`/`down` | as the weight (`_moe_lora`) |
 
 Sharded shapes under `Hybrid({"data": d, "expert": n, "tp": t})`: tokens
 `X[B_(data,expert), L, D]`, experts `W[E_expert, D, F_tp]`. Routing is global
@@ -103,6 +104,8 @@ class MoE(nnx.Module):
                            rngs=rngs) if shared_expert_dim else None)
         self.router_bias = (ExpertBias(jnp.zeros((num_experts,), jnp.float32))
                             if self.bias_update_rate > 0 else None)
+        #: The experts' LoRA adapters (`jaxlight.nn.add_expert_lora`), None without.
+        self.lora = None
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -124,7 +127,9 @@ class MoE(nnx.Module):
             x.shape[1], self.num_experts, self.k, self.capacity_factor)
         xc = x if self.dtype is None else x.astype(self.dtype)
         y = moe_experts(xc, routing.experts, routing.weights, routing.kept, self.gate[...],
-                        self.up[...], self.down[...], capacity_rows=cap)
+                        self.up[...], self.down[...], capacity_rows=cap,
+                        lora=None if self.lora is None else (self.lora.scale,
+                                                             self.lora.factors()))
         if self.shared is not None:
             y = y + self.shared(xc)
         return constrain(y.astype(x.dtype), ("batch", "length", "activation_embed")), \

@@ -38,28 +38,39 @@ from jaxlight._errors import ShardingError
 from jaxlight.sharding._layout import active_layout, rule_axes
 
 
+def _grouped(x, w, sizes, name, lora):
+    """`x · w` per group, plus the group's LoRA update `(x · A) · B · scale` when `lora`
+    (`(scale, {name: (A, B)})`) adapts `name`: the same group sizes, so a row past their sum
+    stays 0."""
+    y = jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
+    if lora is not None and name in lora[1]:
+        a, b = lora[1][name]
+        h = jax.lax.ragged_dot(x, a.astype(x.dtype), sizes) * jnp.asarray(lora[0], x.dtype)
+        y = y + jax.lax.ragged_dot(h, b.astype(x.dtype), sizes)
+    return y
+
+
 def expert_ffn(x: jax.Array, sizes: jax.Array, gate: jax.Array, up: jax.Array,
-               down: jax.Array) -> jax.Array:
+               down: jax.Array, lora: tuple | None = None) -> jax.Array:
     """SwiGLU of rows `x` `(A, D)` grouped by expert (`sizes` `(G,)`, rows past their sum
-    give 0) with weights `(G, D, F)`, `(G, D, F)`, `(G, F, D)`."""
-    dtype = x.dtype
-    h = jax.nn.silu(jax.lax.ragged_dot(x, gate.astype(dtype), sizes)) * jax.lax.ragged_dot(
-        x, up.astype(dtype), sizes)
-    return jax.lax.ragged_dot(h, down.astype(dtype), sizes)
+    give 0) with weights `(G, D, F)`, `(G, D, F)`, `(G, F, D)`, and the experts' LoRA
+    adapters `lora` (`(scale, {"gate": (A, B), ...})`, `jaxlight.nn._moe_lora`) if any."""
+    h = jax.nn.silu(_grouped(x, gate, sizes, "gate", lora)) * _grouped(x, up, sizes, "up", lora)
+    return _grouped(h, down, sizes, "down", lora)
 
 
-def _grouped_local(x, experts, kept, gate, up, down):
+def _grouped_local(x, experts, kept, gate, up, down, lora):
     """Every expert on this device: `(A, D)` rows sorted by expert, one grouped matmul."""
     num_experts = gate.shape[0]
     k = experts.shape[-1]
     key = jnp.where(kept, experts, num_experts).reshape(-1)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    ys = expert_ffn(x[order // k], sizes, gate, up, down)
+    ys = expert_ffn(x[order // k], sizes, gate, up, down, lora)
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
-def _grouped_expert_parallel(x, experts, kept, gate, up, down, *, axis, shards: int,
+def _grouped_expert_parallel(x, experts, kept, gate, up, down, lora, *, axis, shards: int,
                              rows: int):
     """Experts split over `axis` (`shards` devices): two all-to-alls of `(shards, rows, D)`."""
     local = gate.shape[0]
@@ -84,7 +95,7 @@ def _grouped_expert_parallel(x, experts, kept, gate, up, down, *, axis, shards: 
     group = jnp.sum(row[None, :, None] >= ends[:, None, :], axis=-1).reshape(-1)
     regroup = jnp.argsort(group, stable=True)
     sizes = jnp.sum(recv_counts, axis=0).astype(jnp.int32)
-    ys = expert_ffn(recv.reshape(shards * rows, d)[regroup], sizes, gate, up, down)
+    ys = expert_ffn(recv.reshape(shards * rows, d)[regroup], sizes, gate, up, down, lora)
     out = jnp.zeros_like(ys).at[regroup].set(ys).reshape(shards, rows, d)
     back = jax.lax.all_to_all(out, axis, 0, 0).reshape(shards * rows, d)
     ys_sorted = back.at[dest].get(mode="fill", fill_value=0)
@@ -106,7 +117,7 @@ def _spec_entry(axes: tuple[str, ...]) -> Any:
 
 def moe_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.Array,
                 gate: jax.Array, up: jax.Array, down: jax.Array,
-                capacity_rows: int | None = None) -> jax.Array:
+                capacity_rows: int | None = None, lora: tuple | None = None) -> jax.Array:
     """The experts' output `(batch, length, D)` for tokens `x` routed by `experts`, `weights`,
     `kept` `(batch, length, k)`.
 
@@ -114,6 +125,9 @@ def moe_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.
     `shard_map` over the active mesh, with the experts split over the mesh axes the `expert`
     logical rule names (see the module docstring). `capacity_rows` is the per-example,
     per-expert capacity C when capacity dropping is on (it bounds the all-to-all buffers).
+    `lora` is `(scale, {weight: (A, B)})`, the experts' LoRA factors (`ExpertLoRA`): A and B
+    enter the `shard_map` split as the weight they adapt (E over the expert axes, the width F
+    over `tp`); the update of `down`, like `down` itself, is summed over `tp` with the output.
     """
     b, length, d = x.shape
     k = experts.shape[-1]
@@ -122,7 +136,7 @@ def moe_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.
     context = jax.sharding.get_abstract_mesh()
     manual = frozenset() if context.empty else frozenset(context.manual_axes)
     if layout is None:
-        return _per_device(x, experts, weights, kept, gate, up, down, (), (), 1, None)
+        return _per_device(x, experts, weights, kept, gate, up, down, lora, (), (), 1, None)
     mesh, rules = layout
     shape = dict(mesh.shape)
     expert_axes = _filtered(rule_axes(rules, "expert"), shape, manual)
@@ -162,22 +176,28 @@ def moe_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, kept: jax.
             rows = min(rows, (num_experts // shards) * local_b * capacity_rows)
     manual_axes = set(expert_axes) | set(token_axes) | set(length_axes) | set(tp_axes)
     if not manual_axes:
-        return _per_device(x, experts, weights, kept, gate, up, down, (), (), 1, None)
+        return _per_device(x, experts, weights, kept, gate, up, down, lora, (), (), 1, None)
     tok = PartitionSpec(_spec_entry(token_axes), _spec_entry(length_axes), None)
     col = PartitionSpec(_spec_entry(expert_axes), None, _spec_entry(tp_axes))
     row = PartitionSpec(_spec_entry(expert_axes), _spec_entry(tp_axes), None)
+    whole = PartitionSpec(_spec_entry(expert_axes), None, None)
+    # A and B split as their weight: gate/up (A whole, B's F over tp), down (A's F over tp).
+    factor_specs = {"gate": (whole, col), "up": (whole, col), "down": (row, whole)}
+    scale, factors = (None, {}) if lora is None else lora
 
-    def body(x, experts, weights, kept, gate, up, down):
-        return _per_device(x, experts, weights, kept, gate, up, down, expert_axes, tp_axes,
+    def body(x, experts, weights, kept, gate, up, down, factors):
+        return _per_device(x, experts, weights, kept, gate, up, down,
+                           None if lora is None else (scale, factors), expert_axes, tp_axes,
                            shards, rows)
 
+    specs = {name: factor_specs[name] for name in factors}
     return jax.shard_map(body, mesh=mesh if context.empty else context,
-                         in_specs=(tok, tok, tok, tok, col, col, row), out_specs=tok,
+                         in_specs=(tok, tok, tok, tok, col, col, row, specs), out_specs=tok,
                          axis_names=frozenset(manual_axes))(
-        x, experts, weights, kept, gate, up, down)
+        x, experts, weights, kept, gate, up, down, factors)
 
 
-def _per_device(x, experts, weights, kept, gate, up, down, expert_axes, tp_axes, shards,
+def _per_device(x, experts, weights, kept, gate, up, down, lora, expert_axes, tp_axes, shards,
                 rows):
     b, length, d = x.shape
     k = experts.shape[-1]
@@ -186,10 +206,10 @@ def _per_device(x, experts, weights, kept, gate, up, down, expert_axes, tp_axes,
     kept = kept.reshape(b * length, k)
     if shards > 1:
         axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes
-        ys = _grouped_expert_parallel(flat, experts, kept, gate, up, down, axis=axis,
+        ys = _grouped_expert_parallel(flat, experts, kept, gate, up, down, lora, axis=axis,
                                       shards=shards, rows=rows)
     else:
-        ys = _grouped_local(flat, experts, kept, gate, up, down)
+        ys = _grouped_local(flat, experts, kept, gate, up, down, lora)
     y = _combine(ys, weights, b * length, k)
     if tp_axes:
         y = jax.lax.psum(y, tp_axes)

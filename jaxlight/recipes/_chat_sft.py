@@ -22,6 +22,7 @@ from jaxlight import distributed
 from jaxlight._errors import ConfigurationError
 from jaxlight.data import ArrayLoader
 from jaxlight.module._module import TrainModule
+from jaxlight.nn import EXPERT_TARGETS
 from jaxlight.nn.pretrained import (
     DecoderLM,
     Tokenizer,
@@ -37,8 +38,10 @@ from jaxlight.nn.pretrained._hf import tensor_table
 from jaxlight.recipes._base import RecipeData
 from jaxlight.recipes._lora import add_lora
 
-#: Projections LoRA may adapt (the names of the Hugging Face modules).
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Projections LoRA may adapt (the names of the Hugging Face modules; an MoE model's experts
+#: as `experts.gate_proj` etc., per-expert adapters: `jaxlight.nn.EXPERT_TARGETS`).
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               *EXPERT_TARGETS)
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
@@ -83,6 +86,11 @@ class ChatFineTuner(TrainModule):
         self.remat, self.dtype = remat, dtype
         self.decoder_config = from_hf_config(read_config(pretrained), remat=remat,
                                              param_dtype=jnp.dtype(dtype))
+        experts = [t for t in self.lora_targets if t in EXPERT_TARGETS]
+        if lora_rank > 0 and experts and not self.decoder_config.num_experts:
+            raise ConfigurationError(
+                f"lora targets {experts}: this {self.decoder_config.model_type} model has no "
+                "mixture-of-experts layers to adapt; drop them from --lora.targets.")
         if lora_rank > 0:
             self.trainable = nnx.LoRAParam
 

@@ -1,4 +1,5 @@
-"""LoRA adapters on `jaxlight.nn.Dense` layers (the sft recipe's, for gpt and pretrained models)."""
+"""LoRA adapters on `jaxlight.nn.Dense` layers (the sft recipe's, for gpt and pretrained models)
+and, by name, on mixture-of-experts layers' experts (`jaxlight.nn.add_expert_lora`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlight.nn import Dense
+from jaxlight.nn import Dense, MoE, add_expert_lora
 
 
 class LoRADense(nnx.Module):
@@ -56,12 +57,19 @@ class LoRADense(nnx.Module):
 def add_lora(module: nnx.Module, rank: int, alpha: float, *, rngs: nnx.Rngs,
              names: tuple[str, ...] | None = None) -> int:
     """Wraps every `jaxlight.nn.Dense` inside `module` (or those whose attribute name is in
-    `names`, e.g. `("q_proj", "v_proj")`) in a `LoRADense`; returns how many."""
+    `names`, e.g. `("q_proj", "v_proj")`) in a `LoRADense`; returns how many.
+
+    `names` may also hold the experts' targets (`jaxlight.nn.EXPERT_TARGETS`:
+    `experts.gate_proj`, `experts.up_proj`, `experts.down_proj`): every `MoE` layer then gets
+    per-expert adapters on those weights (an `MoE` counts once, whatever it adapts)."""
     count = 0
 
     def visit(parent: nnx.Module) -> None:
         nonlocal count
         for name, child in list(vars(parent).items()):
+            if isinstance(child, MoE) and names is not None and add_expert_lora(
+                    child, rank, alpha, rngs=rngs, targets=names):
+                count += 1
             if isinstance(child, Dense) and (names is None or name in names):
                 setattr(parent, name, LoRADense(child, rank, alpha, rngs=rngs))
                 count += 1

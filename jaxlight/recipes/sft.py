@@ -88,7 +88,8 @@ class LoraConfig:
     alpha: float = option(16.0, "LoRA scale numerator: the update is (x·A·B)·alpha/rank")
     targets: str = option("q_proj,v_proj", "with --model.pretrained: the projections LoRA "
                           "adapts in every layer (q_proj k_proj v_proj o_proj gate_proj up_proj "
-                          "down_proj, comma-separated)")
+                          "down_proj, and an MoE model's experts.gate_proj experts.up_proj "
+                          "experts.down_proj, comma-separated)")
 
 
 @dataclasses.dataclass

@@ -368,7 +368,8 @@ def save_pretrained(model: DecoderLM, path: str, *, dtype: Any = None,
 
     From any layout: each tensor is gathered alone (one layer of one parameter at a time), so a
     host holds at most one tensor beyond its shards. LoRA adapters (`LoRADense`, the `sft`
-    recipe's) are merged into the kernels they adapt. Only process 0 writes.
+    recipe's, and the experts' `ExpertLoRA`) are merged into the weights they adapt. Only
+    process 0 writes.
 
     Args:
         model: a `DecoderLM` (from `from_pretrained`, built from a config, or fine-tuned).

@@ -152,7 +152,8 @@ def place_experts(values: dict, shardings: dict, tensors, layout: ExpertLayout,
 
 def save_entries(model: Any, dtype: Any) -> list[tuple[str, tuple, np.dtype, Any]]:
     """`(name, shape, dtype, fetch)` of every expert tensor, in transformers' per-expert
-    layout, one (gathered) layer of one weight at a time."""
+    layout, one (gathered) layer of one weight at a time, the experts' LoRA adapters (if any,
+    `jaxlight.nn.ExpertLoRA`) merged: `W_e + A_e·B_e · alpha/r`."""
     c: DecoderConfig = model.config
     prefix, names = CANONICAL[c.model_type]
     layout = ExpertLayout(prefix, False, names)
@@ -163,10 +164,13 @@ def save_entries(model: Any, dtype: Any) -> list[tuple[str, tuple, np.dtype, Any
         store = np.dtype(dtype) if dtype is not None else np.dtype(param.dtype)
         cache: dict[int, np.ndarray] = {}
 
-        def fetch(layer, expert, param=param, cache=cache):
+        def fetch(layer, expert, param=param, cache=cache, name=name):
             if layer not in cache:  # one layer of one weight gathered at a time
                 cache.clear()
-                cache[layer] = np.asarray(distributed.gather(param[...][layer]))
+                w = param[...][layer]
+                if mlp.lora is not None:
+                    w = mlp.lora.merged(name, w, layer)
+                cache[layer] = np.asarray(distributed.gather(w))
             return np.ascontiguousarray(cache[layer][expert].T)
 
         shape = tuple(param.shape[-1:] + param.shape[-2:-1])
