@@ -44,6 +44,16 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                *EXPERT_TARGETS)
 
 
+def refuse_expert_targets(module) -> None:
+    """Refuses the experts' LoRA targets (`EXPERT_TARGETS`) on a recipe module (SFT, GRPO)
+    whose model has no mixture-of-experts layer: `add_lora` would adapt nothing there."""
+    experts = [t for t in module.lora_targets if t in EXPERT_TARGETS]
+    if module.lora_rank > 0 and experts and not module.decoder_config.num_experts:
+        raise ConfigurationError(
+            f"lora targets {experts}: this {module.decoder_config.model_type} model has no "
+            "mixture-of-experts layers to adapt; drop them from --lora.targets.")
+
+
 def parse_targets(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [n for n in names if n not in PROJECTIONS]
@@ -86,11 +96,7 @@ class ChatFineTuner(TrainModule):
         self.remat, self.dtype = remat, dtype
         self.decoder_config = from_hf_config(read_config(pretrained), remat=remat,
                                              param_dtype=jnp.dtype(dtype))
-        experts = [t for t in self.lora_targets if t in EXPERT_TARGETS]
-        if lora_rank > 0 and experts and not self.decoder_config.num_experts:
-            raise ConfigurationError(
-                f"lora targets {experts}: this {self.decoder_config.model_type} model has no "
-                "mixture-of-experts layers to adapt; drop them from --lora.targets.")
+        refuse_expert_targets(self)
         if lora_rank > 0:
             self.trainable = nnx.LoRAParam
 

@@ -70,7 +70,7 @@ from jaxlight.nn.pretrained import (
 from jaxlight.nn.pretrained._model import check_positions
 from jaxlight.posttrain._data import as_messages, prompt_rows, read_rows
 from jaxlight.recipes._base import Recipe, RecipeData, option, section
-from jaxlight.recipes._chat_sft import parse_targets
+from jaxlight.recipes._chat_sft import parse_targets, refuse_expert_targets
 from jaxlight.recipes._grpo_tasks import (
     TASKS,
     answer_reward,
@@ -228,6 +228,7 @@ class PolicyOptimizer(TrainModule):
         self.loss_agg_mode, self.temperature = loss_agg_mode, temperature
         self.lr, self.dtype = lr, dtype
         self.decoder_config = from_hf_config(read_config(pretrained), param_dtype=jnp.dtype(dtype))
+        refuse_expert_targets(self)
         self.trainable = nnx.LoRAParam if lora_rank > 0 else posttrain.POLICY
         #: Sample tables of generation batches not logged yet, by the step they first feed
         #: (`GenerationFeed(log_samples=)` adds them; `on_log` hands them to the loggers).

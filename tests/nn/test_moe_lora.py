@@ -251,6 +251,17 @@ def test_sft_targets_name_the_experts():
         ChatFineTuner(fixture("qwen3")[0], lora_rank=4, lora_targets=targets)
 
 
+def test_the_grpo_recipe_refuses_expert_targets_on_a_dense_model():
+    """The GRPO recipe's policy shares the SFT recipe's LoRA targets: the experts' names on a
+    model with no MoE layer are refused when the module is built, not silently adapted to
+    nothing."""
+    from jaxlight.recipes import grpo
+
+    with pytest.raises(ConfigurationError, match="experts.gate_proj.*no mixture-of-experts"):
+        grpo.PolicyOptimizer(fixture("qwen3")[0], lora_rank=4,
+                             lora_targets=("q_proj", "experts.gate_proj"))
+
+
 @pytest.mark.slow
 def test_cli_fits_expert_adapters_under_an_expert_layout_and_exports_them_merged():
     """`jaxlight fit sft --model.pretrained` on Qwen 3 MoE (dense and MoE layers) with
