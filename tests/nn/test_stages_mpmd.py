@@ -117,7 +117,7 @@ def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("stages_mpmd", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
-    resumed = _fit(_mpmd(), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+    resumed = _fit(_mpmd(), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)],
                    ckpt_path="last")
     assert resumed["fit"].global_step == STEPS
     for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs["mpmd"]["params"]),

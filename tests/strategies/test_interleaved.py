@@ -177,7 +177,7 @@ def test_bad_repeats_and_stages_with_repeats():
 def _resumable(max_steps, ckpt, ckpt_path=None):
     strategy, module, data = pipelined_run("interleaved", jax.devices())
     fit = jl.Fit(strategy, max_steps=max_steps,
-                 callbacks=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+                 callbacks=[callbacks.ModelCheckpoint(ckpt, every_n_steps=max_steps)],
                  enable_progress_bar=False, enable_model_summary=False, logger=False)
     fit.fit(module, data, ckpt_path=ckpt_path)
     return fit, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))

@@ -378,7 +378,8 @@ def test_1f1b_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("stages_1f1b", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
-    resumed = _mlp_fit(_mpmd("1f1b"), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+    resumed = _mlp_fit(_mpmd("1f1b"),
+                       cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)],
                        ckpt_path="last")
     assert resumed["fit"].global_step == STEPS
     for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs["1f1b"]["params"]),
