@@ -262,6 +262,7 @@ def test_step_transforms_match_single_device(options):
         cbs = [log, *options.get("callbacks", [])]
         fit = jl.Fit(strategy=strategy, max_steps=4, log_every_n_steps=1, callbacks=cbs,
                      enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False,  # the losses are compared, nothing is saved
                      **{k: v for k, v in options.items() if k != "callbacks"})
         fit.fit(StageMLP(packed=False), jl.data.ArrayLoader(stage_data(96), BATCH, seed=1))
         losses[name] = np.asarray(got)
