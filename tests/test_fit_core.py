@@ -153,7 +153,7 @@ def test_a_logger_is_known_by_its_type():
 
     mine = Collect()
     fit = jl.Fit("single", max_steps=2, enable_progress_bar=False, enable_model_summary=False,
-                 log_every_n_steps=1, callbacks=[mine])
+                 log_every_n_steps=1, callbacks=[mine], enable_checkpointing=False)
     assert not any(isinstance(cb, callbacks.CSVLogger) for cb in fit.callbacks)
     fit.fit(Classifier(), _data())
     assert mine.rows[:2] == [1, 2]

@@ -249,21 +249,21 @@ def test_missing_process_ends_with_a_clear_error_within_the_timeout():
     code = "import jaxlight; jaxlight.distributed.initialize()"
 
     def alone(rank):
-        [result] = run_processes(code, ranks=[rank], world_size=2, dist_timeout=3,
+        [result] = run_processes(code, ranks=[rank], world_size=2, dist_timeout=1,
                                  devices_per_proc=1, timeout=60)
         return result
 
     # WORLD_SIZE=2 but one process starts: rank 0 (two separate jobs, run side by side).
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         r0, r1 = pool.map(alone, [0, 1])
-    # Rank 0 waits 3 s for rank 1, then says so.
+    # Rank 0 waits 1 s (the timeout) for rank 1, then says so.
     assert r0.returncode == 1, r0.output
-    assert re.search(r"DistributedError: process 0 waited 3 s for the other processes of the job "
+    assert re.search(r"DistributedError: process 0 waited 1 s for the other processes of the job "
                      r"to connect to its coordinator at 127\.0\.0\.1:\d+, but not all 2 arrived\. "
                      r"Check that WORLD_SIZE=2 matches the number of processes started", r0.stderr)
     # Rank 1 alone: nobody listens at the coordinator address.
     assert r1.returncode == 1, r1.output
-    assert re.search(r"process 1 could not reach the coordinator at 127\.0\.0\.1:\d+ within 3 s: "
+    assert re.search(r"process 1 could not reach the coordinator at 127\.0\.0\.1:\d+ within 1 s: "
                      r"nothing is listening there", r1.stderr)
 
 

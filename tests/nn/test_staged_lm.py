@@ -83,7 +83,8 @@ def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("staged_lm", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
-    resumed = _fit(strategies.GPipe(4, 4), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+    resumed = _fit(strategies.GPipe(4, 4),
+                   cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)],
                    ckpt_path="last")
     assert resumed["fit"].global_step == STEPS
     assert len(resumed["losses"]) == STEPS - saved[-1]  # it did resume, not start over

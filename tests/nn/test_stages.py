@@ -119,7 +119,7 @@ def test_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     saved = kill_at("stages", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
     resumed = _fit(strategies.GPipe(3, 4, devices=jax.devices()[:6]),
-                   cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)], ckpt_path="last")
+                   cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)], ckpt_path="last")
     assert resumed["fit"].global_step == STEPS
     for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs["gpipe"]["params"]),
                     strict=True):

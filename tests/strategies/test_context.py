@@ -96,7 +96,8 @@ def _fit(strategy, module=None, ckpt=None):
     losses = []
     log = callbacks.LambdaCallback(on_log=lambda fit, m, metrics, step: losses.append(
         metrics["loss"]) if "loss" in metrics else None)
-    cbs = [log] + ([callbacks.ModelCheckpoint(ckpt, every_n_steps=1)] if ckpt else [])
+    # The last step's checkpoint is the one read (`_resumes_bitwise_and_checkpoints_move`).
+    cbs = [log] + ([callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)] if ckpt else [])
     fit = jl.Fit(strategy=strategy, max_steps=STEPS, log_every_n_steps=1, callbacks=cbs,
                  enable_progress_bar=False, enable_model_summary=False, logger=False,
                  enable_checkpointing=bool(ckpt))

@@ -15,6 +15,7 @@ from flax import nnx
 import jaxlight as jl
 from jaxlight import strategies
 from jaxlight.callbacks import Callback
+from tests.models import saves_checkpoints
 from tests.strategies.lm import TinyLM, token_batches
 
 #: The whole suite's tier: tests/strategies/test_tiny_equivalence.py is the fast tier's version.
@@ -33,14 +34,14 @@ class LossRecorder(Callback):
             self.losses[step] = metrics["loss"]
 
 
-def train(strategy, module=None, batches=None, steps=STEPS):
+def train(strategy, module=None, batches=None, steps=STEPS, cbs=()):
     """(fit, per-step losses, final parameters) of `steps` steps of `module` (TinyLM) on
-    `batches` (token_batches)."""
+    `batches` (token_batches), with callbacks `cbs` besides the loss recorder."""
     recorder = LossRecorder()
     module = TinyLM() if module is None else module
     fit = jl.Fit(strategy=strategy, max_steps=steps, log_every_n_steps=1,
                  enable_progress_bar=False, enable_model_summary=False, logger=False,
-                 enable_checkpointing=False, callbacks=[recorder])
+                 enable_checkpointing=saves_checkpoints(cbs), callbacks=[recorder, *cbs])
     fit.fit(module, token_batches(steps) if batches is None else batches)
     losses = np.array([recorder.losses[s] for s in range(1, steps + 1)])
     params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))

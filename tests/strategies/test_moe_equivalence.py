@@ -7,6 +7,8 @@ step to 1e-5 relative and every final parameter to 1e-5 relative.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -28,8 +30,8 @@ LAYOUTS = {
 }
 
 
-def _run(strategy, **kw):
-    return train(strategy, TinyMoELM(**kw), token_batches(STEPS, batch=16), steps=STEPS)
+def _run(strategy, cbs=(), **kw):
+    return train(strategy, TinyMoELM(**kw), token_batches(STEPS, batch=16), steps=STEPS, cbs=cbs)
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +39,28 @@ def reference():
     return _run(strategies.SingleDevice(), bias_update_rate=1e-3)
 
 
+#: The layout whose run also saves its step 4 (`test_moe_checkpoint_moves_between_layouts`
+#: resumes it on one device): one fit for both tests.
+SAVED = "data2_expert4"
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """(the `SAVED` layout's run, its checkpoint folder): 10 steps saving every 4th."""
+    ckpt = str(tmp_path_factory.mktemp("moe_layouts"))
+    shape, n = LAYOUTS[SAVED]
+    run = _run(strategies.Hybrid(shape, devices=jax.devices()[:n]), bias_update_rate=1e-3,
+               cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=4, save_top_k=-1)])
+    return run, ckpt
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_expert_parallel_matches_single_device(name, reference):
+def test_expert_parallel_matches_single_device(name, reference, request):
     shape, n = LAYOUTS[name]
-    fit, losses, params = _run(strategies.Hybrid(shape, devices=jax.devices()[:n]),
-                               bias_update_rate=1e-3)
+    fit, losses, params = (request.getfixturevalue("saved_run")[0] if name == SAVED else
+                           _run(strategies.Hybrid(shape, devices=jax.devices()[:n]),
+                                bias_update_rate=1e-3))
     _, ref_losses, ref_params = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_params_close(name, params, ref_params, RTOL)
@@ -67,20 +85,18 @@ def test_moe_under_other_strategies_matches_single_device(name, reference):
 
 
 @pytest.mark.slow
-def test_moe_checkpoint_moves_between_layouts(tmp_path, reference):
-    """4 steps under data 2 x expert 4, saved; resumed on one device for the last 6 (the
-    experts and the auxiliary-loss-free bias come back whole): the single device's run."""
+def test_moe_checkpoint_moves_between_layouts(saved_run, reference):
+    """4 steps under data 2 x expert 4, saved (the `saved_run` fit's step 4); resumed on one
+    device for the last 6 (the experts and the auxiliary-loss-free bias come back whole): the
+    single device's run."""
     batches = token_batches(STEPS, batch=16)
-    first = jl.Fit(strategy=strategies.Hybrid({"data": 2, "expert": 4}), max_steps=4,
-                   enable_progress_bar=False, enable_model_summary=False, logger=False,
-                   callbacks=[callbacks.ModelCheckpoint(str(tmp_path), every_n_steps=4)])
-    first.fit(TinyMoELM(bias_update_rate=1e-3), batches)
+    _, ckpt = saved_run
     recorder = LossRecorder()
     module = TinyMoELM(bias_update_rate=1e-3)
     second = jl.Fit(strategy=strategies.SingleDevice(), max_steps=STEPS, log_every_n_steps=1,
                     enable_progress_bar=False, enable_model_summary=False, logger=False,
                     enable_checkpointing=False, callbacks=[recorder])
-    second.fit(module, batches, ckpt_path=str(tmp_path / "4"))
+    second.fit(module, batches, ckpt_path=os.path.join(ckpt, "4"))
     assert min(recorder.losses) == 5 and second.global_step == STEPS  # resumed at step 4
     _, ref_losses, ref_params = reference
     np.testing.assert_allclose([recorder.losses[s] for s in range(5, STEPS + 1)],

@@ -143,9 +143,19 @@ def test_a_value_returned_twice_comes_back_as_two_buffers():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {"single": _mlp_fit("single"), "gpipe": _mlp_fit(_mpmd())}
-    for schedule in SCHEDULES:
-        out[schedule] = _mlp_fit(_mpmd(schedule))
+    """10 steps of the MLP on one device and under each schedule; GPipe's and 1F1B's runs also
+    save their step 5 (in `ckpt`: test_checkpoint_resumes_under_another_schedule resumes it)."""
+    root = tmp_path_factory.mktemp("schedules")
+
+    def saving(name):
+        return [callbacks.ModelCheckpoint(str(root / name), every_n_steps=5, save_top_k=-1)]
+
+    out = {"single": _mlp_fit("single")}
+    for schedule in ("gpipe", *SCHEDULES):
+        saves = schedule in ("gpipe", "1f1b")
+        out[schedule] = _mlp_fit(_mpmd(schedule), cbs=saving(schedule) if saves else ())
+        if saves:
+            out[schedule]["ckpt"] = str(root / schedule)
     return out
 
 
@@ -351,13 +361,12 @@ def test_1f1b_activation_memory_is_flat_in_microbatches():
 @pytest.mark.parametrize("first,then", [("gpipe", "1f1b"), ("1f1b", "gpipe"),
                                         ("gpipe", "zb-h1")])
 def test_checkpoint_resumes_under_another_schedule(runs, tmp_path, first, then):
-    """5 steps under one schedule, saved; 5 more under another from the checkpoint: the run
-    of 10 steps under the first, to 1e-5 (the schedules sum the same gradients in another
-    order)."""
-    ckpt = str(tmp_path)
-    _mlp_fit(_mpmd(first), steps=5, cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=5)])
-    resumed = _mlp_fit(_mpmd(then), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=5)],
-                       ckpt_path=os.path.join(ckpt, "5"))
+    """5 steps under one schedule, saved (the `runs` fit's step 5); 5 more under another from
+    the checkpoint: the run of 10 steps under the first, to 1e-5 (the schedules sum the same
+    gradients in another order)."""
+    resumed = _mlp_fit(_mpmd(then),
+                       cbs=[callbacks.ModelCheckpoint(str(tmp_path), every_n_steps=5)],
+                       ckpt_path=os.path.join(runs[first]["ckpt"], "5"))
     assert resumed["fit"].global_step == STEPS
     for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs[first]["params"]),
                     strict=True):
@@ -369,7 +378,8 @@ def test_1f1b_resume_after_sigkill_is_bitwise_exact(runs, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = kill_at("stages_1f1b", ckpt, STEPS, 6)
     assert saved and saved[-1] < STEPS, saved
-    resumed = _mlp_fit(_mpmd("1f1b"), cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=1)],
+    resumed = _mlp_fit(_mpmd("1f1b"),
+                       cbs=[callbacks.ModelCheckpoint(ckpt, every_n_steps=STEPS)],
                        ckpt_path="last")
     assert resumed["fit"].global_step == STEPS
     for a, b in zip(jax.tree.leaves(resumed["params"]), jax.tree.leaves(runs["1f1b"]["params"]),
