@@ -68,6 +68,26 @@ def test_fit_refuses_batch_limits_that_select_nothing(kw):
         jl.Fit("single", max_steps=1, **kw)
 
 
+def test_fit_reads_a_whole_float_batch_limit_as_batches():
+    # Lightning's Trainer(limit_train_batches=2.0) runs 2 batches (trainer/setup.py's
+    # _determine_batch_limits); a config's `2` that jsonargparse types `int | float` is 2.0.
+    fit = jl.Fit("single", max_steps=1, limit_train_batches=2.0, limit_val_batches=3.0)
+    assert (fit.limit_train_batches, fit.limit_val_batches) == (2, 3)
+    assert isinstance(fit.limit_train_batches, int) and isinstance(fit.limit_val_batches, int)
+
+
+def test_fit_takes_lightnings_callbacks_none():
+    # Lightning's Trainer(callbacks=None), its default: no callbacks of the user's.
+    assert jl.Fit("single", max_steps=1, callbacks=None).max_steps == 1
+
+
+def test_devices_in_a_config_file_must_be_positive(capsys):
+    # Read by the parser (the config's `devices:` key), checked before JAX starts a backend.
+    assert main(["fit", "digits", "--config", "devices: 0"]) == 2
+    err = capsys.readouterr().err
+    assert "devices: 0" in err and "give a positive number of CPU devices to simulate" in err
+
+
 def test_checkpoint_every_zero_steps_is_refused(capsys):
     assert main(["fit", "digits", "--max-steps", "2", "--checkpoint-every-n-steps", "0",
                  *QUIET]) == 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -374,3 +376,21 @@ def test_a_bad_callback_by_path_says_what_it_found(capsys, spec, message):
     assert main(["fit", *TARGET, "--model.features", "4", "--max-steps", "1",
                  "--callbacks", spec]) == 2
     assert re.search(message, _err(capsys)), _err(capsys)
+
+
+@pytest.mark.slow
+def test_devices_apply_before_the_module_file_starts_jax(tmp_path):
+    # A module file that makes an array when imported starts JAX's backend then: `--devices`
+    # (and a config file's `devices:`) is read before the file is imported, which is why the
+    # command line is read once before the parser (built from the file's classes) exists.
+    arrays = f"{USER_CODE}\nimport jax.numpy as jnp\n\nONE = jnp.ones(())\n"
+    (tmp_path / "arrays.py").write_text(arrays)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-m", "jaxlight._cli", "fit", "arrays.py:Regressor",
+                          "--data", "arrays.py:Sums", "--model.features", "4", "--devices", "2",
+                          "--trainer.max_steps", "1", "--save_config_callback", "null", *QUIET],
+                         cwd=tmp_path, env={**env, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "2 cpu devices, process 0 of 1" in out.stdout, out.stdout

@@ -186,12 +186,6 @@ def _parse_args(parser, items, modules, spec: str, extras) -> tuple[Any, Notes]:
     except argparse.ArgumentError as err:
         raise ConfigurationError(_explain(parser, str(err), spec, extras,
                                           _unknown_keys(parser, items, modules))) from None
-    for key in ("limit_train_batches", "limit_val_batches"):
-        value = cfg.trainer[key]
-        # jsonargparse reads `2` as 2.0 for `int | float`; Lightning reads a whole float above
-        # 1 as that many batches.
-        if isinstance(value, float) and value > 1 and value.is_integer():
-            cfg.trainer[key] = int(value)
     return cfg, notes
 
 

@@ -19,20 +19,23 @@ from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.module._porting import TRAINER_ARGS
 from jaxlight.optim.torch import TORCH_PATHS
 
-#: Lightning 2.6 `Trainer` arguments that `Fit` takes under the same name: (Lightning's default,
-#: the `Fit` value that means the same; `None` in Lightning often means "the default").
-_SHARED = {
-    "strategy": ("auto", "auto"), "devices": ("auto", None), "precision": (None, None),
-    "logger": (None, True), "callbacks": (None, []), "fast_dev_run": (False, False),
-    "max_epochs": (None, None), "max_steps": (-1, None), "max_time": (None, None),
-    "limit_train_batches": (None, None), "limit_val_batches": (None, None),
-    "val_check_interval": (None, None), "check_val_every_n_epoch": (1, 1),
-    "num_sanity_val_steps": (None, 2), "log_every_n_steps": (None, 50),
-    "enable_progress_bar": (None, True), "enable_model_summary": (None, True),
-    "accumulate_grad_batches": (1, 1), "gradient_clip_val": (None, None),
-    "gradient_clip_algorithm": (None, "norm"), "default_root_dir": (None, "jaxlight_logs"),
-    "enable_checkpointing": (None, None),
+#: Lightning 2.6 `Trainer` arguments that `Fit` takes under the same name, where Lightning's
+#: `None` means "the default": the value `Fit` spells that default as.
+_NONE_MEANS = {
+    "strategy": "auto", "logger": True, "callbacks": [], "fast_dev_run": False,
+    "accumulate_grad_batches": 1, "num_sanity_val_steps": 2, "log_every_n_steps": 50,
+    "enable_progress_bar": True, "enable_model_summary": True, "gradient_clip_algorithm": "norm",
+    "default_root_dir": "jaxlight_logs",
 }
+
+#: ... Lightning's values that mean `Fit`'s `None`: no step limit, every device, float32.
+_MEANS_NONE = {"max_steps": ("-1",), "devices": ("auto",), "precision": ("32", "32-true")}
+
+#: ... and those whose values mean the same in both (None included: Lightning's
+#: `check_val_every_n_epoch: null` makes `val_check_interval` count steps, as in `Fit`).
+_AS_THEY_ARE = ("max_epochs", "max_time", "limit_train_batches", "limit_val_batches",
+                "val_check_interval", "check_val_every_n_epoch", "gradient_clip_val",
+                "enable_checkpointing")
 
 #: Lightning 2.6 `Trainer` arguments without a jaxlight meaning, with Lightning's default. At
 #: the default they ask for nothing and are dropped; another value is named in a warning.
@@ -50,7 +53,7 @@ _REFUSED = {
 }
 
 #: The `trainer.` keys read here (a flag `--trainer.<key>` among them gets its jaxlight value).
-TRAINER_KEYS = frozenset({*_SHARED, *_NO_MEANING, *_REFUSED})
+TRAINER_KEYS = frozenset({*_NONE_MEANS, *_MEANS_NONE, *_AS_THEY_ARE, *_NO_MEANING, *_REFUSED})
 
 #: Lightning's packages whose callbacks and loggers jaxlight.callbacks holds under their names.
 LIGHTNING_PACKAGES = ("lightning.pytorch.callbacks", "lightning.pytorch.loggers",
@@ -97,15 +100,10 @@ def trainer_value(key: str, value: Any, notes: Notes) -> tuple[bool, Any]:
         if value != default:
             (notes.refused if key in _REFUSED else notes.warned)[key] = value
         return False, None
-    if key in _SHARED:
-        lightning_default, ours = _SHARED[key]
-        if value is None and key == "check_val_every_n_epoch":
-            return True, None  # Lightning keeps this None: val_check_interval counts steps
-        if value is None or (key == "max_steps" and value == -1) or (
-                key in ("strategy", "devices") and value == "auto"):
-            return True, ours if value == lightning_default or value is None else value
-        if key == "precision" and str(value) in ("32", "32-true"):
-            return True, None
+    if value is None and key in _NONE_MEANS:
+        return True, _NONE_MEANS[key]
+    if str(value) in _MEANS_NONE.get(key, ()):
+        return True, None
     return True, value
 
 

@@ -346,10 +346,6 @@ def _trainer_kwargs(command: str, trainer_ns, mesh_shape) -> dict[str, Any]:
         raise ConfigurationError(
             f"--mesh_shape builds strategies.Hybrid, but --trainer.strategy is "
             f"{type(trainer['strategy']).__name__}; drop one of them.")
-    if trainer.get("callbacks") is None:
-        trainer["callbacks"] = []
-    if command != "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None:
-        trainer["max_epochs"] = 1  # Fit asks how long to train; evaluating never trains
     if command == "fit" and trainer["max_steps"] is None and trainer["max_epochs"] is None \
             and not trainer["fast_dev_run"]:
         trainer["max_epochs"] = 1000  # Lightning's length when none is given

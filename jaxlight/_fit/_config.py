@@ -113,6 +113,11 @@ class FitConfig:
                             ("log_every_n_steps", log_every_n_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}.")
+        # Lightning's Trainer reads a whole float above 1 (a config's `2` that a parser typed
+        # `int | float` as 2.0) as that many batches.
+        limit_train_batches, limit_val_batches = (
+            int(v) if isinstance(v, float) and v > 1 and v.is_integer() else v
+            for v in (limit_train_batches, limit_val_batches))
         _check_batch_limit("limit_train_batches", limit_train_batches, "train on")
         _check_batch_limit("limit_val_batches", limit_val_batches, "validate on")
         if isinstance(val_check_interval, float) and not 0.0 < val_check_interval <= 1.0:

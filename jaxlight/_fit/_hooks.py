@@ -9,9 +9,11 @@ from jaxlight.callbacks._base import Callback, Logger
 
 def loggers_into_callbacks(logger, callbacks) -> tuple[list, bool]:
     """Lightning's `Fit(logger=WandbLogger(...))` (or a list): the loggers join the callbacks
-    and `logger` becomes True; True/False/None pass through."""
+    and `logger` becomes True; True/False/None pass through. `callbacks=None` is Lightning's
+    default, no callbacks."""
+    callbacks = list(callbacks or ())
     if logger is None or isinstance(logger, bool):
-        return list(callbacks), logger
+        return callbacks, logger
     given = list(logger) if isinstance(logger, list | tuple) else [logger]
     bad = [type(x).__name__ for x in given if not isinstance(x, Logger)]
     if bad:
