@@ -6,13 +6,16 @@ the saved state tree (by `keystr` path), a 64-bit digest of its bits. Restores r
 the restored arrays and refuse a mismatch (`DamagedCheckpoint`, which `resume_fit` turns into a
 fallback to an older step).
 
-The digest is computed on device, by one jitted function dispatched right after the step (it
-does not wait for anything), over each device's shard: each element's bits are mixed with its
-global index and the mixed words are summed modulo 2**32, partial sums per shard combined by the
-reduction. Integer addition is exact and order-free, so the digest is the same under every
-sharding and strategy (a checkpoint written under FSDP verifies when restored under
-SingleDevice), and no array is reshaped or gathered. The 2 x 32-bit result is copied to the
-host by orbax's background writer thread (`ChecksumHandler`), so the training loop is not held.
+The digest is computed on device, dispatched right after the step (it does not wait for
+anything), over each device's shard: each element's bits are mixed with its global index and the
+mixed words are summed modulo 2**32, partial sums per shard combined by the reduction. Integer
+addition is exact and order-free, so the digest is the same under every sharding and strategy (a
+checkpoint written under FSDP verifies when restored under SingleDevice), and no array is
+reshaped or gathered. An array on one device or whole on every device has a program of its own,
+compiled once per shape, dtype and sharding, so a new model compiles only the arrays it brings;
+the arrays split across devices share one program per save (their reductions are collectives).
+The 2 x 32-bit results are copied to the host by orbax's background writer thread
+(`ChecksumHandler`), so the training loop is not held.
 """
 
 from __future__ import annotations
@@ -80,38 +83,92 @@ def _leaf_digest(x: Any) -> jax.Array:
         stride *= u.shape[axis]
     a = _mix(u ^ _mix(index * np.uint32(0x9E3779B1) + np.uint32(0x7F4A7C15)))
     b = _mix(a ^ np.uint32(0x5BD1E995))
-    return jnp.stack([jnp.sum(a, dtype=jnp.uint32), jnp.sum(b, dtype=jnp.uint32)])
+    # Both sums in one reduction (one fused loop): the same values as two jnp.sum calls, ~40%
+    # less to compile and ~3x faster on CPU, where two sums materialized `a` and `b`.
+    zero = np.uint32(0)
+    sums = jax.lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]),
+                          tuple(range(u.ndim)))
+    return jnp.stack(sums)
 
 
-def _digest_stack(leaves: list) -> jax.Array:
-    if not leaves:
-        return jnp.zeros((0, 2), jnp.uint32)
-    return jnp.stack([_leaf_digest(x) for x in leaves])
-
-
-_digests = jax.jit(_digest_stack)
-
-
-def _digests_by_device(leaves: list) -> list[tuple[list[int], jax.Array]]:
-    return [(idx, _digests([leaves[i] for i in idx]))
-            for idx in device_groups(leaves).values()]
-
-
-def _collect(parts: list[tuple[list[int], jax.Array]], n: int) -> np.ndarray:
-    """The digests of `_digests_by_device`'s groups back in leaf order, on the host."""
-    out = np.zeros((n, 2), np.uint32)
-    for idx, values in parts:
-        if idx:
-            out[idx] = gather(values)
-    return out
+#: The digest of one array, compiled once per shape, dtype and sharding (jit's own cache), for
+#: every array whose digest needs no collective: a state of a new structure whose arrays were
+#: seen before (the same layers in another model, another optimizer, the restored parameters of
+#: a saved state) compiles nothing. One program over the whole tree was compiled again for every
+#: new tree: 0.7-1.4 s at a model's first save.
+_digest = jax.jit(_leaf_digest)
 
 
 @jax.jit
-def _copies_and_digests(copied: list, digested: list) -> tuple[list, jax.Array]:
+def _copy_and_digest(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     # One computation, not a copy then a digest: XLA's CPU client runs a computation of plain
-    # copies inline in the calling thread (tens of ms for a large state), a fused one
+    # copies inline in the calling thread (tens of ms for a large array), a fused one
     # asynchronously like any other.
-    return [jnp.copy(x) for x in copied], _digest_stack(digested)
+    return jnp.copy(x), _leaf_digest(x)
+
+
+def _digest_stack(leaves: list) -> jax.Array:
+    return jnp.stack([_leaf_digest(x) for x in leaves])
+
+
+#: The arrays split across devices, whose digests sum partial digests across devices (a
+#: collective): one program per save and set of devices, as many queued programs with
+#: collectives deadlock XLA's CPU devices (200 one-array programs per save did, on 8 devices).
+_digests = jax.jit(_digest_stack)
+
+
+@jax.jit
+def _copies_and_digests(copied: list) -> tuple[list, jax.Array]:
+    return [jnp.copy(x) for x in copied], _digest_stack(copied)
+
+
+def _split(x: Any) -> bool:
+    """Whether `x` is an array split across devices (its digest reduces across them)."""
+    return (isinstance(x, jax.Array) and len(x.sharding.device_set) > 1
+            and not x.sharding.is_fully_replicated)
+
+
+#: A dispatched digest: a (2,) array, or an (n, 2) array of a group and the row.
+_Digest = tuple[jax.Array, int | None]
+
+
+def _start(arrays: list, copy: bool) -> tuple[dict[int, jax.Array], list[_Digest]]:
+    """Dispatches the digest of each of `arrays` (with `copy`, and a device-side copy of each
+    `jax.Array`): each array on one device or whole on every device, and each host value, by
+    itself through a program compiled once per shape, dtype and sharding; the arrays split
+    across devices together, one program per set of devices. Returns the copies by index and
+    the digests in order; waits for nothing."""
+    copies: dict[int, jax.Array] = {}
+    digests: list = [None] * len(arrays)
+    split = []
+    for i, x in enumerate(arrays):
+        if _split(x):
+            split.append(i)
+        elif copy and isinstance(x, jax.Array):
+            copies[i], value = _copy_and_digest(x)
+            digests[i] = (value, None)
+        else:
+            digests[i] = (_digest(x), None)
+    for group in device_groups([arrays[i] for i in split]).values():
+        members = [split[j] for j in group]
+        if not members:
+            continue
+        if copy:
+            copied, values = _copies_and_digests([arrays[i] for i in members])
+            copies.update(zip(members, copied, strict=True))
+        else:
+            values = _digests([arrays[i] for i in members])
+        for row, i in enumerate(members):
+            digests[i] = (values, row)
+    return copies, digests
+
+
+def _host(digests: list[_Digest]) -> list[np.ndarray]:
+    """The dispatched digests on the host, in order (each device result fetched once; each is
+    whole on every device of its arrays, so no collective)."""
+    distinct = list({id(a): a for a, _ in digests}.values())
+    fetched = {id(a): v for a, v in zip(distinct, gather(distinct), strict=True)}
+    return [fetched[id(a)] if row is None else fetched[id(a)][row] for a, row in digests]
 
 
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
@@ -125,39 +182,35 @@ class PendingDigests:
     """Digests being computed on device; `record()` waits for them (in the writer thread)."""
 
     paths: list[str]
-    parts: list[tuple[list[int], jax.Array]]  # (leaf indices, their digests) per device group
+    digests: list[_Digest]  # in the order of `paths`
 
     def record(self) -> dict:
-        values = _collect(self.parts, len(self.paths))
         return {"algorithm": ALGORITHM,
-                "arrays": {p: [int(a), int(b)] for p, (a, b) in zip(self.paths, values,
+                "arrays": {p: [int(a), int(b)] for p, (a, b) in zip(self.paths,
+                                                                     _host(self.digests),
                                                                      strict=True)}}
 
 
 def start_digests(tree: Any) -> PendingDigests:
     """Dispatches the digest of every array of the saved `tree`; returns without waiting."""
     paths, leaves = _flat(tree)
-    return PendingDigests(paths, _digests_by_device(leaves))
+    return PendingDigests(paths, _start(leaves, copy=False)[1])
 
 
 def snapshot_with_digests(tree: Any) -> tuple[Any, PendingDigests]:
     """A device-side copy of the tree's `jax.Array`s (same shardings; it stays valid when the
-    next step donates the originals) and the digests, dispatched in one jitted call that
-    returns without waiting."""
+    next step donates the originals) and their digests, each copy fused with its digest
+    (`_start`); returns without waiting."""
+    paths, digested = _flat(tree)  # orbax's order and paths; the tree's own array objects
+    copies, digests = _start(digested, copy=True)
+    by_id = {id(digested[i]): c for i, c in copies.items()}
     leaves, treedef = jax.tree.flatten(tree)
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    paths, digested = _flat(tree)
-    copy_groups = device_groups([leaves[i] for i in arrays])
-    digest_groups = device_groups(digested)
-    parts = []
-    for key in dict.fromkeys([*copy_groups, *digest_groups]):  # the same devices side by side
-        ci, di = copy_groups.get(key, []), digest_groups.get(key, [])
-        copies, values = _copies_and_digests([leaves[arrays[j]] for j in ci],
-                                             [digested[j] for j in di])
-        for j, y in zip(ci, copies, strict=True):
-            leaves[arrays[j]] = y
-        parts.append((di, values))
-    return jax.tree.unflatten(treedef, leaves), PendingDigests(paths, parts)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            if id(x) not in by_id:  # not an orbax leaf (none is known): copied all the same
+                by_id[id(x)] = _copies_and_digests([x])[0][0]
+            leaves[i] = by_id[id(x)]
+    return jax.tree.unflatten(treedef, leaves), PendingDigests(paths, digests)
 
 
 # -- writing: an orbax item whose value is copied to the host in the background --------------
@@ -233,7 +286,7 @@ def verify(step_dir: str, restored: Any, record: dict | None) -> None:
     if record is None:
         return
     paths, leaves = _flat(restored)
-    values = _collect(_digests_by_device(leaves), len(leaves))
+    values = _host(_start(leaves, copy=False)[1])
     saved = record["arrays"]
     missing = [p for p in paths if p not in saved]
     bad = [p for p, v in zip(paths, values, strict=True)
