@@ -20,12 +20,13 @@ training step (`Fit.plan`: parameter placement, optimizer bytes and the HLO's co
    `jax.jit` loop (the same module's `training_step`, the same shardings, state donated, two
    steps in flight, each batch `device_put` first), alternated rounds in one process, under
    one device and data 2 × expert 4; the median step time of each (first steps dropped), the
-   ratio Fit / hand per round, the same in process CPU seconds, and the final parameters'
-   largest relative difference.
+   ratio Fit / hand per round, the same in process CPU seconds, the final parameters'
+   largest relative difference, and the instructions whose counts differ between the two
+   compiled steps (`overhead.hlo_ops`) with whether their collectives are the same.
 
     python benchmarks/moe.py              # everything: results/moe.json
     python benchmarks/moe.py --only layouts
-    python benchmarks/moe.py --only overhead --out benchmarks/results/moe_overhead.json
+    python benchmarks/moe.py --only overhead --rounds 5 --out benchmarks/results/moe_overhead.json
 """
 
 from __future__ import annotations
