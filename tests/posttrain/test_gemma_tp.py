@@ -49,6 +49,26 @@ def _tp4():
 
 
 @pytest.mark.slow
+def test_one_kv_head_under_tp4_equals_transformers():
+    """The committed 1-KV-head fixture (made by transformers: make_fixtures.py gemma3_1kv) under
+    the Tunix guide's tp = 4: logits = transformers' to 1e-4 relative, the same greedy tokens."""
+    from tests.nn.pretrained.test_parity import fixture, logits_of, relative_error
+
+    path, ref = fixture("gemma3_1kv")
+    assert read_config(path)["num_key_value_heads"] == 1
+    strategy = _tp4()
+    model = from_pretrained(path, strategy, param_dtype=jnp.float32)
+    assert (model.config.num_kv_heads, model.config.kv_repeat) == (1, 4)
+    tokens = np.tile(ref["tokens"].astype(np.int32), (2, 1))
+    got = logits_of(model, strategy, tokens)
+    assert relative_error(got, np.tile(ref["logits"], (2, 1, 1))) <= 1e-4
+    prompts = [[int(t) for t, m in zip(row, mask, strict=True) if m]
+               for row, mask in zip(ref["prompt_ids"], ref["prompt_mask"], strict=True)]
+    out = generate(model, prompts, 32, strategy=strategy, stop_tokens=[])
+    np.testing.assert_array_equal(np.asarray(out), ref["generated"])
+
+
+@pytest.mark.slow
 def test_one_kv_head_under_tp4_equals_one_device(one_kv_head, tmp_path):
     single = from_pretrained(one_kv_head, "single")
     strategy = _tp4()

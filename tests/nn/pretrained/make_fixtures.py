@@ -88,6 +88,11 @@ FAMILIES = {
 }
 
 
+#: Gemma 3 1B's attention shape, one key/value head for 4 query heads: tensor parallelism over
+#: more devices than key/value heads (tests/posttrain/test_gemma_tp.py).
+FAMILIES["gemma3_1kv"] = {**FAMILIES["gemma3"], "num_key_value_heads": 1}
+
+
 def train_tokenizer(path: str) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
