@@ -38,6 +38,7 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip().startswith(f"jaxlight {jl.__version__} (jax ")
 
 
+@pytest.mark.slow  # a fresh process starting JAX (the fast tier runs `devices` in this one)
 def test_devices_into_a_closed_pipe_ends_without_a_traceback():
     """`jaxlight devices | head -0`: the reader is gone before the first line is written."""
     read, write = os.pipe()

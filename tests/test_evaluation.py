@@ -210,9 +210,10 @@ class WithMetrics(Classifier):
         return self.Metrics.single_from_model_output(logits=logits, labels=batch["y"])
 
 
-# ddp: merged across replicas (the whole suite; the fast tier merges a clu Average across DDP's
-# replicas in test_masked_token_loss_is_exact).
-@pytest.mark.parametrize("strategy", ["single", pytest.param("ddp", marks=pytest.mark.slow)])
+# The whole suite (sklearn's import and two fits; the fast tier evaluates with a clu Average,
+# merged across DDP's replicas too, in test_masked_token_loss_is_exact).
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow)
+                                      for s in ("single", "ddp")])
 def test_clu_metrics_equal_sklearn(strategy):
     from sklearn import metrics as skm  # optional dependency, test-only
 

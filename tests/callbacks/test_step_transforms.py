@@ -128,10 +128,13 @@ def reference():
     return get
 
 
-# The fast tier runs every strategy with all the transforms at once; each alone, the whole suite.
+# The fast tier runs every strategy but DDP with all the transforms at once (DDP's equivalence
+# with one device is in tests/strategies/test_tiny_equivalence.py); each alone, and DDP, the
+# whole suite.
 @pytest.mark.parametrize("config", [c if c == "all" else pytest.param(c, marks=pytest.mark.slow)
                                     for c in CONFIGS])
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", [s if s != "ddp" else pytest.param(s, marks=pytest.mark.slow)
+                                      for s in STRATEGIES])
 def test_matches_single_device(strategy, config, reference):
     make_cbs, rtol = CONFIGS[config]
     module, fit, logs = _train(STRATEGIES[strategy](), make_cbs())

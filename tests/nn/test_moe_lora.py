@@ -61,7 +61,8 @@ def _relative(got, want) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])  # dropless; capacity (drops)
+@pytest.mark.parametrize("capacity_factor", [  # dropless; capacity (drops: the whole suite)
+    None, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_random_b_equals_the_merged_dense_reference(capacity_factor):
     moe = nnx.jit(lambda: MoE(D, F, num_experts=E, experts_per_token=K,
                               capacity_factor=capacity_factor, rngs=nnx.Rngs(0)))()
@@ -95,7 +96,7 @@ def test_one_weight_only_and_errors():
 
 
 @pytest.mark.parametrize("shape, capacity_factor", [
-    ({"fsdp": 2, "expert": 2, "tp": 2}, None),
+    pytest.param({"fsdp": 2, "expert": 2, "tp": 2}, None, marks=pytest.mark.slow),
     pytest.param({"expert": 4}, 1.0, marks=pytest.mark.slow),
 ])
 def test_expert_parallel_lora_equals_one_device(shape, capacity_factor):
@@ -144,7 +145,7 @@ def test_zero_b_logits_equal_the_base_model(family):
     np.testing.assert_array_equal(logits_of(model, single, ref["tokens"]), base)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_save_pretrained_merges_the_expert_adapters(family, tmp_path):
     """transformers' per-expert tensors hold `W_e + A_e·B_e · alpha/r` (read back with
     jaxlight's own safetensors reader), and the saved model's logits are the adapted one's."""

@@ -49,7 +49,7 @@ def test_moe_logits_match_transformers(family, layout):
 
 
 @pytest.mark.parametrize("family,layout", [
-    ("qwen3_moe", "single"), ("mixtral", "single"),
+    ("qwen3_moe", "single"), pytest.param("mixtral", "single", marks=pytest.mark.slow),
     pytest.param("mixtral", "data2_expert4", marks=pytest.mark.slow)])
 def test_moe_greedy_generation_matches_transformers(family, layout):
     path, ref = fixture(family)
@@ -105,7 +105,8 @@ def test_segments_scan_repeated_units():
         (0, (False, True), 2), (4, (False,), 2)]
 
 
-@pytest.mark.parametrize("layout", ["single", "fsdp2_expert2_tp2"])
+@pytest.mark.parametrize("layout", [
+    "single", pytest.param("fsdp2_expert2_tp2", marks=pytest.mark.slow)])
 def test_dense_and_moe_layers_match_transformers(layout):
     path, ref = fixture("qwen3_moe_mixed")  # layers 0, 2, 4, 5 dense; 1, 3 MoE
     strategy = LAYOUTS[layout]()
