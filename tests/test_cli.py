@@ -85,6 +85,7 @@ def test_devices_prints_processes_and_mesh(capsys):
     assert out.count("  id ") == 8
 
 
+@pytest.mark.slow  # a fresh process; test_cli_keys checks --devices fast
 def test_devices_flag_sets_xla_flags_before_jax_starts():
     """A fresh process: --devices 4 wins over the 8 that XLA_FLAGS asks for."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

@@ -54,6 +54,7 @@ def test_jaxlight_help_in_a_fresh_process_imports_no_jax(argv, status):
     assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr  # no jax module loaded
 
 
+@pytest.mark.slow  # fresh processes
 def test_other_commands_still_reach_the_real_parser():
     out = _console("--version")
     assert out.returncode == 0, out.stderr

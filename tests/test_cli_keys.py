@@ -76,6 +76,7 @@ def test_trainer_devices_beyond_the_cpu_devices_names_devices(tmp_path):
     assert "--devices 8 --trainer.devices 8" in out.stderr, out.stderr
 
 
+@pytest.mark.slow  # a fit; the fast tier parses callbacks in test_cli
 def test_your_own_callback_class_appended_on_the_command_line(capsys):
     pathlib.Path("counter.py").write_text(COUNTER)  # CountSteps(label, every)
     assert main(["fit", "digits", "--model.width", "16", "--model.hidden", "16",

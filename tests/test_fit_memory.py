@@ -59,6 +59,7 @@ def _trained(precision: str):
     return fit, module, before, seen
 
 
+@pytest.mark.slow  # a full-size initialization compiled twice
 def test_initialization_holds_at_most_the_state_and_builds_the_same_state():
     fit, module, _, _ = _trained("bf16-mixed")
     state_bytes = _bytes(fit.state)

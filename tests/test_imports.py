@@ -12,10 +12,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = ("orbax", "wandb", "tensorboard", "tensorboardX", "matplotlib", "clu", "grain",
             "sklearn", "torch", "datasets", "tensorflow", "tqdm", "pandas")
 
 
+@pytest.mark.slow  # a fresh process; test_lazy_names checks a plain fit's imports fast
 def test_import_jaxlight_loads_no_optional_dependency():
     loaded = f"{{m.split('.')[0] for m in sys.modules}} & {set(OPTIONAL)!r}"
     code = ("import sys, json, jaxlight, jaxlight.strategies, jaxlight.callbacks; "

@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import jaxlight
 from jaxlight import callbacks, nn
 
@@ -68,6 +70,7 @@ def test_every_public_name_resolves():
     assert nn.from_pretrained is nn.pretrained.from_pretrained
 
 
+@pytest.mark.slow  # a fresh process; the fast tier checks laziness in this one
 def test_the_command_line_finds_a_callback_by_its_short_name_in_a_fresh_process(tmp_path):
     """`--trainer.logger CSVLogger` is resolved by jsonargparse among the classes already
     imported: with the callbacks loaded lazily, a fresh `jaxlight fit` refused it ('expects bool |
