@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from jaxlight._cli import main, run
 from jaxlight._cli._lightning_form import parse
 
@@ -28,6 +30,7 @@ def test_lightning_s_print_config_of_a_cli_subclass_parses_with_its_links():
     assert init.finetuning.milestones == (1, 2)
 
 
+@pytest.mark.slow  # a fit; the fast tier parses the section in this file
 def test_the_callback_section_joins_the_fit(capsys):
     result = run("fit", TARGET[0], [*TARGET[1:], "--config", CONFIG,
                                     "--trainer.limit_train_batches", "2",

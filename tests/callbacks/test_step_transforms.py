@@ -265,6 +265,7 @@ def test_temp_memory_falls_as_k_grows():
     assert temps[-1] < temps[0] / 2, temps
 
 
+@pytest.mark.slow  # accumulation against one device is in the fast tier above
 def test_accumulation_threads_batch_stats_and_rngs():
     """BatchNorm statistics and dropout RNG state (`rest`) go through the microbatch scan and
     the per-replica shard_map, keeping their dtypes; the guard selects them too."""

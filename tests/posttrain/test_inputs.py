@@ -138,6 +138,7 @@ def test_prompts_past_the_models_positions_are_refused():
                           reward_funcs=[count_a], decode=str)
 
 
+@pytest.mark.slow  # a generation compiled under fsdp
 def test_generate_takes_a_strategy_name():
     model = tiny()
     assert generate(model, [[1, 2, 3], [4]], 3, strategy="fsdp") == generate(

@@ -49,7 +49,8 @@ def test_moe_logits_match_transformers(family, layout):
 
 
 @pytest.mark.parametrize("family,layout", [
-    ("qwen3_moe", "single"), pytest.param("mixtral", "single", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "single", marks=pytest.mark.slow),
+    pytest.param("mixtral", "single", marks=pytest.mark.slow),
     pytest.param("mixtral", "data2_expert4", marks=pytest.mark.slow)])
 def test_moe_greedy_generation_matches_transformers(family, layout):
     path, ref = fixture(family)
@@ -61,7 +62,8 @@ def test_moe_greedy_generation_matches_transformers(family, layout):
     np.testing.assert_array_equal(np.asarray(out), ref["generated"])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe_fused"])
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow),
+                                    "qwen3_moe_fused"])
 def test_moe_save_pretrained_round_trip(family, tmp_path):
     path, ref = fixture(family)
     model = from_pretrained(path, "single")
@@ -105,8 +107,8 @@ def test_segments_scan_repeated_units():
         (0, (False, True), 2), (4, (False,), 2)]
 
 
-@pytest.mark.parametrize("layout", [
-    "single", pytest.param("fsdp2_expert2_tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param(x, marks=pytest.mark.slow)
+                                    for x in ("single", "fsdp2_expert2_tp2")])
 def test_dense_and_moe_layers_match_transformers(layout):
     path, ref = fixture("qwen3_moe_mixed")  # layers 0, 2, 4, 5 dense; 1, 3 MoE
     strategy = LAYOUTS[layout]()
@@ -121,6 +123,7 @@ def test_dense_and_moe_layers_match_transformers(layout):
     np.testing.assert_array_equal(np.asarray(out), ref["generated"])
 
 
+@pytest.mark.slow  # the fast tier saves and reloads an MoE fixture above
 def test_dense_and_moe_layers_save_back(tmp_path):
     path, ref = fixture("qwen3_moe_mixed")
     model = from_pretrained(path, "single")
@@ -145,7 +148,8 @@ def test_experts_not_divisible_by_the_expert_axis():
 
 
 @pytest.mark.parametrize("family,layout", [
-    ("qwen3_moe", "single"), ("mixtral", "single"), ("qwen3_moe_mixed", "single"),
+    ("qwen3_moe", "single"), pytest.param("mixtral", "single", marks=pytest.mark.slow),
+    pytest.param("qwen3_moe_mixed", "single", marks=pytest.mark.slow),
     ("qwen3_moe_mixed", "data2_expert4")])
 def test_load_balancing_loss_matches_transformers(family, layout):
     """transformers' `aux_loss` (output_router_logits=True), with and without an attention
