@@ -76,6 +76,7 @@ def test_a_torch_dataloader_trains_like_the_numpy_batches():
     assert fit.validate(module, dicts) == fit.validate(module, _numpy_batches())
 
 
+@pytest.mark.slow  # imports `datasets` (seconds); the fast tier converts NumPy and torch batches
 def test_a_hugging_face_dataset_in_numpy_format():
     datasets = pytest.importorskip("datasets")
     data = classification_data(EXAMPLES)

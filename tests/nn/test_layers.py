@@ -198,6 +198,7 @@ def test_cudnn_attention_runs_float32_inputs_in_bfloat16(monkeypatch):
     np.testing.assert_allclose(out, reference, atol=3e-2)
 
 
+@pytest.mark.slow  # compiles attention twice; the fast tier runs attention throughout
 def test_auto_attention_is_the_xla_path_on_cpu():
     cfg = dict(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2)
     tokens = jnp.arange(16).reshape(2, 8) % 32
