@@ -33,7 +33,7 @@ demo: $(CORE_STAMP)  ## train the digits recipe under DataParallel on 8 simulate
 WORKERS ?= 2
 PYTEST = $(BIN)/python -m pytest tests -n $(WORKERS) --dist loadfile
 
-test: $(STAMP)  ## the fast tier: every package, tiny sizes (4.5 min on 2 cores)
+test: $(STAMP)  ## the fast tier: every package, tiny sizes (under 5 min on 2 cores)
 	$(PYTEST) -m "not slow" --durations=15
 
 test-all: $(STAMP)  ## the whole suite: docs that train, SIGKILL, multi-process, recipes, conformance
