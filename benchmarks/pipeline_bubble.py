@@ -50,12 +50,12 @@ PASSES = {"gpipe": 2, "1f1b": 2, "zb-h1": 3}
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--microbatches", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument("--microbatches", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round")
     parser.add_argument("--microbatch-size", type=int, default=128)
     parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--depth", type=int, default=128)
+    parser.add_argument("--depth", type=int, default=64)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore", UserWarning)  # m < p warns by design
