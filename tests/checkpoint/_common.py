@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import jax
@@ -108,3 +109,23 @@ def assert_bitwise(a, b) -> None:
     for x, y in zip(la, lb, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """A list of the XLA compiles (backend_compile events) made inside the block, with the
+    persistent compilation cache off so that every program this process has not compiled counts."""
+    compiles: list[str] = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        jax.config.update("jax_enable_compilation_cache", cache)

@@ -14,7 +14,7 @@ import pytest
 import jaxlight as jl
 from jaxlight import callbacks
 from jaxlight.checkpoint._restore import complete_steps
-from tests.checkpoint._common import assert_bitwise, make_fit, params_of
+from tests.checkpoint._common import assert_bitwise, backend_compiles, make_fit, params_of
 from tests.models import Classifier, classification_data
 
 
@@ -203,22 +203,10 @@ def test_a_new_structure_of_seen_arrays_saves_and_verifies_without_compiling():
     _verify.verify("first", {"params": first["params"]}, _verify.start_digests(first).record())
     expected = _verify.start_digests(second).record()
 
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # count XLA's compiles, all
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         copy, pending = _verify.snapshot_with_digests(second)
         record = pending.record()
         _verify.verify("second", {"params": second["params"]}, record)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-        jax.config.update("jax_enable_compilation_cache", cache)
     assert compiles == []
     assert record == expected
     assert_bitwise(jax.device_get(copy), jax.device_get(second))
@@ -238,21 +226,9 @@ def test_arrays_split_across_devices_are_digested_in_one_program_per_save():
 
     split = NamedSharding(jax.make_mesh((8,), ("data",)), P("data"))
     tree = {f"w{i}": jax.device_put(np.full((8, 3 + i), i, np.float32), split) for i in range(12)}
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with backend_compiles() as compiles:
         copy, pending = _verify.snapshot_with_digests(tree)
         record = pending.record()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-        jax.config.update("jax_enable_compilation_cache", cache)
     assert len(compiles) == 1
     assert record == _verify.start_digests(jax.device_get(tree)).record()
     assert_bitwise(jax.device_get(copy), jax.device_get(tree))
