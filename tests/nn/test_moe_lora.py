@@ -269,18 +269,12 @@ def test_cli_fits_expert_adapters_under_an_expert_layout_and_exports_them_merged
     `--lora.targets` naming the experts, under `data 2 x expert 4`: the experts' adapters
     train (B leaves zero), the checkpoint holds only adapters, and `--export.path` writes a
     model whose logits are the fine-tuned one's."""
-    from jaxlight._cli import run
+    from tests.recipes.test_sft_pretrained import fit_mixed_moe_sft
 
-    mixed = os.path.join(os.path.dirname(fixture("qwen3_moe")[0]), "qwen3_moe_mixed")
     steps = 4
-    out = run("fit", "sft", [
-        "--model.pretrained", mixed, "--max-steps", str(steps), "--task.train_examples", "64",
-        "--task.val_examples", "16", "--data.batch_size", "16", "--data.max_length", "40",
-        "--optim.lr", "1e-2", "--optim.warmup_steps", "1", "--strategy", "hybrid",
-        "--mesh-shape", '[[2,4],["data","expert"]]', "--checkpoint-every-n-steps", str(steps),
-        "--lora.targets", "q_proj,experts.gate_proj,experts.up_proj,experts.down_proj",
-        "--export.path", "exported", "--logger", "none", "--enable-progress-bar", "false",
-        "--enable-model-summary", "false"])
+    out = fit_mixed_moe_sft(
+        steps, "--lora.targets", "q_proj,experts.gate_proj,experts.up_proj,experts.down_proj",
+        "--export.path", "exported")
     model = out.module.model
     lora = model.layers.layers.mlp.lora
     assert lora.weights == WEIGHTS

@@ -115,22 +115,28 @@ def test_export_merges_lora_and_transformers_reads_the_same_logits(tuned, tmp_pa
         assert json.load(f)["model_type"] == "qwen3"
 
 
-@pytest.mark.slow
-def test_cli_fits_a_mixture_of_experts_model_under_an_expert_layout():
-    """`jaxlight fit sft --model.pretrained` on a Qwen 3 MoE directory (dense and MoE layers):
-    LoRA on the attention of both stacks, the router's balance loss weighted by
-    `router_aux_loss_coef` (the fixture sets `output_router_logits`), the checkpoint written."""
+def fit_mixed_moe_sft(steps: int, *extra: str):
+    """`jaxlight fit sft` on the Qwen 3 MoE fixture with dense and MoE layers, under
+    data 2 x expert 4, checkpointing at its last step; `extra` options are appended."""
     from jaxlight._cli import run
 
     mixed = os.path.join(os.path.dirname(QWEN3), "qwen3_moe_mixed")
-    steps = 4
-    out = run("fit", "sft", [
+    return run("fit", "sft", [
         "--model.pretrained", mixed, "--max-steps", str(steps), "--task.train_examples", "64",
         "--task.val_examples", "16", "--data.batch_size", "16", "--data.max_length", "40",
         "--optim.lr", "1e-2", "--optim.warmup_steps", "1", "--strategy", "hybrid",
         "--mesh-shape", '[[2,4],["data","expert"]]', "--checkpoint-every-n-steps", str(steps),
         "--logger", "none", "--enable-progress-bar", "false", "--enable-model-summary",
-        "false"])
+        "false", *extra])
+
+
+@pytest.mark.slow
+def test_cli_fits_a_mixture_of_experts_model_under_an_expert_layout():
+    """`jaxlight fit sft --model.pretrained` on a Qwen 3 MoE directory (dense and MoE layers):
+    LoRA on the attention of both stacks, the router's balance loss weighted by
+    `router_aux_loss_coef` (the fixture sets `output_router_logits`), the checkpoint written."""
+    steps = 4
+    out = fit_mixed_moe_sft(steps)
     assert out.metrics["val_loss"] < out.metrics["before_val_loss"]
     aux = float(out.fit.callback_metrics["aux_loss"])
     assert np.isfinite(aux) and aux > 0
