@@ -4,12 +4,20 @@ import os
 import shutil
 import tempfile
 
-# The suite is dominated by XLA compiling small programs; LLVM's optimizations of the CPU code
-# cost more than they save here (2.5x faster on tests/strategies/test_equivalence.py). HLO
-# passes (sharding, collectives) are unaffected; benchmarks do not use this file. Each flag is
-# added once: pytest-xdist's workers inherit the environment this file already set.
+# The suite is dominated by XLA compiling small programs (docs/architecture.md, "Tests"). Two
+# code-generation flags halve its CPU time: LLVM's optimizations of the CPU code cost more than
+# they save here (2.5x faster on tests/strategies/test_equivalence.py), and so do XLA:CPU's MLIR
+# fusion emitters against its older LLVM IR ones (that file's CPU-seconds 47.5 -> 23.9, its
+# backend compiles 22.5 s -> 10.1 s). HLO passes (sharding, collectives, fusion decisions) are
+# unaffected; benchmarks do not use this file. JAXLIGHT_TEST_USER_CODEGEN=1 leaves XLA's code
+# generation as users get it (only the device count is set): tests/test_user_codegen.py runs
+# every strategy's equivalence that way. Each flag is added once: pytest-xdist's workers
+# inherit the environment this file already set.
 _FLAGS = os.environ.get("XLA_FLAGS", "").split()
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_USER_CODEGEN = os.environ.get("JAXLIGHT_TEST_USER_CODEGEN") == "1"
+for _flag in ("--xla_force_host_platform_device_count=8", *(() if _USER_CODEGEN
+                                                            else CODEGEN_FLAGS)):
     if not any(f.split("=")[0] == _flag.split("=")[0] for f in _FLAGS):
         _FLAGS.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_FLAGS)
