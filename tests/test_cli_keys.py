@@ -50,6 +50,16 @@ def test_print_config_keeps_devices(capsys):
     assert yaml.safe_load(capsys.readouterr().out)["devices"] == 8
 
 
+def test_trainer_flags_are_read_by_their_type(capsys):
+    """As LightningCLI reads them (2.6.6 prints `default_root_dir: '007'`): a folder named by
+    digits stays a string; a number stays a number."""
+    assert main(["fit", "digits", "--trainer.default_root_dir", "007", "--trainer.max_epochs",
+                 "3", "--print_config"]) == 0
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert trainer["default_root_dir"] == "007"
+    assert trainer["max_epochs"] == 3
+
+
 @pytest.mark.slow
 def test_a_printed_config_replays_on_its_devices(tmp_path, capsys):
     assert main(["fit", "digits", "--devices", "8", "--model.width", "16", "--model.hidden",

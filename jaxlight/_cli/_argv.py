@@ -288,9 +288,13 @@ def parser_argv(items: list[tuple[str, Any]], notes: Notes, modules: dict[str, A
         elif key in ("optimizer", "lr_scheduler"):
             value = _lightning_keys.TORCH_CLASS_PATHS.get(value, value)
         elif key.startswith("trainer.") and key[8:] in _lightning_keys.TRAINER_KEYS:
-            keep, value = _lightning_keys.trainer_value(key[8:], _yaml_value(value), notes)
+            parsed = _yaml_value(value)
+            keep, meant = _lightning_keys.trainer_value(key[8:], parsed, notes)
             if not keep:
                 continue
+            # A value kept as it is goes to the parser as typed, which reads it by the
+            # argument's type: `--trainer.default_root_dir 007` is the folder '007', not 7.
+            value = value if meant is parsed else meant
         value = value if isinstance(value, str) else json.dumps(value, default=str)
         out += [f"{name}={value}"] if name.endswith("+") else [name, value]
     return out
