@@ -150,6 +150,49 @@ def equivalence(args) -> dict:
     return out
 
 
+class SeedMLP64(SeedMLP):
+    """`SeedMLP` with float64 parameters (its float32 initial values, widened), computing in
+    float64 on float64 inputs (under `jax.enable_x64`)."""
+
+    def configure_model(self, rngs):
+        model = super().configure_model(rngs)
+        nnx.update(model, jax.tree.map(lambda v: v.astype(jnp.float64),
+                                       nnx.state(model, nnx.Param)))
+        return model
+
+
+def equivalence_float64(args) -> dict:
+    """The equivalence section's MLP runs in float64: each schedule (m = 4; interleaved 1F1B on
+    the 4-stage MLP over 2 devices) and one device summing 4 microbatches
+    (`callbacks.Microbatches(4)`), against one device. Equal here to float64's rounding, the
+    float32 differences are the float32 summation order's, not the schedules' arithmetic."""
+
+    def run(strategy, stages=3, cbs=()):
+        fit = jl.Fit(strategy=strategy, max_steps=args.steps, callbacks=list(cbs),
+                     enable_progress_bar=False, enable_model_summary=False, logger=False,
+                     enable_checkpointing=False)
+        module = SeedMLP64(stages, False, False)
+        fit.fit(module, [{**b, "x": b["x"].astype(np.float64)}
+                         for b in batches(args.steps, args.batch)])
+        params = _pure(module)
+        assert {str(v.dtype) for v in jax.tree.leaves(params)} == {"float64"}
+        return params
+
+    def diff(params, ref) -> float:
+        return max(float(np.max(np.abs(a - b))) for a, b in zip(
+            jax.tree.leaves(params), jax.tree.leaves(ref), strict=True))
+
+    out = {}
+    with jax.enable_x64(True):
+        ref, ref4 = run(strategies.SingleDevice()), run(strategies.SingleDevice(), 4)
+        out["single_device_microbatches_4"] = diff(
+            run(strategies.SingleDevice(), cbs=[callbacks.Microbatches(4)]), ref)
+        for schedule in SCHEDULES:
+            out[schedule] = diff(run(_strategy(schedule, 3, 4)), ref)
+        out["interleaved-1f1b"] = diff(run(_strategy("interleaved-1f1b", 2, 4), 4), ref4)
+    return {"max_param_abs_diff_vs_single": out, "steps": args.steps, "batch": args.batch}
+
+
 def _pure(module) -> dict:
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(module.model, nnx.Param)))
 
@@ -563,8 +606,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--overhead-microbatch-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--sections", nargs="*",
-                        default=["equivalence", "equivalence_cause", "memory", "schedule",
-                                 "overhead"])
+                        default=["equivalence", "equivalence_cause", "equivalence_float64",
+                                 "memory", "schedule", "overhead"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--keep", action="store_true",
                         help="keep the other sections of an existing results file")
@@ -573,7 +616,8 @@ def main(argv=None) -> dict:
     report = {"jax": jax.__version__, "cpus": os.cpu_count()}
     path = args.out or os.path.join(HERE, "results", "pipeline_schedules.json")
     sections = {"equivalence": equivalence, "equivalence_cause": equivalence_cause,
-                "memory": memory, "schedule": schedule_rows, "overhead": overhead}
+                "equivalence_float64": equivalence_float64, "memory": memory,
+                "schedule": schedule_rows, "overhead": overhead}
     for name in args.sections:
         start = time.perf_counter()
         report[name] = sections[name](args)

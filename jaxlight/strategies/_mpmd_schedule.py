@@ -17,7 +17,7 @@ How a schedule is applied (the runtime is `_mpmd_runtime.MpmdProgram`):
 
 1. The step's gradient runs one microbatch at a time (`microbatch_gradients`): m
    `value_and_grad` calls, each inside a name scope `jaxlight_microbatch_<i>`, the gradients
-   summed in float32. Each microbatch then has its own loss, so its backward pass can start
+   summed at least in float32. Each microbatch then has its own loss, so its backward pass can start
    as soon as its forward pass has left the last stage (a whole-batch loss would wait for
    every microbatch's forward pass).
 2. Every stage call of the traced step is tagged with its microbatch (the name scope) and its
@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.nn._mpmd import MpmdConfig, active_mpmd, mpmd_context
+from jaxlight.step._microbatch import widened
 from jaxlight.strategies._mpmd_trace import Key
 
 #: The schedules of `GPipe(mpmd=True)`, with what each holds and costs (the error lists them).
@@ -187,8 +188,9 @@ def bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
 def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -> Callable:
     """`grad_fn(params, rest, batch)` as m calls on contiguous microbatches of the batch, each
     in a `jaxlight_microbatch_<i>` name scope with `Stages` running it as one microbatch;
-    gradients summed in float32 and divided by m, loss and metrics averaged, `rest` threaded
-    through the microbatches in order (as `callbacks.Microbatches`)."""
+    gradients summed at least in float32 (`widened`: float64 in float64) and divided by m,
+    loss and metrics averaged, `rest` threaded through the microbatches in order (as
+    `callbacks.Microbatches`)."""
 
     def run(params, rest, batch):
         outer = active_mpmd()
@@ -202,10 +204,10 @@ def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -
                 (loss, (metrics, rest)), grads = grad_fn(params, rest, part)
             if outer is not None:
                 outer.calls += inner.calls
-            grads = jax.tree.map(_as_float32, grads)
+            grads = jax.tree.map(widened, grads)
             total = grads if total is None else jax.tree.map(jnp.add, total, grads)
             loss = loss.astype(jnp.float32)
-            metrics = jax.tree.map(_as_float32, metrics)
+            metrics = jax.tree.map(widened, metrics)
             losses = loss if losses is None else losses + loss
             metrics_sum = metrics if metrics_sum is None else jax.tree.map(
                 jnp.add, metrics_sum, metrics)
@@ -223,10 +225,6 @@ def _rows(value, start: int, size: int):
     the labels' slice runs where the labels are read."""
     offset = jnp.asarray(np.full((1,), start, np.int32))[0]
     return jax.lax.dynamic_slice_in_dim(value, offset, size)
-
-
-def _as_float32(x):
-    return x.astype(jnp.float32) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
 
 
 # -- the step's operations in the schedule's order -------------------------------------------
