@@ -359,15 +359,17 @@ def bubble_summary(rows, p, iterations=None) -> dict:
             "max_fit_rel_residual": max(abs(r["fit_rel_residual"]) for r in rows)}
 
 
-def time_round_robin(fits: dict, rounds: int, steps: int, whole: bool = False) -> dict:
+def time_round_robin(fits: dict, rounds: int, steps, whole: bool = False) -> dict:
     """Step seconds per configuration, timed round robin (one step in flight): each round
     times `steps` steps of every configuration in turn (after one untimed warm step), so that
-    a change of load on a shared machine reaches every configuration alike. Returns per key the
-    fastest step (other load only adds time) and the median of the rounds' fastest steps."""
+    a change of load on a shared machine reaches every configuration alike (`steps` a number,
+    or a function of the key: more steps for the short ones). Returns per key the fastest
+    step (other load only adds time) and the median of the rounds' fastest steps."""
+    count = steps if callable(steps) else lambda key: steps
     per_round: dict = {key: [] for key in fits}
     for _ in range(rounds):
         for key in fits:
-            per_round[key].append(min(_time_steps(*fits[key], steps + 1, whole)[1:]))
+            per_round[key].append(min(_time_steps(*fits[key], count(key) + 1, whole)[1:]))
     return {key: {"step_seconds": min(v), "step_seconds_median": statistics.median(v),
                   "round_spread": (max(v) - min(v)) / min(v)} for key, v in per_round.items()}
 
