@@ -15,7 +15,8 @@ export WANDB_MODE ?= offline
 # 13 s where pip took 183 s, the same versions; pip does it where uv cannot run. uv compiles the
 # packages' bytecode as pip does (--compile-bytecode, +25 s): without it a process where
 # PYTHONDONTWRITEBYTECODE is set compiled jax, flax and optax from source at every start
-# (6.3 s to import jaxlight instead of 2.2), and the suite starts hundreds of processes.
+# (6.3 s to import jax, flax, optax, orbax and jaxlight instead of 2.2), in each of the
+# many processes the suite starts.
 INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 $(CORE_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)

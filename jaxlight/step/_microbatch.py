@@ -202,7 +202,7 @@ def widened(x):
 
 
 def scan_microbatches(grad_fn: GradFn, params, rest, batch, k: int):
-    """Runs `grad_fn` on k microbatches in a `lax.scan`, summing gradients in fp32.
+    """Runs `grad_fn` on k microbatches in a `lax.scan`, summing gradients at least in fp32.
 
     Returns `(loss_mean, metrics_mean, rest, grad_sum)`; `grad_sum` is at least fp32 wide
     (`widened`) and not yet divided.
