@@ -15,13 +15,16 @@ ALGORITHMS = ("norm", "value")
 
 
 def global_norm(tree: Any) -> jax.Array:
-    """The L2 norm of all leaves together, accumulated in float32.
+    """The L2 norm of all leaves together, accumulated at least in float32 (float64 gradients
+    in float64, as torch's clip_grad_norm_ computes a norm in the gradients' dtype).
 
     Under FSDP or tensor parallelism each leaf is a sharded global array; XLA sums the local
     squares and all-reduces one scalar, so this is the norm over every shard.
     """
-    squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree)]
-    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
+    leaves = jax.tree.leaves(tree)
+    dtype = jnp.result_type(jnp.float32, *(g.dtype for g in leaves))
+    squares = [jnp.sum(jnp.square(g.astype(dtype))) for g in leaves]
+    return jnp.sqrt(sum(squares, jnp.zeros((), dtype)))
 
 
 class GradientClipping(Callback):
@@ -31,7 +34,7 @@ class GradientClipping(Callback):
       `max_norm`, all gradients are scaled by `max_norm / norm` (as `optax.clip_by_global_norm`).
     - `algorithm="value"`: each gradient element is clipped to `[-max_norm, max_norm]`.
 
-    `grad_norm` is always the norm before clipping, in float32.
+    `grad_norm` is always the norm before clipping, in float32 (float64 for float64 gradients).
 
     With named optimizers (automatic optimization), `algorithm="norm"` clips each optimizer's
     gradients by the global norm of its own parameters, logged as `grad_norm-<name>`

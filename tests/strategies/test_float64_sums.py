@@ -75,3 +75,19 @@ def test_pipeline_schedules_sum_float64_in_float64(one_device, schedule):
     strategy = strategies.GPipe(3, 4, schedule=schedule, mpmd=True, devices=jax.devices()[:3])
     # Summed in float32 (before the fix): 2.4e-9 apart; in float64: 6e-17.
     assert _max_diff(_fit(strategy), one_device) < 1e-12
+
+
+def test_gradient_norm_of_float64_gradients_is_float64(x64):
+    """Gradient clipping's norm (`grad_norm`, and the clip factor) in the gradients' dtype where
+    that is wider than float32, as torch's clip_grad_norm_: float32 sums leave it ~5e-8
+    relative from the exact norm; narrower gradients are still summed in float32."""
+    from jaxlight.callbacks._clipping import global_norm
+
+    rng = np.random.default_rng(0)
+    grads = {"a": rng.normal(size=(300,)) * 1e-3, "b": rng.normal(size=(7, 5))}
+    exact = np.sqrt(sum(np.sum(np.square(g)) for g in grads.values()))
+    norm = global_norm(jax.tree.map(jax.numpy.asarray, grads))
+    assert norm.dtype == np.float64
+    assert abs(float(norm) - exact) <= 1e-14 * exact
+    narrow = global_norm({k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in grads.items()})
+    assert narrow.dtype == np.float32
