@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxlight._errors import ConfigurationError, suggest
 from jaxlight.callbacks._base import Callback
+from jaxlight.step._microbatch import widened
 
 ALGORITHMS = ("norm", "value")
 
@@ -21,10 +22,8 @@ def global_norm(tree: Any) -> jax.Array:
     Under FSDP or tensor parallelism each leaf is a sharded global array; XLA sums the local
     squares and all-reduces one scalar, so this is the norm over every shard.
     """
-    leaves = jax.tree.leaves(tree)
-    dtype = jnp.result_type(jnp.float32, *(g.dtype for g in leaves))
-    squares = [jnp.sum(jnp.square(g.astype(dtype))) for g in leaves]
-    return jnp.sqrt(sum(squares, jnp.zeros((), dtype)))
+    squares = [jnp.sum(jnp.square(widened(g))) for g in jax.tree.leaves(tree)]
+    return jnp.sqrt(sum(squares, jnp.zeros((), jnp.float32)))
 
 
 class GradientClipping(Callback):
