@@ -4,17 +4,20 @@ import os
 import shutil
 import tempfile
 
-# The suite is dominated by XLA compiling small programs (docs/architecture.md, "Tests"). Two
+# The suite is dominated by XLA compiling small programs (docs/architecture.md, "Tests"). Three
 # code-generation flags halve its CPU time: LLVM's optimizations of the CPU code cost more than
 # they save here (2.5x faster on tests/strategies/test_equivalence.py), and so do XLA:CPU's MLIR
 # fusion emitters against its older LLVM IR ones (that file's CPU-seconds 47.5 -> 23.9, its
-# backend compiles 22.5 s -> 10.1 s). HLO passes (sharding, collectives, fusion decisions) are
-# unaffected; benchmarks do not use this file. JAXLIGHT_TEST_USER_CODEGEN=1 leaves XLA's code
-# generation as users get it (only the device count is set): tests/test_user_codegen.py runs
-# every strategy's equivalence that way. Each flag is added once: pytest-xdist's workers
-# inherit the environment this file already set.
+# backend compiles 22.5 s -> 10.1 s); and LLVM's module is compiled whole, not split for
+# parallel threads, which two busy cores cannot run in parallel anyway (that file 25.4 -> 21.4
+# CPU-s, the mean of 3 and 2 runs side by side). HLO passes (sharding, collectives, fusion
+# decisions) are unaffected; benchmarks do not use this file. JAXLIGHT_TEST_USER_CODEGEN=1
+# leaves XLA's code generation as users get it (only the device count is set):
+# tests/test_user_codegen.py runs every strategy's equivalence that way. Each flag is added
+# once: pytest-xdist's workers inherit the environment this file already set.
 _FLAGS = os.environ.get("XLA_FLAGS", "").split()
-CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1")
 _USER_CODEGEN = os.environ.get("JAXLIGHT_TEST_USER_CODEGEN") == "1"
 for _flag in ("--xla_force_host_platform_device_count=8", *(() if _USER_CODEGEN
                                                             else CODEGEN_FLAGS)):
