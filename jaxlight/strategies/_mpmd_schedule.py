@@ -189,7 +189,7 @@ def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -
     """`grad_fn(params, rest, batch)` as m calls on contiguous microbatches of the batch, each
     in a `jaxlight_microbatch_<i>` name scope with `Stages` running it as one microbatch;
     gradients summed at least in float32 (`widened`: float64 in float64) and divided by m,
-    loss and metrics averaged, `rest` threaded through the microbatches in order (as
+    loss and metrics averaged in float32, `rest` threaded through the microbatches in order (as
     `callbacks.Microbatches`)."""
 
     def run(params, rest, batch):
@@ -207,7 +207,7 @@ def microbatch_gradients(grad_fn: Callable, m: int, devices: int, remat: bool) -
             grads = jax.tree.map(widened, grads)
             total = grads if total is None else jax.tree.map(jnp.add, total, grads)
             loss = loss.astype(jnp.float32)
-            metrics = jax.tree.map(widened, metrics)
+            metrics = jax.tree.map(_as_float32, metrics)  # as the loss, and Microbatches'
             losses = loss if losses is None else losses + loss
             metrics_sum = metrics if metrics_sum is None else jax.tree.map(
                 jnp.add, metrics_sum, metrics)
@@ -225,6 +225,10 @@ def _rows(value, start: int, size: int):
     the labels' slice runs where the labels are read."""
     offset = jnp.asarray(np.full((1,), start, np.int32))[0]
     return jax.lax.dynamic_slice_in_dim(value, offset, size)
+
+
+def _as_float32(x):
+    return x.astype(jnp.float32) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
 
 
 # -- the step's operations in the schedule's order -------------------------------------------
